@@ -1,0 +1,127 @@
+//! The broker trait and the message format (contract section 6).
+
+use std::collections::BTreeMap;
+
+use async_trait::async_trait;
+use uuid::Uuid;
+
+use crate::error::BrokerError;
+use crate::event::OutboxEvent;
+
+/// The message a broker adapter sends for one row (R50).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// The event id.
+    pub event_id: Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Partition key.
+    pub partition_key: String,
+    /// Event type.
+    pub event_type: String,
+    /// The body: the payload as compact JSON.
+    pub body: Vec<u8>,
+    /// The user's headers, as stored.
+    pub headers: BTreeMap<String, String>,
+    /// The attributes of R50: the user's headers overridden by `event_id`, `event_type`,
+    /// `topic`, `partition_key`, `aggregate_type`, `aggregate_id` and, when set,
+    /// `schema_version`, `trace_id`, `correlation_id`, `causation_id`.
+    pub attributes: BTreeMap<String, String>,
+}
+
+impl Message {
+    /// Builds the message of a row.
+    pub fn from_event(e: &OutboxEvent) -> Self {
+        let headers = e.headers.clone().unwrap_or_default();
+        let mut attributes = headers.clone();
+        attributes.insert("event_id".into(), e.id.hyphenated().to_string());
+        attributes.insert("event_type".into(), e.event_type.clone());
+        attributes.insert("topic".into(), e.topic.clone());
+        attributes.insert("partition_key".into(), e.partition_key.clone());
+        attributes.insert("aggregate_type".into(), e.aggregate_type.clone());
+        attributes.insert("aggregate_id".into(), e.aggregate_id.hyphenated().to_string());
+        for (k, v) in [
+            ("schema_version", &e.schema_version),
+            ("trace_id", &e.trace_id),
+            ("correlation_id", &e.correlation_id),
+            ("causation_id", &e.causation_id),
+        ] {
+            if let Some(v) = v {
+                attributes.insert(k.into(), v.clone());
+            }
+        }
+        Self {
+            event_id: e.id,
+            topic: e.topic.clone(),
+            partition_key: e.partition_key.clone(),
+            event_type: e.event_type.clone(),
+            body: serde_json::to_vec(&e.payload).expect("a JSON value always serializes"),
+            headers,
+            attributes,
+        }
+    }
+
+    /// The payload as JSON.
+    pub fn payload(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// An acknowledgement.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ack {
+    /// The broker said it already had this message (NATS duplicate window, R53).
+    pub duplicate: bool,
+}
+
+/// A message broker.
+///
+/// Contract (R36, R45, R51, R52):
+/// * `Ok` only after the broker durably accepted the message (K-06);
+/// * [`BrokerError::Rejected`] when the broker answered and refused this message (an attempt is
+///   spent; K-04, T-03);
+/// * [`BrokerError::Transient`] when it could not be reached or did not answer (no attempt;
+///   K-03, T-01); an adapter's own retries end within the relay's publish timeout;
+/// * the relay never calls `publish` for two rows of one key at once, and never batches them
+///   (K-02, X-01).
+#[async_trait]
+pub trait Broker: Send + Sync {
+    /// Publishes one message.
+    async fn publish(&self, message: &Message) -> Result<Ack, BrokerError>;
+}
+
+#[async_trait]
+impl<B: Broker + ?Sized> Broker for std::sync::Arc<B> {
+    async fn publish(&self, message: &Message) -> Result<Ack, BrokerError> {
+        (**self).publish(message).await
+    }
+}
+
+/// A broker that prints each message as one JSON line on stdout and acknowledges it.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct StdoutBroker;
+
+#[async_trait]
+impl Broker for StdoutBroker {
+    async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
+        let line = serde_json::json!({
+            "topic": m.topic,
+            "partition_key": m.partition_key,
+            "attributes": m.attributes,
+            "payload": m.payload(),
+        });
+        println!("{line}");
+        Ok(Ack::default())
+    }
+}
+
+/// A broker that acknowledges everything and does nothing (for benchmarks).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct NoopBroker;
+
+#[async_trait]
+impl Broker for NoopBroker {
+    async fn publish(&self, _m: &Message) -> Result<Ack, BrokerError> {
+        Ok(Ack::default())
+    }
+}

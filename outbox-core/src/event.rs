@@ -1,0 +1,819 @@
+//! The event model (contract section 1) and the validating builder.
+//!
+//! [`NewEvent`] is an event that passed every limit of R5 to R8; it can only be made by
+//! [`EventBuilder::build`]. [`OutboxEvent`] is a stored row, as a backend returns it; rows are
+//! never validated again when read (R11, R82).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::{Map, Value};
+use uuid::Uuid;
+
+use crate::clock::{Clock, SystemClock};
+use crate::error::ValidationError;
+
+/// Limits of the contract, in one place (section 12).
+pub mod limits {
+    /// Maximum compact JSON size of a payload in bytes (R5).
+    pub const PAYLOAD_MAX_BYTES: usize = 1_000_000;
+    /// Maximum header entries (R6).
+    pub const HEADERS_MAX: usize = 100;
+    /// Maximum header key length in characters (R6).
+    pub const HEADER_KEY_MAX: usize = 64;
+    /// Maximum header value length in characters (R6).
+    pub const HEADER_VALUE_MAX: usize = 512;
+    /// event_type (R7).
+    pub const EVENT_TYPE_MAX: usize = 100;
+    /// aggregate_type (R7).
+    pub const AGGREGATE_TYPE_MAX: usize = 50;
+    /// topic (R7).
+    pub const TOPIC_MAX: usize = 255;
+    /// partition_key (R7).
+    pub const PARTITION_KEY_MAX: usize = 255;
+    /// idempotency_key (R7).
+    pub const IDEMPOTENCY_KEY_MAX: usize = 128;
+    /// trace_id, correlation_id, causation_id (R7).
+    pub const TRACE_ID_MAX: usize = 64;
+    /// schema_version (R7).
+    pub const SCHEMA_VERSION_MAX: usize = 50;
+    /// Worker id (R7, R10).
+    pub const WORKER_ID_MAX: usize = 255;
+    /// Force-unlock reason (R66).
+    pub const FORCE_UNLOCK_REASON_MAX: usize = 255;
+    /// The farthest a schedule may lie ahead, in seconds: 365 days (R8).
+    pub const SCHEDULE_MAX_AHEAD_SECS: i64 = 31_536_000;
+    /// Default of the builder's `scheduled_at_skew_seconds` (R8).
+    pub const DEFAULT_SCHEDULE_SKEW_SECS: u64 = 60;
+    /// Default max_attempts (R4).
+    pub const DEFAULT_MAX_ATTEMPTS: i32 = 6;
+    /// Default `error_max_length` in bytes (R9).
+    pub const DEFAULT_ERROR_MAX_LENGTH: usize = 2000;
+    /// Suffix appended to a truncated last_error (R9).
+    pub const TRUNCATED_SUFFIX: &str = "... [TRUNCATED]";
+    /// The text stored for an empty error (R9).
+    pub const UNKNOWN_ERROR: &str = "Unknown error";
+}
+
+/// The status of a row (R2), stored as lowercase text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    /// Waiting to be published.
+    Pending,
+    /// Acknowledged by the broker.
+    Completed,
+    /// Spent all its attempts; terminal except for requeue (R64).
+    Failed,
+}
+
+impl Status {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Pending => "pending",
+            Status::Completed => "completed",
+            Status::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Status {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "pending" => Ok(Status::Pending),
+            "completed" => Ok(Status::Completed),
+            "failed" => Ok(Status::Failed),
+            other => Err(format!("unknown status {other:?}")),
+        }
+    }
+}
+
+/// A stored outbox row (R1), as a backend returns it.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OutboxEvent {
+    /// Event id (UUIDv7 when written by this library; the ancestor wrote UUIDv4, R79).
+    pub id: Uuid,
+    /// Event type, e.g. `order.created`.
+    pub event_type: String,
+    /// The JSON payload.
+    pub payload: Value,
+    /// String headers, or none.
+    pub headers: Option<BTreeMap<String, String>>,
+    /// Trace id.
+    pub trace_id: Option<String>,
+    /// Idempotency key (R16).
+    pub idempotency_key: Option<String>,
+    /// Correlation id.
+    pub correlation_id: Option<String>,
+    /// Causation id.
+    pub causation_id: Option<String>,
+    /// Schema version of the payload.
+    pub schema_version: Option<String>,
+    /// Status (R2).
+    pub status: Status,
+    /// Counted attempts spent.
+    pub attempts_made: i32,
+    /// Attempt budget.
+    pub max_attempts: i32,
+    /// Last failure text (R9).
+    pub last_error: Option<String>,
+    /// When the row is due.
+    pub scheduled_at: DateTime<Utc>,
+    /// When it was acknowledged.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// When the holder locked it.
+    pub locked_at: Option<DateTime<Utc>>,
+    /// The holder.
+    pub locked_by: Option<String>,
+    /// Insert time on the backend clock (R73).
+    pub created_at: DateTime<Utc>,
+    /// Last update time.
+    pub updated_at: Option<DateTime<Utc>>,
+    /// Aggregate type.
+    pub aggregate_type: String,
+    /// Aggregate id.
+    pub aggregate_id: Uuid,
+    /// Topic; with partition_key it forms the ordering key (R26).
+    pub topic: String,
+    /// Partition key.
+    pub partition_key: String,
+}
+
+impl OutboxEvent {
+    /// The ordering key (R26).
+    pub fn key(&self) -> crate::ordering::Key {
+        crate::ordering::Key::new(&self.topic, &self.partition_key)
+    }
+
+    /// Whether the row is held (locked_at set; R0 "held").
+    pub fn is_held(&self) -> bool {
+        self.locked_at.is_some()
+    }
+}
+
+/// When a new event becomes due (R15).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Schedule {
+    /// Due at once: scheduled_at = created_at.
+    Now,
+    /// Due after a delay measured on the backend clock from created_at.
+    Delay(Duration),
+    /// Due at an absolute instant, stored as given.
+    At(DateTime<Utc>),
+}
+
+/// An event that passed every validation rule, ready to be written.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub(crate) id: Uuid,
+    pub(crate) event_type: String,
+    pub(crate) payload: Map<String, Value>,
+    pub(crate) payload_json: Arc<str>,
+    pub(crate) headers: Option<BTreeMap<String, String>>,
+    pub(crate) trace_id: Option<String>,
+    pub(crate) idempotency_key: Option<String>,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) causation_id: Option<String>,
+    pub(crate) schema_version: Option<String>,
+    pub(crate) aggregate_type: String,
+    pub(crate) aggregate_id: Uuid,
+    pub(crate) topic: String,
+    pub(crate) partition_key: String,
+    pub(crate) max_attempts: i32,
+    pub(crate) schedule: Schedule,
+}
+
+impl NewEvent {
+    /// The id (UUIDv7, assigned at build).
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+    /// The event type.
+    pub fn event_type(&self) -> &str {
+        self.event_type.as_str()
+    }
+    /// The payload object.
+    pub fn payload(&self) -> &Map<String, Value> {
+        &self.payload
+    }
+    /// The payload as compact JSON, as it will be stored.
+    pub fn payload_json(&self) -> &str {
+        &*self.payload_json
+    }
+    /// Headers (none when empty).
+    pub fn headers(&self) -> Option<&BTreeMap<String, String>> {
+        self.headers.as_ref()
+    }
+    /// Trace id.
+    pub fn trace_id(&self) -> Option<&str> {
+        self.trace_id.as_deref()
+    }
+    /// Idempotency key.
+    pub fn idempotency_key(&self) -> Option<&str> {
+        self.idempotency_key.as_deref()
+    }
+    /// Correlation id.
+    pub fn correlation_id(&self) -> Option<&str> {
+        self.correlation_id.as_deref()
+    }
+    /// Causation id.
+    pub fn causation_id(&self) -> Option<&str> {
+        self.causation_id.as_deref()
+    }
+    /// Schema version.
+    pub fn schema_version(&self) -> Option<&str> {
+        self.schema_version.as_deref()
+    }
+    /// Aggregate type.
+    pub fn aggregate_type(&self) -> &str {
+        self.aggregate_type.as_str()
+    }
+    /// Aggregate id.
+    pub fn aggregate_id(&self) -> Uuid {
+        self.aggregate_id
+    }
+    /// Topic.
+    pub fn topic(&self) -> &str {
+        self.topic.as_str()
+    }
+    /// Partition key.
+    pub fn partition_key(&self) -> &str {
+        self.partition_key.as_str()
+    }
+    /// Attempt budget (0 at build means 6).
+    pub fn max_attempts(&self) -> i32 {
+        self.max_attempts
+    }
+    /// The schedule.
+    pub fn schedule(&self) -> Schedule {
+        self.schedule
+    }
+}
+
+impl NewEvent {
+    /// Starts a builder.
+    pub fn builder() -> EventBuilder {
+        EventBuilder::default()
+    }
+
+    /// Headers as a JSON object, or none.
+    pub fn headers_json(&self) -> Option<Value> {
+        self.headers.as_ref().map(|h| {
+            Value::Object(
+                h.iter()
+                    .map(|(k, v)| (k.clone(), Value::String(v.clone())))
+                    .collect(),
+            )
+        })
+    }
+
+    /// The relative delay of the schedule, if any.
+    pub fn delay(&self) -> Option<Duration> {
+        match self.schedule {
+            Schedule::Delay(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The absolute schedule, if any.
+    pub fn scheduled_at(&self) -> Option<DateTime<Utc>> {
+        match self.schedule {
+            Schedule::At(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    /// The row this event becomes when inserted at `created_at`: pending, no attempts (R4).
+    pub fn into_row(self, created_at: DateTime<Utc>) -> OutboxEvent {
+        let scheduled_at = match self.schedule {
+            Schedule::Now => created_at,
+            Schedule::Delay(d) => created_at + chrono::Duration::from_std(d).expect("checked"),
+            Schedule::At(t) => t,
+        };
+        OutboxEvent {
+            id: self.id,
+            event_type: self.event_type,
+            payload: Value::Object(self.payload),
+            headers: self.headers,
+            trace_id: self.trace_id,
+            idempotency_key: self.idempotency_key,
+            correlation_id: self.correlation_id,
+            causation_id: self.causation_id,
+            schema_version: self.schema_version,
+            status: Status::Pending,
+            attempts_made: 0,
+            max_attempts: self.max_attempts,
+            last_error: None,
+            scheduled_at,
+            completed_at: None,
+            locked_at: None,
+            locked_by: None,
+            created_at,
+            updated_at: Some(created_at),
+            aggregate_type: self.aggregate_type,
+            aggregate_id: self.aggregate_id,
+            topic: self.topic,
+            partition_key: self.partition_key,
+        }
+    }
+}
+
+/// Settings of the event builder: its clock and the schedule skew (R8).
+#[derive(Debug, Clone)]
+pub struct BuildSettings {
+    clock: Arc<dyn Clock>,
+    skew_seconds: u64,
+}
+
+impl Default for BuildSettings {
+    fn default() -> Self {
+        Self {
+            clock: Arc::new(SystemClock),
+            skew_seconds: limits::DEFAULT_SCHEDULE_SKEW_SECS,
+        }
+    }
+}
+
+impl BuildSettings {
+    /// Settings with the system clock and a 60 s skew.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Uses this clock for the schedule window.
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Sets `scheduled_at_skew_seconds` (≥ 0; default 60).
+    pub fn with_skew_seconds(mut self, skew: i64) -> Result<Self, crate::error::ConfigError> {
+        if skew < 0 {
+            return Err(crate::error::ConfigError::new(format!(
+                "scheduled_at_skew_seconds must be >= 0, got {skew}"
+            )));
+        }
+        self.skew_seconds = skew as u64;
+        Ok(self)
+    }
+}
+
+enum PayloadInput {
+    Value(Value),
+    Error(ValidationError),
+}
+
+/// Collects the fields of a new event; [`build`](Self::build) validates them all.
+#[derive(Default)]
+pub struct EventBuilder {
+    event_type: Option<String>,
+    payload: Option<PayloadInput>,
+    headers: Vec<(String, String)>,
+    trace_id: Option<String>,
+    idempotency_key: Option<String>,
+    correlation_id: Option<String>,
+    causation_id: Option<String>,
+    schema_version: Option<String>,
+    aggregate_type: Option<String>,
+    aggregate_id: Option<Uuid>,
+    topic: Option<String>,
+    partition_key: Option<String>,
+    max_attempts: Option<i64>,
+    schedule: Option<Schedule>,
+    delay_secs: Option<f64>,
+}
+
+impl fmt::Debug for EventBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EventBuilder")
+            .field("event_type", &self.event_type)
+            .field("topic", &self.topic)
+            .field("partition_key", &self.partition_key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl EventBuilder {
+    /// The event type (≤ 100).
+    pub fn event_type(mut self, v: impl Into<String>) -> Self {
+        self.event_type = Some(v.into());
+        self
+    }
+    /// The aggregate type (≤ 50) and id.
+    pub fn aggregate(mut self, aggregate_type: impl Into<String>, id: Uuid) -> Self {
+        self.aggregate_type = Some(aggregate_type.into());
+        self.aggregate_id = Some(id);
+        self
+    }
+    /// The topic (≤ 255).
+    pub fn topic(mut self, v: impl Into<String>) -> Self {
+        self.topic = Some(v.into());
+        self
+    }
+    /// The partition key (≤ 255).
+    pub fn partition_key(mut self, v: impl Into<String>) -> Self {
+        self.partition_key = Some(v.into());
+        self
+    }
+    /// The payload as a JSON value (must be a non-empty object).
+    pub fn payload_json(mut self, v: Value) -> Self {
+        self.payload = Some(PayloadInput::Value(v));
+        self
+    }
+    /// The payload from a typed value; NaN and infinities are rejected, never turned into null.
+    pub fn payload<T: Serialize + ?Sized>(mut self, v: &T) -> Self {
+        self.payload = Some(match crate::finite::check(v) {
+            Err(e) => PayloadInput::Error(e),
+            Ok(()) => match serde_json::to_value(v) {
+                Ok(v) => PayloadInput::Value(v),
+                Err(e) => PayloadInput::Error(ValidationError::PayloadSerialize(e.to_string())),
+            },
+        });
+        self
+    }
+    /// Adds one header.
+    pub fn header(mut self, k: impl Into<String>, v: impl Into<String>) -> Self {
+        self.headers.push((k.into(), v.into()));
+        self
+    }
+    /// Adds headers.
+    pub fn headers<K: Into<String>, V: Into<String>>(
+        mut self,
+        h: impl IntoIterator<Item = (K, V)>,
+    ) -> Self {
+        self.headers
+            .extend(h.into_iter().map(|(k, v)| (k.into(), v.into())));
+        self
+    }
+    /// Trace id (≤ 64).
+    pub fn trace_id(mut self, v: impl Into<String>) -> Self {
+        self.trace_id = Some(v.into());
+        self
+    }
+    /// Idempotency key (≤ 128, R16).
+    pub fn idempotency_key(mut self, v: impl Into<String>) -> Self {
+        self.idempotency_key = Some(v.into());
+        self
+    }
+    /// Correlation id (≤ 64).
+    pub fn correlation_id(mut self, v: impl Into<String>) -> Self {
+        self.correlation_id = Some(v.into());
+        self
+    }
+    /// Causation id (≤ 64).
+    pub fn causation_id(mut self, v: impl Into<String>) -> Self {
+        self.causation_id = Some(v.into());
+        self
+    }
+    /// Schema version (≤ 50).
+    pub fn schema_version(mut self, v: impl Into<String>) -> Self {
+        self.schema_version = Some(v.into());
+        self
+    }
+    /// Attempt budget; 0 means the default 6 (R4).
+    pub fn max_attempts(mut self, v: i64) -> Self {
+        self.max_attempts = Some(v);
+        self
+    }
+    /// Due after a delay on the backend clock (0 to 365 days, R8).
+    pub fn delay(mut self, d: Duration) -> Self {
+        self.schedule = Some(Schedule::Delay(d));
+        self.delay_secs = None;
+        self
+    }
+    /// Due after a delay given in seconds, which may be out of range (it is checked at build).
+    pub fn delay_seconds(mut self, secs: f64) -> Self {
+        self.delay_secs = Some(secs);
+        self.schedule = None;
+        self
+    }
+    /// Due at an absolute instant (within [t − skew, t + 365 days], R8).
+    pub fn scheduled_at(mut self, at: DateTime<Utc>) -> Self {
+        self.schedule = Some(Schedule::At(at));
+        self.delay_secs = None;
+        self
+    }
+
+    /// Validates with the default settings (system clock, 60 s skew).
+    pub fn build(self) -> Result<NewEvent, ValidationError> {
+        self.build_with(&BuildSettings::default())
+    }
+
+    /// Validates every field (R5 to R8) and assigns a UUIDv7 id.
+    pub fn build_with(self, settings: &BuildSettings) -> Result<NewEvent, ValidationError> {
+        let event_type = required("event_type", self.event_type, limits::EVENT_TYPE_MAX)?;
+        let aggregate_type =
+            required("aggregate_type", self.aggregate_type, limits::AGGREGATE_TYPE_MAX)?;
+        let aggregate_id = self
+            .aggregate_id
+            .ok_or(ValidationError::Missing { field: "aggregate_id" })?;
+        let topic = required("topic", self.topic, limits::TOPIC_MAX)?;
+        let partition_key = required("partition_key", self.partition_key, limits::PARTITION_KEY_MAX)?;
+        let trace_id = optional("trace_id", self.trace_id, limits::TRACE_ID_MAX)?;
+        let correlation_id = optional("correlation_id", self.correlation_id, limits::TRACE_ID_MAX)?;
+        let causation_id = optional("causation_id", self.causation_id, limits::TRACE_ID_MAX)?;
+        let schema_version =
+            optional("schema_version", self.schema_version, limits::SCHEMA_VERSION_MAX)?;
+        let idempotency_key =
+            optional("idempotency_key", self.idempotency_key, limits::IDEMPOTENCY_KEY_MAX)?;
+        let (payload, payload_json) = validate_payload(self.payload)?;
+        let headers = validate_headers(self.headers)?;
+        let max_attempts = match self.max_attempts {
+            None | Some(0) => limits::DEFAULT_MAX_ATTEMPTS,
+            Some(n) if (1..=i32::MAX as i64).contains(&n) => n as i32,
+            Some(n) => return Err(ValidationError::MaxAttempts(n)),
+        };
+        let schedule = match (self.schedule, self.delay_secs) {
+            (_, Some(secs)) => {
+                if !(secs.is_finite() && (0.0..=limits::SCHEDULE_MAX_AHEAD_SECS as f64).contains(&secs)) {
+                    return Err(ValidationError::DelayOutOfRange { seconds: secs });
+                }
+                Schedule::Delay(Duration::from_secs_f64(secs))
+            }
+            (None, None) => Schedule::Now,
+            (Some(Schedule::Delay(d)), None) => {
+                if d > Duration::from_secs(limits::SCHEDULE_MAX_AHEAD_SECS as u64) {
+                    return Err(ValidationError::DelayOutOfRange {
+                        seconds: d.as_secs_f64(),
+                    });
+                }
+                Schedule::Delay(d)
+            }
+            (Some(Schedule::At(at)), None) => {
+                let t = settings.clock.now();
+                let earliest = t - chrono::Duration::seconds(settings.skew_seconds as i64);
+                let latest = t + chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS);
+                if at < earliest || at > latest {
+                    return Err(ValidationError::ScheduleOutOfWindow {
+                        at,
+                        earliest,
+                        latest,
+                        skew_seconds: settings.skew_seconds,
+                    });
+                }
+                Schedule::At(at)
+            }
+            (Some(Schedule::Now), None) => Schedule::Now,
+        };
+        Ok(NewEvent {
+            id: crate::ids::new_event_id(),
+            event_type,
+            payload,
+            payload_json,
+            headers,
+            trace_id,
+            idempotency_key,
+            correlation_id,
+            causation_id,
+            schema_version,
+            aggregate_type,
+            aggregate_id,
+            topic,
+            partition_key,
+            max_attempts,
+            schedule,
+        })
+    }
+}
+
+fn check_len(field: &'static str, v: &str, max: usize) -> Result<(), ValidationError> {
+    let n = v.chars().count();
+    if n == 0 {
+        return Err(ValidationError::Empty { field });
+    }
+    if n > max {
+        return Err(ValidationError::TooLong {
+            field,
+            max,
+            actual: n,
+        });
+    }
+    Ok(())
+}
+
+fn required(field: &'static str, v: Option<String>, max: usize) -> Result<String, ValidationError> {
+    let v = v.ok_or(ValidationError::Missing { field })?;
+    let t = v.trim();
+    check_len(field, t, max)?;
+    Ok(t.to_owned())
+}
+
+fn optional(
+    field: &'static str,
+    v: Option<String>,
+    max: usize,
+) -> Result<Option<String>, ValidationError> {
+    match v {
+        None => Ok(None),
+        Some(v) => {
+            let t = v.trim();
+            check_len(field, t, max)?;
+            Ok(Some(t.to_owned()))
+        }
+    }
+}
+
+fn validate_payload(p: Option<PayloadInput>) -> Result<(Map<String, Value>, Arc<str>), ValidationError> {
+    let v = match p {
+        None => return Err(ValidationError::Missing { field: "payload" }),
+        Some(PayloadInput::Error(e)) => return Err(e),
+        Some(PayloadInput::Value(v)) => v,
+    };
+    let map = match v {
+        Value::Object(m) => m,
+        other => {
+            return Err(ValidationError::PayloadNotObject {
+                kind: match other {
+                    Value::Null => "null",
+                    Value::Bool(_) => "boolean",
+                    Value::Number(_) => "number",
+                    Value::String(_) => "string",
+                    Value::Array(_) => "array",
+                    Value::Object(_) => unreachable!(),
+                },
+            });
+        }
+    };
+    if map.is_empty() {
+        return Err(ValidationError::PayloadEmpty);
+    }
+    let json = serde_json::to_string(&map)
+        .map_err(|e| ValidationError::PayloadSerialize(e.to_string()))?;
+    if json.len() > limits::PAYLOAD_MAX_BYTES {
+        return Err(ValidationError::PayloadTooLarge {
+            bytes: json.len(),
+            max: limits::PAYLOAD_MAX_BYTES,
+        });
+    }
+    Ok((map, json.into()))
+}
+
+fn header_err(key: &str, problem: impl Into<String>) -> ValidationError {
+    ValidationError::Header {
+        key: key.to_owned(),
+        problem: problem.into(),
+    }
+}
+
+/// Validates headers (R6); an empty set becomes none.
+pub fn validate_headers(
+    raw: Vec<(String, String)>,
+) -> Result<Option<BTreeMap<String, String>>, ValidationError> {
+    if raw.len() > limits::HEADERS_MAX {
+        return Err(ValidationError::TooManyHeaders {
+            count: raw.len(),
+            max: limits::HEADERS_MAX,
+        });
+    }
+    let mut out = BTreeMap::new();
+    let mut folded = std::collections::HashSet::new();
+    for (k, v) in raw {
+        let k = k.trim();
+        let v = v.trim();
+        if k.is_empty() {
+            return Err(header_err(k, "key must not be empty or blank"));
+        }
+        let kn = k.chars().count();
+        if kn > limits::HEADER_KEY_MAX {
+            return Err(header_err(
+                k,
+                format!("key is {kn} characters long; the limit is {}", limits::HEADER_KEY_MAX),
+            ));
+        }
+        if k.chars().any(|c| (c as u32) < 32 || c as u32 == 127) {
+            return Err(header_err(k, "key contains a control character"));
+        }
+        if v.is_empty() {
+            return Err(header_err(k, "value must not be empty or blank"));
+        }
+        let vn = v.chars().count();
+        if vn > limits::HEADER_VALUE_MAX {
+            return Err(header_err(
+                k,
+                format!("value is {vn} characters long; the limit is {}", limits::HEADER_VALUE_MAX),
+            ));
+        }
+        if v.chars().any(|c| ((c as u32) < 32 && c != '\t') || c as u32 == 127) {
+            return Err(header_err(k, "value contains a control character (only TAB is allowed)"));
+        }
+        if !folded.insert(k.to_lowercase()) {
+            return Err(header_err(k, "duplicate key (keys must differ after trimming and ignoring case)"));
+        }
+        out.insert(k.to_owned(), v.to_owned());
+    }
+    Ok(if out.is_empty() { None } else { Some(out) })
+}
+
+/// A validated worker id (R10): trimmed, 1 to 255 characters of `[A-Za-z0-9.\-/:]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(String);
+
+impl WorkerId {
+    /// Validates a worker id; anything else is `Invalid worker_id format: '<value>'`.
+    pub fn new(v: impl AsRef<str>) -> Result<Self, ValidationError> {
+        let raw = v.as_ref();
+        let t = raw.trim();
+        let ok = !t.is_empty()
+            && t.chars().count() <= limits::WORKER_ID_MAX
+            && t.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '/' | ':'));
+        if ok {
+            Ok(Self(t.to_owned()))
+        } else {
+            Err(ValidationError::WorkerId(raw.to_owned()))
+        }
+    }
+
+    /// A worker id unique per process start: `relay-<host>-<pid>-<random>` (R25).
+    pub fn generate() -> Self {
+        let host = std::env::var("HOSTNAME")
+            .ok()
+            .map(|h| {
+                h.chars()
+                    .filter(|c| c.is_ascii_alphanumeric() || *c == '-' || *c == '.')
+                    .take(64)
+                    .collect::<String>()
+            })
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "host".into());
+        let nonce: u32 = rand::random();
+        Self(format!("relay-{host}-{}-{nonce:08x}", std::process::id()))
+    }
+
+    /// The id as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl AsRef<str> for WorkerId {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Normalizes a failure text for last_error (R9): trimmed, `Unknown error` when empty, and cut
+/// on a character boundary with the suffix `... [TRUNCATED]` when longer than `max_bytes`.
+pub fn normalize_error(text: &str, max_bytes: usize) -> String {
+    let t = text.trim();
+    if t.is_empty() {
+        return limits::UNKNOWN_ERROR.to_owned();
+    }
+    if t.len() <= max_bytes {
+        return t.to_owned();
+    }
+    let budget = max_bytes.saturating_sub(limits::TRUNCATED_SUFFIX.len());
+    let mut end = budget.min(t.len());
+    while !t.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{}", &t[..end], limits::TRUNCATED_SUFFIX)
+}
+
+/// Validates an `error_max_length` setting (R9): at least 16 bytes.
+pub fn check_error_max_length(v: usize) -> Result<usize, crate::error::ConfigError> {
+    if v <= limits::TRUNCATED_SUFFIX.len() {
+        return Err(crate::error::ConfigError::new(format!(
+            "error_max_length must be greater than {} (the length of the truncation suffix), got {v}",
+            limits::TRUNCATED_SUFFIX.len()
+        )));
+    }
+    Ok(v)
+}
+
+/// Validates a force-unlock reason (R66) and returns the text stored as last_error.
+pub fn force_unlock_text(reason: &str) -> Result<String, ValidationError> {
+    let r = reason.trim();
+    if r.is_empty() {
+        return Err(ValidationError::Argument(
+            "force_unlock reason must not be empty".into(),
+        ));
+    }
+    let n = r.chars().count();
+    if n > limits::FORCE_UNLOCK_REASON_MAX {
+        return Err(ValidationError::Argument(format!(
+            "force_unlock reason is {n} characters long; the limit is {}",
+            limits::FORCE_UNLOCK_REASON_MAX
+        )));
+    }
+    Ok(format!("Force unlock: {r}"))
+}

@@ -1,0 +1,28 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+pub mod backoff;
+pub mod broker;
+pub mod clock;
+pub mod error;
+pub mod event;
+mod finite;
+pub mod ids;
+pub mod memory;
+pub mod ordering;
+pub mod relay;
+pub mod repository;
+pub mod scripted;
+pub mod step;
+
+pub use backoff::{Backoff, Jitter};
+pub use broker::{Ack, Broker, Message};
+pub use error::{BrokerError, ConfigError, RepositoryError, StepError, ValidationError};
+pub use event::{EventBuilder, NewEvent, OutboxEvent, Schedule, Status, WorkerId};
+pub use memory::InMemoryRepository;
+pub use relay::{CycleReport, Relay, RelayBuilder};
+pub use repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository};
+pub use step::{PipelineStep, StepDecision};
+
+/// Re-exported so users need not depend on tokio-util for the shutdown signal.
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,575 @@
+//! The in-memory reference backend: the contract's semantics with an injectable clock.
+//!
+//! [`InMemoryRepository`] implements [`OutboxRepository`] by running the rules of
+//! [`crate::ordering`] over its rows under one lock, so every operation is atomic. Writes go
+//! through a unit of work, [`MemTransaction`]: its events become visible at
+//! [`commit`](MemTransaction::commit) and vanish at rollback or drop (R12). It is the backend of
+//! the quick start and the first one the conformance suite checks.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+use crate::clock::{Clock, SystemClock};
+use crate::error::{ConfigError, RepositoryError};
+use crate::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text, normalize_error};
+use crate::ordering;
+use crate::repository::{
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
+    Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult,
+    WrittenOutcome, args, check_backend_batch_size,
+};
+
+#[derive(Debug, Default)]
+struct State {
+    rows: BTreeMap<Uuid, OutboxEvent>,
+    /// Committed idempotency keys.
+    idem: HashMap<String, Uuid>,
+    /// Idempotency keys written by open transactions, with the transaction's number.
+    claims: HashMap<String, u64>,
+    last_created: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    state: Mutex<State>,
+    clock: Arc<dyn Clock>,
+    released: Notify,
+    next_tx: AtomicU64,
+    fail_next_commit: AtomicBool,
+    batch_size: usize,
+    error_max_length: usize,
+}
+
+/// The in-memory repository. Cloning shares the same store.
+#[derive(Debug, Clone)]
+pub struct InMemoryRepository {
+    inner: Arc<Inner>,
+}
+
+impl Default for InMemoryRepository {
+    fn default() -> Self {
+        Self::new(Arc::new(SystemClock))
+    }
+}
+
+/// Settings of the in-memory repository.
+#[derive(Debug, Clone)]
+pub struct MemoryConfig {
+    batch_size: usize,
+    error_max_length: usize,
+}
+
+impl Default for MemoryConfig {
+    fn default() -> Self {
+        Self {
+            batch_size: DEFAULT_BACKEND_BATCH_SIZE,
+            error_max_length: crate::event::limits::DEFAULT_ERROR_MAX_LENGTH,
+        }
+    }
+}
+
+impl MemoryConfig {
+    /// Maintenance batch size (1 to 10,000; R63).
+    pub fn batch_size(mut self, n: usize) -> Result<Self, ConfigError> {
+        self.batch_size = check_backend_batch_size(n)?;
+        Ok(self)
+    }
+    /// `error_max_length` in bytes (> 15; R9).
+    pub fn error_max_length(mut self, n: usize) -> Result<Self, ConfigError> {
+        self.error_max_length = crate::event::check_error_max_length(n)?;
+        Ok(self)
+    }
+}
+
+impl InMemoryRepository {
+    /// A repository on this clock with default settings.
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self::with_config(clock, MemoryConfig::default())
+    }
+
+    /// A repository on this clock with these settings.
+    pub fn with_config(clock: Arc<dyn Clock>, config: MemoryConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                state: Mutex::new(State::default()),
+                clock,
+                released: Notify::new(),
+                next_tx: AtomicU64::new(1),
+                fail_next_commit: AtomicBool::new(false),
+                batch_size: config.batch_size,
+                error_max_length: config.error_max_length,
+            }),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.inner.state.lock().expect("memory store poisoned")
+    }
+
+    fn now_sync(&self) -> DateTime<Utc> {
+        self.inner.clock.now()
+    }
+
+    /// Begins a unit of work (the in-memory "transaction", R12).
+    pub fn begin(&self) -> MemTransaction {
+        MemTransaction {
+            repo: self.clone(),
+            id: self.inner.next_tx.fetch_add(1, Ordering::Relaxed),
+            rows: Vec::new(),
+            claims: HashSet::new(),
+            done: false,
+        }
+    }
+
+    /// Writes events in a unit of work of their own and commits it.
+    pub async fn write_committed(
+        &self,
+        events: Vec<NewEvent>,
+    ) -> Result<Vec<WriteResult>, RepositoryError> {
+        let mut tx = self.begin();
+        let r = tx.write(events).await?;
+        tx.commit();
+        Ok(r)
+    }
+
+    /// Test fixture: changes a stored row directly (the suite's `set`).
+    pub fn set(&self, id: Uuid, f: impl FnOnce(&mut OutboxEvent)) -> bool {
+        let mut st = self.lock();
+        match st.rows.get_mut(&id) {
+            Some(r) => {
+                f(r);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Test fixture: makes the next outcome write fail as a failed commit would (R57).
+    pub fn fail_next_outcome_commit(&self) {
+        self.inner.fail_next_commit.store(true, Ordering::SeqCst);
+    }
+
+    /// Every stored row, in write order.
+    pub fn rows(&self) -> Vec<OutboxEvent> {
+        let mut v: Vec<_> = self.lock().rows.values().cloned().collect();
+        v.sort_by_key(ordering::write_order);
+        v
+    }
+
+    fn release(row: &mut OutboxEvent, now: DateTime<Utc>) {
+        row.locked_at = None;
+        row.locked_by = None;
+        row.updated_at = Some(now);
+    }
+
+    fn held_by(row: &OutboxEvent, worker: &WorkerId) -> bool {
+        row.status == Status::Pending && row.locked_by.as_deref() == Some(worker.as_str())
+    }
+}
+
+/// A unit of work on the in-memory repository. Dropping it without commit rolls it back.
+#[derive(Debug)]
+pub struct MemTransaction {
+    repo: InMemoryRepository,
+    id: u64,
+    rows: Vec<OutboxEvent>,
+    claims: HashSet<String>,
+    done: bool,
+}
+
+impl MemTransaction {
+    /// Writes events (R13 to R17). created_at is the clock's now, raised to 1 µs after the
+    /// previous write call's value; the call's events share it.
+    pub async fn write(&mut self, events: Vec<NewEvent>) -> Result<Vec<WriteResult>, RepositoryError> {
+        // Wait until no other open transaction claims one of our idempotency keys (R17).
+        loop {
+            let inner = self.repo.inner.clone();
+            let notified = inner.released.notified();
+            {
+                let repo = self.repo.clone();
+                let mut st = repo.lock();
+                let blocked = events.iter().filter_map(|e| e.idempotency_key()).any(|k| {
+                    !st.idem.contains_key(k) && st.claims.get(k).is_some_and(|tx| *tx != self.id)
+                });
+                if !blocked {
+                    return Ok(self.write_locked(&mut st, events));
+                }
+            }
+            notified.await;
+        }
+    }
+
+    fn write_locked(&mut self, st: &mut State, events: Vec<NewEvent>) -> Vec<WriteResult> {
+        let now = self.repo.now_sync();
+        let created = match st.last_created {
+            Some(prev) if now <= prev => prev + chrono::Duration::microseconds(1),
+            _ => now,
+        };
+        st.last_created = Some(created);
+        let mut out = Vec::with_capacity(events.len());
+        for e in events {
+            if let Some(k) = e.idempotency_key() {
+                if let Some(id) = st.idem.get(k) {
+                    out.push(WriteResult { event: st.rows[id].clone(), inserted: false });
+                    continue;
+                }
+                if let Some(r) = self.rows.iter().find(|r| r.idempotency_key.as_deref() == Some(k)) {
+                    out.push(WriteResult { event: r.clone(), inserted: false });
+                    continue;
+                }
+                st.claims.insert(k.to_owned(), self.id);
+                self.claims.insert(k.to_owned());
+            }
+            if let Some(existing) = st.rows.get(&e.id()).or_else(|| self.rows.iter().find(|r| r.id == e.id())) {
+                out.push(WriteResult { event: existing.clone(), inserted: false });
+                continue;
+            }
+            let row = e.into_row(created);
+            self.rows.push(row.clone());
+            out.push(WriteResult { event: row, inserted: true });
+        }
+        out
+    }
+
+    /// Makes the written events visible.
+    pub fn commit(mut self) {
+        let mut st = self.repo.lock();
+        for r in self.rows.drain(..) {
+            if let Some(k) = &r.idempotency_key {
+                st.idem.insert(k.clone(), r.id);
+            }
+            st.rows.insert(r.id, r);
+        }
+        for k in self.claims.drain() {
+            st.claims.remove(&k);
+        }
+        drop(st);
+        self.done = true;
+        self.repo.inner.released.notify_waiters();
+    }
+
+    /// Discards the written events.
+    pub fn rollback(mut self) {
+        self.abort();
+    }
+
+    fn abort(&mut self) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        let mut st = self.repo.lock();
+        for k in self.claims.drain() {
+            st.claims.remove(&k);
+        }
+        drop(st);
+        self.rows.clear();
+        self.repo.inner.released.notify_waiters();
+    }
+}
+
+impl Drop for MemTransaction {
+    fn drop(&mut self) {
+        self.abort();
+    }
+}
+
+fn chrono_dur(d: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
+}
+
+#[async_trait]
+impl OutboxRepository for InMemoryRepository {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "memory",
+            database_clock: false,
+            undecodable_rows: false,
+        }
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
+        Ok(self.now_sync())
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxEvent>, RepositoryError> {
+        Ok(self.lock().rows.get(&id).cloned())
+    }
+
+    async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError> {
+        req.validate()?;
+        let now = self.now_sync();
+        let mut st = self.lock();
+        let ids: Vec<Uuid> = ordering::select(
+            st.rows.values(),
+            now,
+            req.limit,
+            req.lease_ttl,
+            req.max_per_key,
+            &req.filter,
+        )
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+        Ok(ids
+            .into_iter()
+            .map(|id| {
+                let r = st.rows.get_mut(&id).expect("selected row exists");
+                r.locked_at = Some(now);
+                r.locked_by = Some(req.worker.as_str().to_owned());
+                r.updated_at = Some(now);
+                Fetched::Row(r.clone())
+            })
+            .collect())
+    }
+
+    async fn write_outcomes(
+        &self,
+        worker: &WorkerId,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        if self.inner.fail_next_commit.swap(false, Ordering::SeqCst) {
+            return Err(RepositoryError::Other(
+                "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
+            ));
+        }
+        let now = self.now_sync();
+        let max = self.inner.error_max_length;
+        let mut st = self.lock();
+        let mut out = Vec::with_capacity(outcomes.len());
+        for o in outcomes {
+            let Some(row) = st.rows.get_mut(&o.id).filter(|r| Self::held_by(r, worker)) else {
+                out.push(WrittenOutcome { id: o.id, result: OutcomeResult::LeaseLost });
+                continue;
+            };
+            let apply_retry = |row: &mut OutboxEvent, retry: Retry| {
+                row.scheduled_at = match retry {
+                    Retry::Keep => row.scheduled_at,
+                    Retry::After(d) => now + chrono_dur(d),
+                    Retry::At(t) => t,
+                };
+            };
+            match &o.kind {
+                OutcomeKind::Completed => {
+                    row.status = Status::Completed;
+                    row.completed_at = Some(now);
+                }
+                OutcomeKind::Counted { error, retry } => {
+                    row.attempts_made += 1;
+                    if row.attempts_made >= row.max_attempts {
+                        row.status = Status::Failed;
+                    }
+                    row.last_error = Some(normalize_error(error, max));
+                    apply_retry(row, *retry);
+                }
+                OutcomeKind::Transient { error, retry } => {
+                    row.last_error = Some(normalize_error(error, max));
+                    apply_retry(row, *retry);
+                }
+                OutcomeKind::Deferred { error } => {
+                    row.last_error = Some(normalize_error(error, max));
+                }
+                OutcomeKind::Released => {}
+            }
+            Self::release(row, now);
+            out.push(WrittenOutcome {
+                id: o.id,
+                result: OutcomeResult::Applied {
+                    status: row.status,
+                    attempts_made: row.attempts_made,
+                    scheduled_at: row.scheduled_at,
+                },
+            });
+        }
+        Ok(out)
+    }
+
+    async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        let now = self.now_sync();
+        let mut st = self.lock();
+        Ok(match st.rows.get_mut(&id).filter(|r| Self::held_by(r, worker)) {
+            Some(r) => {
+                r.locked_at = Some(now);
+                r.updated_at = Some(now);
+                true
+            }
+            None => false,
+        })
+    }
+
+    async fn release_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        let now = self.now_sync();
+        let mut st = self.lock();
+        Ok(match st.rows.get_mut(&id).filter(|r| Self::held_by(r, worker)) {
+            Some(r) => {
+                Self::release(r, now);
+                true
+            }
+            None => false,
+        })
+    }
+
+    async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
+        let now = self.now_sync();
+        let mut st = self.lock();
+        let unique: HashSet<Uuid> = ids.iter().copied().collect();
+        let held = unique
+            .iter()
+            .filter(|id| st.rows.get(id).is_some_and(|r| Self::held_by(r, worker)))
+            .count() as u64;
+        if held != ids.len() as u64 {
+            return Err(RepositoryError::ReleaseMismatch { changed: held, expected: ids.len() as u64 });
+        }
+        for id in unique {
+            Self::release(st.rows.get_mut(&id).expect("checked"), now);
+        }
+        Ok(held)
+    }
+
+    async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
+        args::stale_timeout(timeout)?;
+        let now = self.now_sync();
+        let cutoff = now - chrono_dur(timeout);
+        let mut st = self.lock();
+        let cap = self.inner.batch_size.saturating_mul(STALE_LOCK_MAX_BATCHES);
+        let mut n = 0u64;
+        for r in st.rows.values_mut() {
+            if (n as usize) >= cap {
+                break;
+            }
+            if r.status == Status::Pending && r.locked_at.is_some_and(|t| t < cutoff) {
+                Self::release(r, now);
+                n += 1;
+            }
+        }
+        Ok(n)
+    }
+
+    async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
+        let now = self.now_sync();
+        let mut st = self.lock();
+        Ok(match st.rows.get_mut(&id).filter(|r| r.status == Status::Failed) {
+            Some(r) => {
+                r.status = Status::Pending;
+                r.attempts_made = 0;
+                r.last_error = None;
+                r.scheduled_at = now;
+                r.locked_at = None;
+                r.locked_by = None;
+                r.updated_at = Some(now);
+                true
+            }
+            None => false,
+        })
+    }
+
+    async fn delete_old_completed(
+        &self,
+        retention_days: u32,
+        batch_size: usize,
+    ) -> Result<u64, RepositoryError> {
+        args::cleanup(retention_days, batch_size)?;
+        let cutoff = self.now_sync() - chrono::Duration::days(retention_days as i64);
+        let mut st = self.lock();
+        let victims: Vec<Uuid> = st
+            .rows
+            .values()
+            .filter(|r| r.status == Status::Completed && r.completed_at.is_some_and(|t| t < cutoff))
+            .take(batch_size)
+            .map(|r| r.id)
+            .collect();
+        for id in &victims {
+            if let Some(r) = st.rows.remove(id)
+                && let Some(k) = r.idempotency_key
+            {
+                st.idem.remove(&k);
+            }
+        }
+        Ok(victims.len() as u64)
+    }
+
+    async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
+        let text = force_unlock_text(reason)?;
+        let now = self.now_sync();
+        let mut st = self.lock();
+        match st.rows.get_mut(&id).filter(|r| r.locked_at.is_some()) {
+            Some(r) => {
+                Self::release(r, now);
+                r.last_error = Some(text);
+                Ok(())
+            }
+            None => Err(RepositoryError::NotLocked(id)),
+        }
+    }
+
+    async fn blocked_keys(&self, lease_ttl: Duration, limit: usize) -> Result<Vec<BlockedKey>, RepositoryError> {
+        let now = self.now_sync();
+        let st = self.lock();
+        let lines = ordering::lines(st.rows.values(), now);
+        let mut out: Vec<BlockedKey> = lines
+            .into_iter()
+            .filter(|(_, line)| ordering::head_is_blocked(line[0], now, lease_ttl))
+            .map(|(key, line)| {
+                let h = line[0];
+                let waiting = st
+                    .rows
+                    .values()
+                    .filter(|r| {
+                        r.status == Status::Pending
+                            && r.topic == key.topic
+                            && r.partition_key == key.partition_key
+                            && ordering::write_order(r) > ordering::write_order(h)
+                    })
+                    .count() as i64;
+                BlockedKey {
+                    topic: key.topic,
+                    partition_key: key.partition_key,
+                    head_id: h.id,
+                    attempts_made: h.attempts_made,
+                    max_attempts: h.max_attempts,
+                    last_error: h.last_error.clone(),
+                    next_try: h.scheduled_at,
+                    locked_by: h.locked_by.clone(),
+                    locked_at: h.locked_at,
+                    waiting,
+                }
+            })
+            .collect();
+        out.sort_by_key(|b| {
+            let h = &st.rows[&b.head_id];
+            ordering::write_order(h)
+        });
+        out.truncate(limit);
+        Ok(out)
+    }
+
+    async fn counts(&self) -> Result<Vec<StatusCount>, RepositoryError> {
+        let st = self.lock();
+        let mut m: BTreeMap<(String, Status), i64> = BTreeMap::new();
+        for r in st.rows.values() {
+            *m.entry((r.topic.clone(), r.status)).or_default() += 1;
+        }
+        Ok(m.into_iter()
+            .map(|((topic, status), count)| StatusCount { topic, status, count })
+            .collect())
+    }
+
+    async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
+        let now = self.now_sync();
+        let st = self.lock();
+        Ok(st
+            .rows
+            .values()
+            .filter(|r| r.status == Status::Pending && r.scheduled_at <= now)
+            .map(|r| r.scheduled_at)
+            .min()
+            .map(|t| (now - t).to_std().unwrap_or_default()))
+    }
+}

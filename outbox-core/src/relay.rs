@@ -1,0 +1,816 @@
+//! The relay cycle (contract sections 6 to 8 and D3 to D6), in one place.
+//!
+//! One [`Relay::cycle`]:
+//!
+//! 1. reads the shutdown signal and the circuit breaker; either one stops the cycle before it
+//!    fetches (R60, R62);
+//! 2. **fetch-and-lock** in its own committed transaction (R76): heads of keys, extended into runs
+//!    of up to `max_per_key` rows (R74);
+//! 3. **publish** with no database transaction open: the runs of up to `publish_concurrency` keys
+//!    at once, each key strictly one row after the other, waiting for each acknowledgement (R45,
+//!    R75). Before each publish the relay checks the shutdown signal, the stop flag and the lease
+//!    margin (R49), then runs the pipeline steps (R37). A rejection ends its key's run (R46); a
+//!    transient failure or publish timeout ends its key's run and stops new publishes in the
+//!    cycle, and the first unpublished row of every other key that had no failure is deferred
+//!    (R47);
+//! 4. **write outcomes** in one short transaction guarded by the worker (R54, R55); rows that
+//!    were not processed are released untouched (R77);
+//! 5. after the commit, the observers of the pipeline steps (R68, R83).
+//!
+//! [`Relay::run`] loops cycles: at once after a cycle that fetched rows and found the broker
+//! reachable, else after the poll interval or a wake-up (R61).
+
+use std::collections::{HashMap, HashSet};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::{FutureExt, StreamExt};
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+use uuid::Uuid;
+
+use crate::backoff::{Backoff, RandomSource, SeededRng, TRANSIENT_RETRY};
+use crate::broker::{Broker, Message};
+use crate::clock::{RelayClock, TokioClock};
+use crate::error::{BrokerError, ConfigError, RepositoryError, ValidationError};
+use crate::event::{Status, WorkerId, limits};
+use crate::ordering::Key;
+use crate::repository::{
+    DEFAULT_LEASE_TTL, DEFAULT_MAX_PER_KEY, FetchFilter, FetchRequest, Fetched, OutboxRepository,
+    Outcome, OutcomeKind, OutcomeResult, Retry,
+};
+use crate::step::{ObservedOutcome, PipelineStep, StepDecision};
+
+/// Default loop batch size (R61).
+pub const DEFAULT_BATCH_SIZE: usize = 50;
+/// Default publish concurrency (R75).
+pub const DEFAULT_PUBLISH_CONCURRENCY: usize = 16;
+/// Default publish timeout (R36).
+pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default poll interval (R61).
+pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Circuit breaker settings (R62).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BreakerConfig {
+    failure_threshold: u32,
+    recovery_timeout: Duration,
+}
+
+impl BreakerConfig {
+    /// Threshold ≥ 1 (default 5), recovery ≥ 0 s (default 60).
+    pub fn new(failure_threshold: i64, recovery_timeout_seconds: f64) -> Result<Self, ConfigError> {
+        if failure_threshold < 1 || failure_threshold > u32::MAX as i64 {
+            return Err(ConfigError::new(format!(
+                "failure_threshold must be >= 1, got {failure_threshold}"
+            )));
+        }
+        if !(recovery_timeout_seconds >= 0.0) || !recovery_timeout_seconds.is_finite() {
+            return Err(ConfigError::new(format!(
+                "recovery_timeout must be >= 0, got {recovery_timeout_seconds}"
+            )));
+        }
+        Ok(Self {
+            failure_threshold: failure_threshold as u32,
+            recovery_timeout: Duration::from_secs_f64(recovery_timeout_seconds),
+        })
+    }
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        Self {
+            failure_threshold: 5,
+            recovery_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// A validated relay configuration. Defaults are the contract's (section 12).
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    worker_id: WorkerId,
+    batch_size: usize,
+    lease_ttl: Duration,
+    max_per_key: usize,
+    publish_concurrency: usize,
+    publish_timeout: Duration,
+    poll_interval: Duration,
+    backoff: Backoff,
+    filter: FetchFilter,
+    breaker: Option<BreakerConfig>,
+}
+
+impl RelayConfig {
+    /// The worker id.
+    pub fn worker_id(&self) -> &WorkerId {
+        &self.worker_id
+    }
+    /// Rows per fetch.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+    /// Lease TTL.
+    pub fn lease_ttl(&self) -> Duration {
+        self.lease_ttl
+    }
+    /// Rows per key per fetch.
+    pub fn max_per_key(&self) -> usize {
+        self.max_per_key
+    }
+    /// Keys published at once.
+    pub fn publish_concurrency(&self) -> usize {
+        self.publish_concurrency
+    }
+    /// Publish timeout.
+    pub fn publish_timeout(&self) -> Duration {
+        self.publish_timeout
+    }
+    /// Poll interval.
+    pub fn poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+    /// Backoff.
+    pub fn backoff(&self) -> Backoff {
+        self.backoff
+    }
+}
+
+/// Builds a [`Relay`]; [`build`](Self::build) validates every setting.
+pub struct RelayBuilder {
+    repo: Arc<dyn OutboxRepository>,
+    broker: Arc<dyn Broker>,
+    steps: Vec<Arc<dyn PipelineStep>>,
+    worker_id: Option<String>,
+    batch_size: usize,
+    lease_ttl: Duration,
+    max_per_key: usize,
+    publish_concurrency: usize,
+    publish_timeout: Duration,
+    poll_interval: Duration,
+    backoff: Backoff,
+    filter: FetchFilter,
+    breaker: Option<BreakerConfig>,
+    rng: Option<Box<dyn RandomSource>>,
+    clock: Arc<dyn RelayClock>,
+}
+
+impl std::fmt::Debug for RelayBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayBuilder")
+            .field("worker_id", &self.worker_id)
+            .field("batch_size", &self.batch_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayBuilder {
+    /// The worker id (R10); a generated one when not set (R25).
+    pub fn worker_id(mut self, id: impl Into<String>) -> Self {
+        self.worker_id = Some(id.into());
+        self
+    }
+    /// Rows per fetch (≥ 1; default 50).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+    /// Lease TTL (> publish timeout; default 300 s).
+    pub fn lease_ttl(mut self, d: Duration) -> Self {
+        self.lease_ttl = d;
+        self
+    }
+    /// Rows per key per fetch (≥ 1; default 16; 1 = the ancestor's head-only fetch).
+    pub fn max_per_key(mut self, n: usize) -> Self {
+        self.max_per_key = n;
+        self
+    }
+    /// Keys published at once (≥ 1; default 16; 1 = sequential).
+    pub fn publish_concurrency(mut self, n: usize) -> Self {
+        self.publish_concurrency = n;
+        self
+    }
+    /// Publish timeout (> 0, < lease TTL; default 30 s).
+    pub fn publish_timeout(mut self, d: Duration) -> Self {
+        self.publish_timeout = d;
+        self
+    }
+    /// Poll interval of the loop (default 5 s).
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+    /// Backoff settings (default base 10 s, cap 3600 s, equal jitter).
+    pub fn backoff(mut self, b: Backoff) -> Self {
+        self.backoff = b;
+        self
+    }
+    /// Fetch filters.
+    pub fn filter(mut self, f: FetchFilter) -> Self {
+        self.filter = f;
+        self
+    }
+    /// Enables the circuit breaker.
+    pub fn breaker(mut self, b: BreakerConfig) -> Self {
+        self.breaker = Some(b);
+        self
+    }
+    /// Adds a pipeline step (run in the order added).
+    pub fn step(mut self, s: Arc<dyn PipelineStep>) -> Self {
+        self.steps.push(s);
+        self
+    }
+    /// The random source of the backoff.
+    pub fn random_source(mut self, r: Box<dyn RandomSource>) -> Self {
+        self.rng = Some(r);
+        self
+    }
+    /// The relay's monotonic clock.
+    pub fn clock(mut self, c: Arc<dyn RelayClock>) -> Self {
+        self.clock = c;
+        self
+    }
+
+    /// Validates the settings and builds the relay.
+    pub fn build(self) -> Result<Relay, ConfigError> {
+        let worker_id = match self.worker_id {
+            Some(w) => WorkerId::new(w).map_err(|e| ConfigError::new(e.to_string()))?,
+            None => WorkerId::generate(),
+        };
+        if self.batch_size == 0 {
+            return Err(ConfigError::new("batch_size must be >= 1, got 0"));
+        }
+        if self.max_per_key == 0 {
+            return Err(ConfigError::new("max_per_key must be >= 1, got 0"));
+        }
+        if self.publish_concurrency == 0 {
+            return Err(ConfigError::new("publish_concurrency must be >= 1, got 0"));
+        }
+        if self.publish_timeout.is_zero() {
+            return Err(ConfigError::new("publish_timeout must be > 0"));
+        }
+        if self.lease_ttl <= self.publish_timeout {
+            return Err(ConfigError::new(format!(
+                "lease_ttl ({:?}) must exceed publish_timeout ({:?}), or a publish could outlive its lease",
+                self.lease_ttl, self.publish_timeout
+            )));
+        }
+        Ok(Relay {
+            repo: self.repo,
+            broker: self.broker,
+            steps: self.steps,
+            config: RelayConfig {
+                worker_id,
+                batch_size: self.batch_size,
+                lease_ttl: self.lease_ttl,
+                max_per_key: self.max_per_key,
+                publish_concurrency: self.publish_concurrency,
+                publish_timeout: self.publish_timeout,
+                poll_interval: self.poll_interval,
+                backoff: self.backoff,
+                filter: self.filter,
+                breaker: self.breaker,
+            },
+            rng: Mutex::new(self.rng.unwrap_or_else(|| Box::new(SeededRng::from_entropy()))),
+            clock: self.clock,
+            breaker: Mutex::new(BreakerState::default()),
+            wake: Arc::new(Notify::new()),
+        })
+    }
+}
+
+#[derive(Debug, Default)]
+struct BreakerState {
+    failures: u32,
+    opened_at: Option<tokio::time::Instant>,
+}
+
+/// What happened to one fetched row in a cycle.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowOutcome {
+    /// Published and completed.
+    Completed {
+        /// Publish duration.
+        duration: Duration,
+    },
+    /// Counted failure.
+    Counted {
+        /// The error.
+        error: String,
+        /// Next try as written (none if the commit failed).
+        next_try: Option<DateTime<Utc>>,
+        /// Whether the row became `failed`.
+        terminal: bool,
+    },
+    /// Transient failure (no attempt).
+    Transient {
+        /// The error.
+        error: String,
+        /// Next try as written.
+        next_try: Option<DateTime<Utc>>,
+    },
+    /// Deferred (no attempt, schedule kept).
+    Deferred {
+        /// The error.
+        error: String,
+    },
+    /// Released untouched.
+    Released,
+    /// The guard failed; nothing written (R55).
+    LeaseLost,
+}
+
+/// A failure in a report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FailureReport {
+    /// Row id.
+    pub id: Uuid,
+    /// The error text.
+    pub error: String,
+    /// Next try, when written.
+    pub next_try: Option<DateTime<Utc>>,
+}
+
+/// What one cycle did (R58).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CycleReport {
+    /// Rows fetched, in fetch order.
+    pub fetched: Vec<Uuid>,
+    /// Completed rows, in publish order.
+    pub completed: Vec<Uuid>,
+    /// Counted failures.
+    pub counted: Vec<FailureReport>,
+    /// Transient failures.
+    pub transient: Vec<FailureReport>,
+    /// Deferred rows.
+    pub deferred: Vec<FailureReport>,
+    /// Rows released untouched.
+    pub released: Vec<Uuid>,
+    /// Rows whose lease was lost.
+    pub lease_lost: Vec<Uuid>,
+    /// Whether the outcome transaction failed (R57).
+    pub commit_failed: bool,
+    /// Whether a transient failure or timeout stopped the cycle (R47).
+    pub broker_unreachable: bool,
+    /// Whether the circuit breaker is open after this cycle (or kept it from fetching).
+    pub breaker_open: bool,
+    /// Per-row outcomes in fetch order.
+    pub outcomes: Vec<(Uuid, RowOutcome)>,
+}
+
+/// The relay: one worker running cycles against a repository and a broker.
+pub struct Relay {
+    repo: Arc<dyn OutboxRepository>,
+    broker: Arc<dyn Broker>,
+    steps: Vec<Arc<dyn PipelineStep>>,
+    config: RelayConfig,
+    rng: Mutex<Box<dyn RandomSource>>,
+    clock: Arc<dyn RelayClock>,
+    breaker: Mutex<BreakerState>,
+    wake: Arc<Notify>,
+}
+
+impl std::fmt::Debug for Relay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Stop {
+    Unreachable(String),
+    Other,
+}
+
+#[derive(Default)]
+struct CycleState {
+    stop: Option<Stop>,
+    decided: HashMap<Uuid, (OutcomeKind, Option<Duration>)>,
+    failed_keys: HashSet<Key>,
+    completion_order: Vec<Uuid>,
+}
+
+fn timeout_text(t: Duration) -> String {
+    let s = format!("{}", t.as_secs_f64());
+    let s = if s.contains('.') { s } else { format!("{s}.0") };
+    format!("Publish timed out after {s}s")
+}
+
+impl Relay {
+    /// Starts a builder with the contract's defaults.
+    pub fn builder(repo: Arc<dyn OutboxRepository>, broker: Arc<dyn Broker>) -> RelayBuilder {
+        RelayBuilder {
+            repo,
+            broker,
+            steps: Vec::new(),
+            worker_id: None,
+            batch_size: DEFAULT_BATCH_SIZE,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            max_per_key: DEFAULT_MAX_PER_KEY,
+            publish_concurrency: DEFAULT_PUBLISH_CONCURRENCY,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            poll_interval: DEFAULT_POLL_INTERVAL,
+            backoff: Backoff::default(),
+            filter: FetchFilter::default(),
+            breaker: None,
+            rng: None,
+            clock: Arc::new(TokioClock),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RelayConfig {
+        &self.config
+    }
+
+    /// A handle that wakes a waiting loop (for LISTEN/NOTIFY or an in-process writer).
+    pub fn waker(&self) -> Arc<Notify> {
+        self.wake.clone()
+    }
+
+    fn retry_for_counted(&self, row_created: Option<DateTime<Utc>>, attempts: i32, explicit: Option<DateTime<Utc>>) -> Retry {
+        if let Some(t) = explicit.and_then(|t| valid_explicit(t, row_created)) {
+            return Retry::At(t);
+        }
+        let mut rng = self.rng.lock().expect("rng poisoned");
+        match self.config.backoff.delay(attempts.max(0) as u32, rng.as_mut()) {
+            Some(d) => Retry::After(d),
+            None => Retry::Keep,
+        }
+    }
+
+    fn breaker_allows_fetch(&self) -> bool {
+        let Some(cfg) = self.config.breaker else { return true };
+        let st = self.breaker.lock().expect("breaker poisoned");
+        match st.opened_at {
+            None => true,
+            Some(at) => self.clock.now().saturating_duration_since(at) >= cfg.recovery_timeout,
+        }
+    }
+
+    /// Records a publish result in the breaker; true when it (re)opened.
+    fn breaker_record(&self, success: bool) -> bool {
+        let Some(cfg) = self.config.breaker else { return false };
+        let mut st = self.breaker.lock().expect("breaker poisoned");
+        if success {
+            st.failures = 0;
+            st.opened_at = None;
+            false
+        } else {
+            st.failures = st.failures.saturating_add(1);
+            if st.failures >= cfg.failure_threshold {
+                st.opened_at = Some(self.clock.now());
+                true
+            } else {
+                false
+            }
+        }
+    }
+
+    fn breaker_is_open(&self) -> bool {
+        self.config.breaker.is_some()
+            && self.breaker.lock().expect("breaker poisoned").opened_at.is_some()
+    }
+
+    /// Runs one cycle (see the module docs). An error means the fetch failed; nothing is held.
+    pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleReport, RepositoryError> {
+        let mut report = CycleReport::default();
+        if shutdown.is_cancelled() {
+            return Ok(report);
+        }
+        if !self.breaker_allows_fetch() {
+            report.breaker_open = true;
+            return Ok(report);
+        }
+        let req = FetchRequest {
+            worker: self.config.worker_id.clone(),
+            limit: self.config.batch_size,
+            lease_ttl: self.config.lease_ttl,
+            max_per_key: self.config.max_per_key,
+            filter: self.config.filter.clone(),
+        };
+        let fetch_started = self.clock.now();
+        let rows = self.repo.fetch_and_lock(&req).await?;
+        report.fetched = rows.iter().map(Fetched::id).collect();
+        for s in &self.steps {
+            guard_hook("on_fetch", s.on_fetch(rows.len())).await;
+        }
+        if rows.is_empty() {
+            for s in &self.steps {
+                guard_hook("on_cycle_end", s.on_cycle_end(&report)).await;
+            }
+            return Ok(report);
+        }
+
+        // Group into runs by key; rows arrive grouped, keys in head order (R22).
+        let mut runs: Vec<(Key, Vec<&Fetched>)> = Vec::new();
+        for r in &rows {
+            let k = r.key();
+            match runs.last_mut() {
+                Some((last, v)) if *last == k => v.push(r),
+                _ => runs.push((k, vec![r])),
+            }
+        }
+
+        let state = Mutex::new(CycleState::default());
+        let lease_deadline = fetch_started + self.config.lease_ttl;
+        futures::stream::iter(runs.iter())
+            .for_each_concurrent(self.config.publish_concurrency, |(key, run)| {
+                self.publish_run(key, run, shutdown, lease_deadline, &state)
+            })
+            .await;
+        let state = state.into_inner().expect("cycle state poisoned");
+
+        // Decide the rows not processed (R47, R77).
+        let mut outcomes = Vec::with_capacity(rows.len());
+        let mut durations = HashMap::new();
+        let mut deferred_keys = HashSet::new();
+        for r in &rows {
+            let id = r.id();
+            let kind = match state.decided.get(&id) {
+                Some((k, d)) => {
+                    if let Some(d) = d {
+                        durations.insert(id, *d);
+                    }
+                    k.clone()
+                }
+                None => match &state.stop {
+                    Some(Stop::Unreachable(text))
+                        if !state.failed_keys.contains(&r.key()) && deferred_keys.insert(r.key()) =>
+                    {
+                        OutcomeKind::Deferred { error: text.clone() }
+                    }
+                    _ => OutcomeKind::Released,
+                },
+            };
+            outcomes.push(Outcome { id, kind });
+        }
+        report.broker_unreachable = matches!(state.stop, Some(Stop::Unreachable(_)));
+
+        let written = self.repo.write_outcomes(&self.config.worker_id, &outcomes).await;
+        let written: HashMap<Uuid, OutcomeResult> = match written {
+            Ok(w) => w.into_iter().map(|w| (w.id, w.result)).collect(),
+            Err(e) => {
+                tracing::error!(error = %e, worker = %self.config.worker_id,
+                    "outcome commit failed; the rows stay locked until their lease expires and will be published again");
+                report.commit_failed = true;
+                HashMap::new()
+            }
+        };
+
+        let by_id: HashMap<Uuid, &Fetched> = rows.iter().map(|r| (r.id(), r)).collect();
+        let mut order: Vec<Uuid> = state.completion_order.clone();
+        let completed_set: HashSet<Uuid> = order.iter().copied().collect();
+        order.extend(rows.iter().map(Fetched::id).filter(|id| !completed_set.contains(id)));
+        let mut terminal: Vec<(Uuid, String)> = Vec::new();
+        let mut row_outcomes: HashMap<Uuid, RowOutcome> = HashMap::new();
+        for o in &outcomes {
+            let res = written.get(&o.id);
+            let next_try = match res {
+                Some(OutcomeResult::Applied { scheduled_at, .. }) => Some(*scheduled_at),
+                _ => None,
+            };
+            let ro = if matches!(res, Some(OutcomeResult::LeaseLost)) {
+                report.lease_lost.push(o.id);
+                RowOutcome::LeaseLost
+            } else {
+                match &o.kind {
+                    OutcomeKind::Completed => RowOutcome::Completed {
+                        duration: durations.get(&o.id).copied().unwrap_or_default(),
+                    },
+                    OutcomeKind::Counted { error, .. } => {
+                        let is_terminal = matches!(res, Some(OutcomeResult::Applied { status: Status::Failed, .. }));
+                        if is_terminal {
+                            terminal.push((o.id, error.clone()));
+                        }
+                        report.counted.push(FailureReport { id: o.id, error: error.clone(), next_try });
+                        RowOutcome::Counted { error: error.clone(), next_try, terminal: is_terminal }
+                    }
+                    OutcomeKind::Transient { error, .. } => {
+                        report.transient.push(FailureReport { id: o.id, error: error.clone(), next_try });
+                        RowOutcome::Transient { error: error.clone(), next_try }
+                    }
+                    OutcomeKind::Deferred { error } => {
+                        report.deferred.push(FailureReport { id: o.id, error: error.clone(), next_try: None });
+                        RowOutcome::Deferred { error: error.clone() }
+                    }
+                    OutcomeKind::Released => {
+                        report.released.push(o.id);
+                        RowOutcome::Released
+                    }
+                }
+            };
+            row_outcomes.insert(o.id, ro);
+        }
+        report.completed = order
+            .iter()
+            .filter(|id| matches!(row_outcomes.get(id), Some(RowOutcome::Completed { .. })))
+            .copied()
+            .collect();
+        report.outcomes = rows
+            .iter()
+            .map(|r| (r.id(), row_outcomes.remove(&r.id()).unwrap_or(RowOutcome::Released)))
+            .collect();
+        report.breaker_open = self.breaker_is_open();
+
+        if !report.commit_failed {
+            for (id, ro) in &report.outcomes {
+                let Some(event) = by_id.get(id).and_then(|f| f.row()) else { continue };
+                let duration = match ro {
+                    RowOutcome::Completed { duration } => Some(*duration),
+                    _ => None,
+                };
+                let observed = ObservedOutcome { event, outcome: ro, duration };
+                for s in &self.steps {
+                    guard_hook("on_outcome", s.on_outcome(&observed)).await;
+                }
+            }
+            for (id, error) in &terminal {
+                if let Some(event) = by_id.get(id).and_then(|f| f.row()) {
+                    for s in &self.steps {
+                        guard_hook("on_terminal_failure", s.on_terminal_failure(event, error)).await;
+                    }
+                }
+            }
+        }
+        for s in &self.steps {
+            guard_hook("on_cycle_end", s.on_cycle_end(&report)).await;
+        }
+        Ok(report)
+    }
+
+    async fn publish_run(
+        &self,
+        key: &Key,
+        run: &[&Fetched],
+        shutdown: &CancellationToken,
+        lease_deadline: tokio::time::Instant,
+        state: &Mutex<CycleState>,
+    ) {
+        let decide = |id: Uuid, kind: OutcomeKind, d: Option<Duration>| {
+            let mut st = state.lock().expect("cycle state poisoned");
+            if matches!(kind, OutcomeKind::Completed) {
+                st.completion_order.push(id);
+            } else {
+                st.failed_keys.insert(key.clone());
+            }
+            st.decided.insert(id, (kind, d));
+        };
+        let stop = |s: Stop| {
+            let mut st = state.lock().expect("cycle state poisoned");
+            if st.stop.is_none() || matches!(s, Stop::Unreachable(_)) && st.stop == Some(Stop::Other) {
+                st.stop = Some(s);
+            }
+        };
+        for fetched in run {
+            if state.lock().expect("cycle state poisoned").stop.is_some() || shutdown.is_cancelled() {
+                return;
+            }
+            let now = self.clock.now();
+            if lease_deadline.saturating_duration_since(now) < self.config.publish_timeout {
+                tracing::debug!(id = %fetched.id(), "lease too short to start a publish; released");
+                return;
+            }
+            let row = match fetched {
+                Fetched::Undecodable(u) => {
+                    let retry = self.retry_for_counted(None, u.attempts_made, None);
+                    decide(u.id, OutcomeKind::Counted { error: format!("undecodable row: {}", u.reason), retry }, None);
+                    return;
+                }
+                Fetched::Row(e) => e,
+            };
+            // Pipeline steps before the publish (R37).
+            let mut verdict = Ok(StepDecision::Continue);
+            for s in &self.steps {
+                verdict = s.before_publish(row).await;
+                if !matches!(verdict, Ok(StepDecision::Continue)) {
+                    break;
+                }
+            }
+            match verdict {
+                Ok(StepDecision::Continue) => {}
+                Ok(StepDecision::StopCycle) => {
+                    stop(Stop::Other);
+                    return;
+                }
+                Ok(StepDecision::Fail { error, counted: true, retry_at }) => {
+                    let retry = self.retry_for_counted(Some(row.created_at), row.attempts_made, retry_at);
+                    decide(row.id, OutcomeKind::Counted { error, retry }, None);
+                    return;
+                }
+                Ok(StepDecision::Fail { error, counted: false, retry_at }) => {
+                    let retry = retry_at
+                        .and_then(|t| valid_explicit(t, Some(row.created_at)))
+                        .map_or(Retry::Keep, Retry::At);
+                    decide(row.id, OutcomeKind::Transient { error, retry }, None);
+                    return;
+                }
+                Err(e) if e.transient => {
+                    decide(row.id, OutcomeKind::Transient { error: e.message.clone(), retry: Retry::After(TRANSIENT_RETRY) }, None);
+                    stop(Stop::Unreachable(e.message));
+                    return;
+                }
+                Err(e) => {
+                    let retry = self.retry_for_counted(Some(row.created_at), row.attempts_made, None);
+                    decide(row.id, OutcomeKind::Counted { error: e.to_string(), retry }, None);
+                    return;
+                }
+            }
+            // The publish (R45, R36).
+            let msg = Message::from_event(row);
+            let span = tracing::info_span!(
+                "process",
+                otel.name = %format_args!("process {}", row.event_type),
+                event.id = %row.id,
+                event.r#type = %row.event_type,
+                worker.id = %self.config.worker_id,
+                event.trace_id = row.trace_id.as_deref().unwrap_or(""),
+                error = tracing::field::Empty,
+            );
+            let started = self.clock.now();
+            let result = tokio::time::timeout(self.config.publish_timeout, self.broker.publish(&msg))
+                .instrument(span.clone())
+                .await;
+            let elapsed = self.clock.now().saturating_duration_since(started);
+            let text = match result {
+                Ok(Ok(_ack)) => {
+                    self.breaker_record(true);
+                    decide(row.id, OutcomeKind::Completed, Some(elapsed));
+                    continue;
+                }
+                Ok(Err(BrokerError::Rejected(text))) => {
+                    span.record("error", true);
+                    tracing::warn!(parent: &span, error = %text, "publish rejected (counted)");
+                    let retry = self.retry_for_counted(Some(row.created_at), row.attempts_made, None);
+                    decide(row.id, OutcomeKind::Counted { error: text, retry }, None);
+                    if self.breaker_record(false) {
+                        stop(Stop::Other);
+                    }
+                    return;
+                }
+                Ok(Err(BrokerError::Transient(text))) => text,
+                Err(_elapsed) => timeout_text(self.config.publish_timeout),
+            };
+            span.record("error", true);
+            tracing::warn!(parent: &span, error = %text, "broker unreachable (not counted)");
+            decide(row.id, OutcomeKind::Transient { error: text.clone(), retry: Retry::After(TRANSIENT_RETRY) }, None);
+            stop(Stop::Unreachable(text));
+            if self.breaker_record(false) {
+                stop(Stop::Other);
+            }
+            return;
+        }
+    }
+
+    /// Runs cycles until `shutdown` is cancelled (R61). Returns after the cycle in flight ends.
+    pub async fn run(&self, shutdown: CancellationToken) {
+        loop {
+            if shutdown.is_cancelled() {
+                return;
+            }
+            let again = match self.cycle(&shutdown).await {
+                Ok(r) => !r.fetched.is_empty() && !r.broker_unreachable && !r.breaker_open,
+                Err(e) => {
+                    tracing::warn!(error = %e, transient = e.is_transient(), "fetch failed; waiting for the next poll");
+                    false
+                }
+            };
+            if again {
+                continue;
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(self.config.poll_interval) => {}
+                _ = self.wake.notified() => {}
+                _ = shutdown.cancelled() => return,
+            }
+        }
+    }
+}
+
+/// An explicit retry time is valid within [created_at, created_at + 365 days] (R44).
+fn valid_explicit(t: DateTime<Utc>, created: Option<DateTime<Utc>>) -> Option<DateTime<Utc>> {
+    let Some(c) = created else { return Some(t) };
+    if t < c || t > c + chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS) {
+        tracing::warn!(retry_at = %t, created_at = %c, "explicit retry time outside [created_at, created_at + 365 days]; using the backoff instead");
+        None
+    } else {
+        Some(t)
+    }
+}
+
+async fn guard_hook(name: &'static str, f: impl std::future::Future<Output = ()>) {
+    if AssertUnwindSafe(f).catch_unwind().await.is_err() {
+        tracing::error!(hook = name, "a pipeline step panicked in an observer; ignored");
+    }
+}
+
+/// Kept for API symmetry: a validation error as a configuration error.
+impl From<ValidationError> for ConfigError {
+    fn from(e: ValidationError) -> Self {
+        ConfigError(e.to_string())
+    }
+}
+

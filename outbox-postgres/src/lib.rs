@@ -1,0 +1,2 @@
+//! Not yet implemented.
+#![deny(missing_docs)]
