@@ -1,1 +1,7 @@
-//! placeholder
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+pub mod harness;
+pub mod memory;
+
+pub use harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
