@@ -1,0 +1,1285 @@
+//! The one home of the Postgres SQL, shared by the sqlx backend of this crate and by
+//! `outbox-diesel`. This module compiles without the `sqlx` feature and has no driver types in
+//! its API: statement texts are plain `String`s with numbered bind parameters (`$1`, `$2`, …),
+//! and every statement documents its parameters (order and Postgres type) and its result
+//! columns.
+//!
+//! # Use
+//!
+//! 1. Validate the table name: [`TableName::new`] (R78). Only a validated name ever reaches SQL,
+//!    always double-quoted; every value is a bound parameter.
+//! 2. Create the schema with the statements of [`ddl`], in order, in one transaction (they are
+//!    idempotent; on an existing ancestor table they add only what is missing, R79), after
+//!    taking the advisory lock [`Statements::schema_lock`].
+//! 3. Build [`Statements::new`] once and run its texts.
+//!
+//! # Bind types
+//!
+//! `uuid`, `text`, `int4`, `int8`, `bool`, `timestamptz`, and arrays of them (`uuid[]`, `text[]`,
+//! …; array elements may be NULL where a statement says so). JSON goes in as `text` and is cast
+//! in SQL (`::jsonb`), so a driver needs no JSON support to bind it. Durations are bound as
+//! `int8` microseconds and turned into intervals in SQL (`$n * INTERVAL '1 microsecond'`), so
+//! every time is computed on the database clock (R72).
+//!
+//! # Row mapping
+//!
+//! Every statement that returns outbox rows returns exactly the columns of [`COLUMNS`], in that
+//! order (the DDL's column order). Decode them into a [`RawRow`] (the Rust type for each column
+//! is given on its field) and call [`RawRow::decode`], which never fails the whole fetch: a row
+//! whose headers are not a string map, or whose status is not one of the three values, becomes
+//! an [`UndecodableRow`] (R82).
+//!
+//! # The fetch
+//!
+//! [`Statements::fetch`] is one statement that selects heads, extends them into runs, locks
+//! with `FOR UPDATE SKIP LOCKED` and stamps the lease, in one round trip (R19–R29, R74, R76);
+//! run it in its own transaction and commit at once. How it stays flat in every backlog shape is
+//! described on [`Statements::fetch`]. It needs only the indexes of Appendix A.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_core::event::{NewEvent, OutboxEvent, Status};
+use outbox_core::repository::{FetchRequest, UndecodableRow};
+use uuid::Uuid;
+
+use crate::error::Error;
+
+/// The default table name (the ancestor's).
+pub const DEFAULT_TABLE: &str = "outbox_events";
+/// Longest table name (R78): every derived constraint and index name then fits 63 bytes.
+pub const TABLE_NAME_MAX: usize = 31;
+/// Longest schema name (R78).
+pub const SCHEMA_NAME_MAX: usize = 63;
+
+// ---------------------------------------------------------------------------------------------
+// Table name
+// ---------------------------------------------------------------------------------------------
+
+/// A validated table name, optionally schema-qualified (R78): each part matches
+/// `^[a-z_][a-z0-9_]*$`, the table at most 31 characters, the schema at most 63.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+fn check_ident(part: &str, max: usize, what: &str, whole: &str) -> Result<(), Error> {
+    let err = |reason: String| Error::TableName {
+        name: whole.to_owned(),
+        reason,
+    };
+    if part.is_empty() {
+        return Err(err(format!("the {what} name is empty")));
+    }
+    let n = part.chars().count();
+    if n > max {
+        return Err(err(format!(
+            "the {what} name is {n} characters long; the limit is {max}"
+        )));
+    }
+    let mut chars = part.chars();
+    let first = chars.next().expect("not empty");
+    if !(first.is_ascii_lowercase() || first == '_') {
+        return Err(err(format!(
+            "the {what} name must start with a lowercase ASCII letter or '_', got {first:?}"
+        )));
+    }
+    if let Some(bad) = chars.find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '_'))
+    {
+        return Err(err(format!(
+            "the {what} name may hold only lowercase ASCII letters, digits and '_', got {bad:?}"
+        )));
+    }
+    Ok(())
+}
+
+impl TableName {
+    /// Validates `name`, either `table` or `schema.table` (R78; PG-03).
+    pub fn new(name: &str) -> Result<Self, Error> {
+        let parts: Vec<&str> = name.split('.').collect();
+        match parts.as_slice() {
+            [table] => {
+                check_ident(table, TABLE_NAME_MAX, "table", name)?;
+                Ok(Self {
+                    schema: None,
+                    table: (*table).to_owned(),
+                })
+            }
+            [schema, table] => {
+                check_ident(schema, SCHEMA_NAME_MAX, "schema", name)?;
+                check_ident(table, TABLE_NAME_MAX, "table", name)?;
+                Ok(Self {
+                    schema: Some((*schema).to_owned()),
+                    table: (*table).to_owned(),
+                })
+            }
+            _ => Err(Error::TableName {
+                name: name.to_owned(),
+                reason: "at most one '.' (schema.table) is allowed".into(),
+            }),
+        }
+    }
+
+    /// The same table name in another schema (validated the same way).
+    pub fn in_schema(&self, schema: &str) -> Result<Self, Error> {
+        Self::new(&format!("{schema}.{}", self.table))
+    }
+
+    /// The bare table name, from which constraint and index names derive.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The schema, when qualified.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+
+    /// The name as SQL: `"table"` or `"schema"."table"` (quoted; safe because validated).
+    pub fn qualified(&self) -> String {
+        match &self.schema {
+            Some(s) => format!("\"{s}\".\"{}\"", self.table),
+            None => format!("\"{}\"", self.table),
+        }
+    }
+
+    /// A derived object name: `prefix` + table + `suffix`, e.g. `idx_` + `outbox_events` +
+    /// `_created_at` (bare, as stored in the catalog).
+    pub fn derived(&self, prefix: &str, suffix: &str) -> String {
+        format!("{prefix}{}{suffix}", self.table)
+    }
+
+    /// The text given to `regclass`/catalog lookups: `schema.table` or `table`.
+    pub fn dotted(&self) -> String {
+        match &self.schema {
+            Some(s) => format!("{s}.{}", self.table),
+            None => self.table.clone(),
+        }
+    }
+}
+
+impl Default for TableName {
+    fn default() -> Self {
+        Self {
+            schema: None,
+            table: DEFAULT_TABLE.to_owned(),
+        }
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.dotted())
+    }
+}
+
+impl std::str::FromStr for TableName {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        Self::new(s)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DDL (contract Appendix A)
+// ---------------------------------------------------------------------------------------------
+
+/// The columns of the table, in DDL order; every row-returning statement returns these.
+pub const COLUMNS: [&str; 23] = [
+    "id",
+    "event_type",
+    "payload",
+    "headers",
+    "trace_id",
+    "idempotency_key",
+    "correlation_id",
+    "causation_id",
+    "schema_version",
+    "status",
+    "attempts_made",
+    "max_attempts",
+    "last_error",
+    "scheduled_at",
+    "completed_at",
+    "locked_at",
+    "locked_by",
+    "created_at",
+    "updated_at",
+    "aggregate_type",
+    "aggregate_id",
+    "topic",
+    "partition_key",
+];
+
+/// `COLUMNS` joined with `, `, each prefixed by `alias.` when `alias` is not empty.
+pub fn column_list(alias: &str) -> String {
+    COLUMNS
+        .iter()
+        .map(|c| {
+            if alias.is_empty() {
+                (*c).to_owned()
+            } else {
+                format!("{alias}.{c}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// One index of the schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexDef {
+    /// The index name as stored in the catalog, e.g. `idx_outbox_events_created_at`.
+    pub name: String,
+    /// Whether it is unique.
+    pub unique: bool,
+    /// The part after `ON <table>`: columns and predicate, e.g. `(created_at)`.
+    pub body: String,
+}
+
+/// The seven indexes of Appendix A, in its order, for `table`. `pending_key_order` (R33) is
+/// among them; the library needs no other index.
+pub fn indexes(table: &TableName) -> Vec<IndexDef> {
+    let i = |suffix: &str, unique: bool, body: &str| IndexDef {
+        name: table.derived("idx_", suffix),
+        unique,
+        body: body.to_owned(),
+    };
+    vec![
+        i(
+            "_completed_cleanup",
+            false,
+            "(completed_at) WHERE status = 'completed' AND completed_at IS NOT NULL",
+        ),
+        i("_created_at", false, "(created_at)"),
+        i(
+            "_idempotency_key",
+            true,
+            "(idempotency_key) WHERE idempotency_key IS NOT NULL",
+        ),
+        i(
+            "_locked_at",
+            false,
+            "(locked_at) WHERE locked_at IS NOT NULL",
+        ),
+        i(
+            "_pending_fetch",
+            false,
+            "(scheduled_at) WHERE status = 'pending' AND locked_at IS NULL AND attempts_made < max_attempts",
+        ),
+        i(
+            "_pending_key_order",
+            false,
+            "(topic, partition_key, created_at) WHERE status = 'pending'",
+        ),
+        i("_updated_at", false, "(updated_at)"),
+    ]
+}
+
+/// The name of the key-order index (R33).
+pub fn key_order_index(table: &TableName) -> String {
+    table.derived("idx_", "_pending_key_order")
+}
+
+fn create_table(table: &TableName, if_not_exists: bool) -> String {
+    let t = table.table();
+    format!(
+        "CREATE TABLE {ine}{q} (
+    id              uuid          NOT NULL,
+    event_type      varchar(100)  NOT NULL,
+    payload         jsonb         NOT NULL,
+    headers         jsonb,
+    trace_id        varchar(64),
+    idempotency_key varchar(128),
+    correlation_id  varchar(64),
+    causation_id    varchar(64),
+    schema_version  varchar(50),
+    status          varchar(20)   NOT NULL,
+    attempts_made   integer       NOT NULL,
+    max_attempts    integer       NOT NULL,
+    last_error      varchar(2000),
+    scheduled_at    timestamptz   NOT NULL,
+    completed_at    timestamptz,
+    locked_at       timestamptz,
+    locked_by       varchar(255),
+    created_at      timestamptz   NOT NULL DEFAULT timezone('UTC', now()),
+    updated_at      timestamptz            DEFAULT timezone('UTC', now()),
+    aggregate_type  varchar(50)   NOT NULL,
+    aggregate_id    uuid          NOT NULL,
+    topic           varchar(255)  NOT NULL,
+    partition_key   varchar(255)  NOT NULL,
+    CONSTRAINT \"{t}_pkey\" PRIMARY KEY (id),
+    CONSTRAINT \"ck_{t}_attempts_valid\"
+        CHECK (attempts_made <= max_attempts),
+    CONSTRAINT \"ck_{t}_completed_status_consistency\"
+        CHECK ((status = 'completed' AND completed_at IS NOT NULL)
+            OR (status <> 'completed' AND completed_at IS NULL)),
+    CONSTRAINT \"ck_{t}_lock_consistency\"
+        CHECK ((locked_at IS NULL AND locked_by IS NULL)
+            OR (locked_at IS NOT NULL AND locked_by IS NOT NULL))
+)",
+        ine = if if_not_exists { "IF NOT EXISTS " } else { "" },
+        q = table.qualified(),
+    )
+}
+
+fn create_index(
+    table: &TableName,
+    ix: &IndexDef,
+    if_not_exists: bool,
+    concurrently: bool,
+) -> String {
+    format!(
+        "CREATE {u}INDEX {c}{ine}\"{n}\" ON {q} {b}",
+        u = if ix.unique { "UNIQUE " } else { "" },
+        c = if concurrently { "CONCURRENTLY " } else { "" },
+        ine = if if_not_exists { "IF NOT EXISTS " } else { "" },
+        n = ix.name,
+        q = table.qualified(),
+        b = ix.body
+    )
+}
+
+/// The schema this library creates and uses, as statements to run in order in one
+/// transaction: `CREATE SCHEMA IF NOT EXISTS` (when qualified), `CREATE TABLE IF NOT EXISTS`
+/// with Appendix A's columns and constraints, and `CREATE [UNIQUE] INDEX IF NOT EXISTS` for its
+/// seven indexes. Idempotent; on an existing ancestor table only missing indexes are added
+/// (R79). The library adds nothing beyond Appendix A (PG-02).
+///
+/// For a large existing table, create the key-order index first, outside a transaction, with
+/// [`create_key_order_index_concurrently`].
+pub fn ddl(table: &TableName) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Some(s) = table.schema() {
+        v.push(format!("CREATE SCHEMA IF NOT EXISTS \"{s}\""));
+    }
+    v.push(create_table(table, true));
+    for ix in indexes(table) {
+        v.push(create_index(table, &ix, true, false));
+    }
+    v
+}
+
+/// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` for the key-order index (R79): run it alone, not in
+/// a transaction, before [`ddl`] on a large existing table.
+pub fn create_key_order_index_concurrently(table: &TableName) -> String {
+    let ix = indexes(table)
+        .into_iter()
+        .find(|i| i.name == key_order_index(table))
+        .expect("the key-order index is in the list");
+    create_index(table, &ix, true, true)
+}
+
+/// The ancestor's DDL exactly as contract.md Appendix A writes it (no `IF NOT EXISTS`), with the
+/// table name replaced. For tests (PG-02, PG-10) and for users who copy the SQL.
+pub fn ancestor_ddl(table: &TableName) -> Vec<String> {
+    let mut v = vec![create_table(table, false)];
+    for ix in indexes(table) {
+        v.push(create_index(table, &ix, false, false));
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
+// Statements
+// ---------------------------------------------------------------------------------------------
+
+/// Every statement text for one table. Build once with [`Statements::new`]; the fields are
+/// plain SQL with numbered parameters, documented one by one.
+#[derive(Debug, Clone)]
+pub struct Statements {
+    /// The table.
+    pub table: TableName,
+
+    /// `SELECT pg_advisory_xact_lock(hashtext($1))`; `$1 text` = [`Statements::schema_lock_key`].
+    /// Take it in the schema-creation transaction so concurrent creators serialize.
+    pub schema_lock: String,
+
+    /// `SELECT now()`: the database clock (R72). One column `timestamptz`.
+    pub now: String,
+
+    /// One row by id. `$1 uuid`. Returns [`COLUMNS`] (0 or 1 row).
+    pub get: String,
+
+    /// Inserts many events in one statement, skipping rows whose id or idempotency key exists
+    /// (`ON CONFLICT DO NOTHING`; a concurrent writer of the same key waits for the other
+    /// transaction, R17). created_at = updated_at = one `clock_timestamp()` per statement
+    /// (R73, R79); scheduled_at = the absolute time if given, else created_at + delay (R15).
+    ///
+    /// Parameters, all arrays of equal length (one element per event, in write order; build
+    /// them with [`InsertColumns::new`]):
+    /// `$1 uuid[]` id, `$2 text[]` event_type, `$3 text[]` payload (JSON text),
+    /// `$4 text[]` headers (JSON text, NULL elements for none), `$5 text[]` trace_id,
+    /// `$6 text[]` idempotency_key, `$7 text[]` correlation_id, `$8 text[]` causation_id,
+    /// `$9 text[]` schema_version (these five with NULL elements), `$10 int4[]` max_attempts,
+    /// `$11 timestamptz[]` absolute scheduled_at (NULL elements), `$12 int8[]` delay in
+    /// microseconds (NULL elements), `$13 text[]` aggregate_type, `$14 uuid[]` aggregate_id,
+    /// `$15 text[]` topic, `$16 text[]` partition_key.
+    ///
+    /// Returns [`COLUMNS`] of the rows inserted (in no particular order). Events that return no
+    /// row already exist: read them with [`Statements::select_existing`]. Deduplicate repeats
+    /// within one call first ([`dedupe_write`]).
+    pub insert: String,
+
+    /// The rows already stored for events that [`Statements::insert`] skipped.
+    /// `$1 uuid[]` ids, `$2 text[]` idempotency keys (no NULLs). Returns [`COLUMNS`] of every
+    /// row whose id is in `$1` or whose idempotency_key is in `$2`. Match each skipped event to
+    /// the row with its idempotency key when it has one, else to the row with its id.
+    pub select_existing: String,
+
+    /// Fetch-and-lock (R19–R29, R74, R76, R81): run alone in its own transaction and commit.
+    ///
+    /// Parameters: `$1 text` worker id, `$2 int8` batch size (≥ 1), `$3 int8` lease TTL in
+    /// microseconds, `$4 int8` max_per_key (≥ 1), `$5 text[]` topics or NULL for any,
+    /// `$6 text[]` aggregate types or NULL, `$7 uuid[]` aggregate ids or NULL, `$8 int8`
+    /// candidate scan limit ([`candidate_scan_limit`]).
+    ///
+    /// Returns [`COLUMNS`] of the locked rows in return order (R22): grouped by key, keys in
+    /// head order, rows in write order. Each row has locked_at = updated_at = `now()` and
+    /// locked_by = `$1`.
+    ///
+    /// How it works, and why it stays flat:
+    ///
+    /// * **Candidates, path A.** The first `$8` fetchable rows in `(scheduled_at, created_at,
+    ///   id)` order, read from two index ranges so the lease clause never forces a scan:
+    ///   unlocked rows from `idx_<t>_pending_fetch` and expired leases from `idx_<t>_locked_at`
+    ///   (`locked_at < now() − ttl`). A candidate is a head when a probe of
+    ///   `idx_<t>_pending_key_order` finds no earlier in-line row of its key (filters ignored,
+    ///   R29); the probe is a `LATERAL … LIMIT 1`, a nested loop per candidate, never a join of
+    ///   all pairs of a key's rows. Path A stops at `$2` heads.
+    /// * **Path B, only when A found fewer than `$2` heads** (a one-time filter; B is not
+    ///   executed otherwise). A skip scan over the distinct keys of `idx_<t>_pending_key_order`
+    ///   (a recursive CTE), one `LIMIT 1` probe per key for its first in-line row, keeping those
+    ///   that are fetchable, sorted by `(scheduled_at, created_at, id)`. Its cost is the number
+    ///   of keys with pending rows, never the number of rows: a hot key with 100,000 rows behind
+    ///   its head costs one probe.
+    /// * **Runs.** For each of at most `$2` heads, a `LATERAL` read of the key's line from the
+    ///   head on (`LIMIT $4`, never-tried future rows passed over), cut at the first row that
+    ///   is not fetchable or filtered out; the batch fills breadth-first (`ORDER BY position,
+    ///   head rank LIMIT $2`).
+    /// * **Lock.** `FOR UPDATE SKIP LOCKED` on the chosen rows, rechecking fetchability on the
+    ///   latest row version; each run is cut again before its first row that could not be
+    ///   locked, so no row goes out while an earlier row of its key is locked elsewhere (R28).
+    ///   Then one `UPDATE … RETURNING` stamps the lease with `now()` (R72).
+    pub fetch: String,
+
+    /// Completion write (R56) for many rows, guarded (R54). `$1 uuid[]` ids, `$2 text` worker.
+    /// Returns `id uuid, status text, attempts_made int4, scheduled_at timestamptz` of the rows
+    /// written; ids not returned lost their lease (R55).
+    pub complete: String,
+
+    /// Failure writes for many rows, guarded (R54): counted (R38), transient (R43, R44) and
+    /// deferred (R47) in one statement. Parameters, arrays of equal length:
+    /// `$1 uuid[]` ids, `$2 bool[]` counted (attempts_made + 1, `failed` at max_attempts),
+    /// `$3 text[]` last_error (already normalized, R9), `$4 int8[]` retry after this many
+    /// microseconds from `now()` (NULL elements), `$5 timestamptz[]` explicit retry time (NULL
+    /// elements; wins over `$4`), then `$6 text` worker. Both NULL keeps scheduled_at (backoff
+    /// base 0, deferral). Returns like [`Statements::complete`].
+    pub fail: String,
+
+    /// Releases rows untouched (R77), guarded. `$1 uuid[]` ids, `$2 text` worker. Returns like
+    /// [`Statements::complete`].
+    pub release: String,
+
+    /// refresh_lock (R24): `$1 uuid` id, `$2 text` worker. Affects 1 row when held by the
+    /// worker, else 0.
+    pub refresh_lock: String,
+
+    /// release_lock (R24): `$1 uuid` id, `$2 text` worker. Affects 1 row when held, else 0.
+    pub release_lock: String,
+
+    /// Bulk release (R24): `$1 uuid[]` ids, `$2 text` worker. Affects the rows held by the
+    /// worker; run it in a transaction and roll back when the count differs from the number of
+    /// ids.
+    pub release_locks: String,
+
+    /// One batch of release_stale_locks (R63): `$1 int8` timeout in microseconds, `$2 int8`
+    /// batch size. Releases up to `$2` pending rows with locked_at < now() − timeout, skipping
+    /// row-locked rows. Affected-row count = rows released; repeat while it equals `$2`, at most
+    /// 1000 times.
+    pub release_stale: String,
+
+    /// requeue_failed (R64): `$1 uuid`. Affects 1 row when the row was `failed`, else 0.
+    pub requeue: String,
+
+    /// One round of delete_old_completed (R65): `$1 int4` retention days, `$2 int8` batch size.
+    /// Affected-row count = rows deleted.
+    pub delete_old_completed: String,
+
+    /// force_unlock (R66): `$1 uuid` id, `$2 text` last_error text (`Force unlock: …`). Affects
+    /// 1 row when the row was held, else 0 (then report "not locked").
+    pub force_unlock: String,
+
+    /// Blocked keys (R80): `$1 int8` lease TTL in microseconds, `$2 int8` limit. Returns
+    /// `topic text, partition_key text, head_id uuid, attempts_made int4, max_attempts int4,
+    /// last_error text (nullable), next_try timestamptz, locked_by text (nullable), locked_at
+    /// timestamptz (nullable), waiting int8`, oldest head first (write order).
+    pub blocked_keys: String,
+
+    /// Counts (R80): no parameters. Returns `topic text, status text, count int8`, sorted by
+    /// topic then status.
+    pub counts: String,
+
+    /// Oldest due age (R80): no parameters. Returns one row, one column `age_us int8`
+    /// (microseconds, NULL when no pending row is due).
+    pub oldest_due_age: String,
+
+    /// Test clock (scenarios.md §1 `advance`): `$1 int8` microseconds. Moves created_at,
+    /// scheduled_at, locked_at, completed_at and updated_at of every row back by that much.
+    pub shift_clock: String,
+}
+
+/// How many candidates path A of the fetch reads before it gives up and lets path B (the key
+/// skip scan) answer: `$8` of [`Statements::fetch`]. Reading more candidates helps when many
+/// rows sit behind early heads; the skip scan bounds the cost either way.
+pub fn candidate_scan_limit(batch: usize) -> i64 {
+    (batch.saturating_mul(4)).clamp(64, 4000) as i64
+}
+
+/// The fetch parameters of `req` in bind order (`$2`–`$8`; `$1` is `req.worker`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FetchParams {
+    /// `$2` batch size.
+    pub limit: i64,
+    /// `$3` lease TTL in microseconds.
+    pub lease_us: i64,
+    /// `$4` max_per_key.
+    pub max_per_key: i64,
+    /// `$5` topics.
+    pub topics: Option<Vec<String>>,
+    /// `$6` aggregate types.
+    pub aggregate_types: Option<Vec<String>>,
+    /// `$7` aggregate ids.
+    pub aggregate_ids: Option<Vec<Uuid>>,
+    /// `$8` candidate scan limit.
+    pub scan_limit: i64,
+}
+
+impl FetchParams {
+    /// The parameters of a validated request.
+    pub fn new(req: &FetchRequest) -> Self {
+        Self {
+            limit: req.limit.min(i64::MAX as usize) as i64,
+            lease_us: micros(req.lease_ttl),
+            max_per_key: req.max_per_key.min(i64::MAX as usize) as i64,
+            topics: req.filter.topics.clone(),
+            aggregate_types: req.filter.aggregate_types.clone(),
+            aggregate_ids: req.filter.aggregate_ids.clone(),
+            scan_limit: candidate_scan_limit(req.limit),
+        }
+    }
+}
+
+/// A duration as whole microseconds, saturating at `i64::MAX`.
+pub fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+impl Statements {
+    /// All statement texts for `table`.
+    pub fn new(table: &TableName) -> Self {
+        let t = table.qualified();
+        let cols = column_list("");
+        let cols_t = column_list("t");
+        let in_line = |a: &str| {
+            format!(
+                "({a}.scheduled_at <= now() OR {a}.last_error IS NOT NULL OR {a}.locked_at IS NOT NULL)"
+            )
+        };
+        let filters = |a: &str| {
+            format!(
+                "($5::text[] IS NULL OR {a}.topic = ANY($5::text[])) \
+                 AND ($6::text[] IS NULL OR {a}.aggregate_type = ANY($6::text[])) \
+                 AND ($7::uuid[] IS NULL OR {a}.aggregate_id = ANY($7::uuid[]))"
+            )
+        };
+        let cutoff = "(now() - $3::int8 * INTERVAL '1 microsecond')";
+        let fetchable = |a: &str| {
+            format!(
+                "{a}.status = 'pending' AND {a}.scheduled_at <= now() AND {a}.attempts_made < {a}.max_attempts \
+                 AND ({a}.locked_at IS NULL OR {a}.locked_at < {cutoff})"
+            )
+        };
+
+        let fetch = format!(
+            "WITH RECURSIVE
+cand AS (
+    SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
+    FROM (
+        (SELECT u.id, u.topic, u.partition_key, u.scheduled_at, u.created_at
+           FROM {t} u
+          WHERE u.status = 'pending' AND u.locked_at IS NULL AND u.attempts_made < u.max_attempts
+            AND u.scheduled_at <= now() AND {fu}
+          ORDER BY u.scheduled_at, u.created_at, u.id
+          LIMIT $8::int8)
+        UNION ALL
+        (SELECT x.id, x.topic, x.partition_key, x.scheduled_at, x.created_at
+           FROM {t} x
+          WHERE x.locked_at < {cutoff} AND x.status = 'pending'
+            AND x.attempts_made < x.max_attempts AND x.scheduled_at <= now() AND {fx}
+          ORDER BY x.scheduled_at, x.created_at, x.id
+          LIMIT $8::int8)
+    ) c
+    ORDER BY c.scheduled_at, c.created_at, c.id
+    LIMIT $8::int8
+),
+heads_a AS (
+    SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
+    FROM cand c
+    LEFT JOIN LATERAL (
+        SELECT 1 AS found
+          FROM {t} e
+         WHERE e.status = 'pending' AND e.topic = c.topic AND e.partition_key = c.partition_key
+           AND e.created_at <= c.created_at AND (e.created_at < c.created_at OR e.id < c.id)
+           AND {ile}
+         LIMIT 1
+    ) earlier ON true
+    WHERE earlier.found IS NULL
+    ORDER BY c.scheduled_at, c.created_at, c.id
+    LIMIT $2::int8
+),
+keys AS (
+    (SELECT k.topic, k.partition_key FROM {t} k
+      WHERE k.status = 'pending'
+      ORDER BY k.topic, k.partition_key
+      LIMIT 1)
+    UNION ALL
+    (SELECT nk.topic, nk.partition_key
+       FROM keys p
+       CROSS JOIN LATERAL (
+           SELECT k.topic, k.partition_key FROM {t} k
+            WHERE k.status = 'pending' AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
+            ORDER BY k.topic, k.partition_key
+            LIMIT 1
+       ) nk)
+),
+heads_b AS (
+    SELECT f.id, f.topic, f.partition_key, f.scheduled_at, f.created_at
+    FROM keys k
+    CROSS JOIN LATERAL (
+        SELECT h.id, h.topic, h.partition_key, h.scheduled_at, h.created_at, h.attempts_made,
+               h.max_attempts, h.locked_at, h.status, h.aggregate_type, h.aggregate_id
+          FROM {t} h
+         WHERE h.status = 'pending' AND h.topic = k.topic AND h.partition_key = k.partition_key
+           AND {ilh}
+         ORDER BY h.created_at, h.id
+         LIMIT 1
+    ) f
+    WHERE {ff} AND {fff}
+    ORDER BY f.scheduled_at, f.created_at, f.id
+    LIMIT $2::int8
+),
+heads AS (
+    SELECT * FROM heads_a WHERE (SELECT count(*) FROM heads_a) >= $2::int8
+    UNION ALL
+    SELECT * FROM heads_b WHERE (SELECT count(*) FROM heads_a) < $2::int8
+),
+ranked AS (
+    SELECT h.*, row_number() OVER (ORDER BY h.scheduled_at, h.created_at, h.id) AS head_rank
+    FROM heads h
+),
+runs AS (
+    SELECT r.id, h.head_rank, r.pos,
+           bool_and(r.ok) OVER (PARTITION BY h.head_rank ORDER BY r.pos) AS prefix_ok
+    FROM ranked h
+    CROSS JOIN LATERAL (
+        SELECT l.id,
+               row_number() OVER (ORDER BY l.created_at, l.id) AS pos,
+               ({fl} AND {fll}) AS ok
+          FROM {t} l
+         WHERE l.status = 'pending' AND l.topic = h.topic AND l.partition_key = h.partition_key
+           AND l.created_at >= h.created_at AND (l.created_at > h.created_at OR l.id >= h.id)
+           AND {ill}
+         ORDER BY l.created_at, l.id
+         LIMIT $4::int8
+    ) r
+),
+picked AS (
+    SELECT id, head_rank, pos FROM runs
+     WHERE prefix_ok
+     ORDER BY pos, head_rank
+     LIMIT $2::int8
+),
+locked AS (
+    SELECT lk.id FROM {t} lk
+     WHERE lk.id = ANY(ARRAY(SELECT id FROM picked))
+       AND {flk}
+     FOR UPDATE SKIP LOCKED
+),
+final AS (
+    SELECT z.id, z.head_rank, z.pos FROM (
+        SELECT p.id, p.head_rank, p.pos,
+               bool_and(lk.id IS NOT NULL) OVER (PARTITION BY p.head_rank ORDER BY p.pos) AS still_ok
+          FROM picked p LEFT JOIN locked lk ON lk.id = p.id
+    ) z
+    WHERE z.still_ok
+),
+upd AS (
+    UPDATE {t} t
+       SET locked_at = now(), locked_by = $1::text, updated_at = now()
+      FROM final f
+     WHERE t.id = f.id
+    RETURNING {cols_t}, f.head_rank AS head_rank__, f.pos AS pos__
+)
+SELECT {cols} FROM upd ORDER BY head_rank__, pos__",
+            fu = filters("u"),
+            fx = filters("x"),
+            ile = in_line("e"),
+            ilh = in_line("h"),
+            ff = fetchable("f"),
+            fff = filters("f"),
+            fl = fetchable("l"),
+            fll = filters("l"),
+            ill = in_line("l"),
+            flk = fetchable("lk"),
+        );
+
+        let outcome_ret = "RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at";
+
+        Statements {
+            table: table.clone(),
+            schema_lock: "SELECT pg_advisory_xact_lock(hashtext($1::text))".into(),
+            now: "SELECT now()".into(),
+            get: format!("SELECT {cols} FROM {t} WHERE id = $1::uuid"),
+            insert: format!(
+                "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts)
+INSERT INTO {t} ({cols})
+SELECT u.id, u.event_type, u.payload::jsonb, u.headers::jsonb, u.trace_id, u.idempotency_key,
+       u.correlation_id, u.causation_id, u.schema_version, 'pending', 0, u.max_attempts, NULL,
+       COALESCE(u.scheduled_at, c.ts + COALESCE(u.delay_us, 0) * INTERVAL '1 microsecond'),
+       NULL, NULL, NULL, c.ts, c.ts, u.aggregate_type, u.aggregate_id, u.topic, u.partition_key
+  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+              $8::text[], $9::text[], $10::int4[], $11::timestamptz[], $12::int8[], $13::text[],
+              $14::uuid[], $15::text[], $16::text[])
+       WITH ORDINALITY AS u(id, event_type, payload, headers, trace_id, idempotency_key,
+                            correlation_id, causation_id, schema_version, max_attempts,
+                            scheduled_at, delay_us, aggregate_type, aggregate_id, topic,
+                            partition_key, ord)
+ CROSS JOIN c
+ ORDER BY u.ord
+ON CONFLICT DO NOTHING
+RETURNING {cols}"
+            ),
+            select_existing: format!(
+                "SELECT {cols} FROM {t} WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])"
+            ),
+            fetch,
+            complete: format!(
+                "UPDATE {t} t
+    SET status = 'completed', completed_at = now(), locked_at = NULL, locked_by = NULL,
+        updated_at = now()
+  WHERE t.id = ANY($1::uuid[]) AND t.status = 'pending' AND t.locked_by = $2::text
+{outcome_ret}"
+            ),
+            fail: format!(
+                "UPDATE {t} t
+    SET attempts_made = t.attempts_made + CASE WHEN o.counted THEN 1 ELSE 0 END,
+        status = CASE WHEN o.counted AND t.attempts_made + 1 >= t.max_attempts
+                      THEN 'failed' ELSE t.status END,
+        last_error = o.error,
+        scheduled_at = CASE WHEN o.retry_at IS NOT NULL THEN o.retry_at
+                            WHEN o.after_us IS NOT NULL
+                            THEN now() + o.after_us * INTERVAL '1 microsecond'
+                            ELSE t.scheduled_at END,
+        locked_at = NULL, locked_by = NULL, updated_at = now()
+   FROM unnest($1::uuid[], $2::bool[], $3::text[], $4::int8[], $5::timestamptz[])
+        AS o(id, counted, error, after_us, retry_at)
+  WHERE t.id = o.id AND t.status = 'pending' AND t.locked_by = $6::text
+{outcome_ret}"
+            ),
+            release: format!(
+                "UPDATE {t} t
+    SET locked_at = NULL, locked_by = NULL, updated_at = now()
+  WHERE t.id = ANY($1::uuid[]) AND t.status = 'pending' AND t.locked_by = $2::text
+{outcome_ret}"
+            ),
+            refresh_lock: format!(
+                "UPDATE {t} SET locked_at = now(), updated_at = now()
+  WHERE id = $1::uuid AND status = 'pending' AND locked_by = $2::text"
+            ),
+            release_lock: format!(
+                "UPDATE {t} SET locked_at = NULL, locked_by = NULL, updated_at = now()
+  WHERE id = $1::uuid AND status = 'pending' AND locked_by = $2::text"
+            ),
+            release_locks: format!(
+                "UPDATE {t} SET locked_at = NULL, locked_by = NULL, updated_at = now()
+  WHERE id = ANY($1::uuid[]) AND status = 'pending' AND locked_by = $2::text"
+            ),
+            release_stale: format!(
+                "WITH s AS (
+    SELECT id FROM {t}
+     WHERE locked_at < now() - $1::int8 * INTERVAL '1 microsecond' AND status = 'pending'
+     ORDER BY locked_at
+     LIMIT $2::int8
+     FOR UPDATE SKIP LOCKED
+)
+UPDATE {t} t SET locked_at = NULL, locked_by = NULL, updated_at = now()
+  FROM s WHERE t.id = s.id"
+            ),
+            requeue: format!(
+                "UPDATE {t}
+    SET status = 'pending', attempts_made = 0, last_error = NULL, scheduled_at = now(),
+        completed_at = NULL, locked_at = NULL, locked_by = NULL, updated_at = now()
+  WHERE id = $1::uuid AND status = 'failed'"
+            ),
+            delete_old_completed: format!(
+                "DELETE FROM {t} WHERE id IN (
+    SELECT id FROM {t}
+     WHERE status = 'completed' AND completed_at IS NOT NULL
+       AND completed_at < now() - $1::int4 * INTERVAL '1 day'
+     ORDER BY completed_at
+     LIMIT $2::int8
+     FOR UPDATE SKIP LOCKED)"
+            ),
+            force_unlock: format!(
+                "UPDATE {t} SET locked_at = NULL, locked_by = NULL, last_error = $2::text,
+        updated_at = now()
+  WHERE id = $1::uuid AND locked_at IS NOT NULL"
+            ),
+            blocked_keys: format!(
+                "WITH RECURSIVE keys AS (
+    (SELECT k.topic, k.partition_key FROM {t} k
+      WHERE k.status = 'pending' ORDER BY k.topic, k.partition_key LIMIT 1)
+    UNION ALL
+    (SELECT nk.topic, nk.partition_key
+       FROM keys p
+       CROSS JOIN LATERAL (
+           SELECT k.topic, k.partition_key FROM {t} k
+            WHERE k.status = 'pending' AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
+            ORDER BY k.topic, k.partition_key LIMIT 1
+       ) nk)
+),
+heads AS (
+    SELECT f.* FROM keys k
+    CROSS JOIN LATERAL (
+        SELECT h.id, h.topic, h.partition_key, h.attempts_made, h.max_attempts, h.last_error,
+               h.scheduled_at, h.locked_by, h.locked_at, h.created_at
+          FROM {t} h
+         WHERE h.status = 'pending' AND h.topic = k.topic AND h.partition_key = k.partition_key
+           AND {ilh}
+         ORDER BY h.created_at, h.id LIMIT 1
+    ) f
+)
+SELECT h.topic::text, h.partition_key::text, h.id AS head_id, h.attempts_made, h.max_attempts,
+       h.last_error::text, h.scheduled_at AS next_try, h.locked_by::text, h.locked_at,
+       (SELECT count(*) FROM {t} w
+         WHERE w.status = 'pending' AND w.topic = h.topic AND w.partition_key = h.partition_key
+           AND w.created_at >= h.created_at AND (w.created_at > h.created_at OR w.id > h.id))::int8
+         AS waiting
+  FROM heads h
+ WHERE (h.locked_at IS NOT NULL AND h.locked_at >= now() - $1::int8 * INTERVAL '1 microsecond')
+    OR h.scheduled_at > now()
+ ORDER BY h.created_at, h.id
+ LIMIT $2::int8",
+                ilh = in_line("h"),
+            ),
+            counts: format!(
+                "SELECT topic::text, status::text, count(*)::int8 FROM {t}
+  GROUP BY topic, status ORDER BY topic, status"
+            ),
+            oldest_due_age: format!(
+                "SELECT (EXTRACT(EPOCH FROM (now() - min(scheduled_at))) * 1000000)::int8 AS age_us
+  FROM {t} WHERE status = 'pending' AND scheduled_at <= now()"
+            ),
+            shift_clock: format!(
+                "UPDATE {t} SET
+    created_at = created_at - $1::int8 * INTERVAL '1 microsecond',
+    scheduled_at = scheduled_at - $1::int8 * INTERVAL '1 microsecond',
+    locked_at = locked_at - $1::int8 * INTERVAL '1 microsecond',
+    completed_at = completed_at - $1::int8 * INTERVAL '1 microsecond',
+    updated_at = updated_at - $1::int8 * INTERVAL '1 microsecond'"
+            ),
+        }
+    }
+
+    /// The key for [`Statements::schema_lock`]: `outbox-schema:` + the dotted table name.
+    pub fn schema_lock_key(&self) -> String {
+        format!("outbox-schema:{}", self.table.dotted())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing: parameters and repeats within one call
+// ---------------------------------------------------------------------------------------------
+
+/// The sixteen array parameters of [`Statements::insert`], in bind order.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct InsertColumns {
+    /// `$1`.
+    pub id: Vec<Uuid>,
+    /// `$2`.
+    pub event_type: Vec<String>,
+    /// `$3` payload as compact JSON.
+    pub payload: Vec<String>,
+    /// `$4` headers as JSON, or NULL.
+    pub headers: Vec<Option<String>>,
+    /// `$5`.
+    pub trace_id: Vec<Option<String>>,
+    /// `$6`.
+    pub idempotency_key: Vec<Option<String>>,
+    /// `$7`.
+    pub correlation_id: Vec<Option<String>>,
+    /// `$8`.
+    pub causation_id: Vec<Option<String>>,
+    /// `$9`.
+    pub schema_version: Vec<Option<String>>,
+    /// `$10`.
+    pub max_attempts: Vec<i32>,
+    /// `$11` absolute scheduled_at.
+    pub scheduled_at: Vec<Option<DateTime<Utc>>>,
+    /// `$12` delay in microseconds.
+    pub delay_us: Vec<Option<i64>>,
+    /// `$13`.
+    pub aggregate_type: Vec<String>,
+    /// `$14`.
+    pub aggregate_id: Vec<Uuid>,
+    /// `$15`.
+    pub topic: Vec<String>,
+    /// `$16`.
+    pub partition_key: Vec<String>,
+}
+
+impl InsertColumns {
+    /// The columns of these events, in order.
+    pub fn new<'a>(events: impl IntoIterator<Item = &'a NewEvent>) -> Self {
+        let mut c = Self::default();
+        for e in events {
+            c.id.push(e.id());
+            c.event_type.push(e.event_type().to_owned());
+            c.payload.push(e.payload_json().to_owned());
+            c.headers.push(e.headers_json().map(|h| h.to_string()));
+            c.trace_id.push(e.trace_id().map(str::to_owned));
+            c.idempotency_key
+                .push(e.idempotency_key().map(str::to_owned));
+            c.correlation_id.push(e.correlation_id().map(str::to_owned));
+            c.causation_id.push(e.causation_id().map(str::to_owned));
+            c.schema_version.push(e.schema_version().map(str::to_owned));
+            c.max_attempts.push(e.max_attempts());
+            c.scheduled_at.push(e.scheduled_at());
+            c.delay_us.push(e.delay().map(micros));
+            c.aggregate_type.push(e.aggregate_type().to_owned());
+            c.aggregate_id.push(e.aggregate_id());
+            c.topic.push(e.topic().to_owned());
+            c.partition_key.push(e.partition_key().to_owned());
+        }
+        c
+    }
+}
+
+/// How one write call handles repeats (R16): `first[i]` is the index of the first event in the
+/// call with event i's idempotency key (or, without a key, its id); `unique` lists the indexes
+/// to insert, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WritePlan {
+    /// For each event, the index of the event whose result it shares.
+    pub first: Vec<usize>,
+    /// The events to send to [`Statements::insert`], in call order.
+    pub unique: Vec<usize>,
+}
+
+/// Collapses repeats within one write call: a repeated idempotency key, or a repeated id, goes
+/// to its first occurrence (R16; I-04).
+pub fn dedupe_write(events: &[NewEvent]) -> WritePlan {
+    let mut by_key: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut by_id: BTreeMap<Uuid, usize> = BTreeMap::new();
+    let mut first = Vec::with_capacity(events.len());
+    let mut unique = Vec::new();
+    for (i, e) in events.iter().enumerate() {
+        let prior = e
+            .idempotency_key()
+            .and_then(|k| by_key.get(k).copied())
+            .or_else(|| by_id.get(&e.id()).copied());
+        match prior {
+            Some(p) => first.push(p),
+            None => {
+                if let Some(k) = e.idempotency_key() {
+                    by_key.insert(k, i);
+                }
+                by_id.insert(e.id(), i);
+                first.push(i);
+                unique.push(i);
+            }
+        }
+    }
+    WritePlan { first, unique }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reading: row mapping
+// ---------------------------------------------------------------------------------------------
+
+/// One row as the driver decodes [`COLUMNS`], before the outbox's own decoding. The Rust type
+/// of each field is what a driver should decode the column into.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RawRow {
+    /// `id uuid`.
+    pub id: Uuid,
+    /// `event_type varchar`.
+    pub event_type: String,
+    /// `payload jsonb`.
+    pub payload: serde_json::Value,
+    /// `headers jsonb` (NULL → None). Must be an object of strings to decode (R82).
+    pub headers: Option<serde_json::Value>,
+    /// `trace_id varchar`.
+    pub trace_id: Option<String>,
+    /// `idempotency_key varchar`.
+    pub idempotency_key: Option<String>,
+    /// `correlation_id varchar`.
+    pub correlation_id: Option<String>,
+    /// `causation_id varchar`.
+    pub causation_id: Option<String>,
+    /// `schema_version varchar`.
+    pub schema_version: Option<String>,
+    /// `status varchar`: `pending`, `completed` or `failed` to decode.
+    pub status: String,
+    /// `attempts_made integer`.
+    pub attempts_made: i32,
+    /// `max_attempts integer`.
+    pub max_attempts: i32,
+    /// `last_error varchar`.
+    pub last_error: Option<String>,
+    /// `scheduled_at timestamptz`.
+    pub scheduled_at: DateTime<Utc>,
+    /// `completed_at timestamptz`.
+    pub completed_at: Option<DateTime<Utc>>,
+    /// `locked_at timestamptz`.
+    pub locked_at: Option<DateTime<Utc>>,
+    /// `locked_by varchar`.
+    pub locked_by: Option<String>,
+    /// `created_at timestamptz`.
+    pub created_at: DateTime<Utc>,
+    /// `updated_at timestamptz` (nullable in the ancestor's DDL).
+    pub updated_at: Option<DateTime<Utc>>,
+    /// `aggregate_type varchar`.
+    pub aggregate_type: String,
+    /// `aggregate_id uuid`.
+    pub aggregate_id: Uuid,
+    /// `topic varchar`.
+    pub topic: String,
+    /// `partition_key varchar`.
+    pub partition_key: String,
+}
+
+/// Headers as stored (jsonb or NULL) to the event's map: NULL, JSON null and `{}` are none; an
+/// object whose values are all strings is the map; anything else cannot be decoded (R82).
+pub fn decode_headers(
+    v: Option<serde_json::Value>,
+) -> Result<Option<BTreeMap<String, String>>, String> {
+    match v {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::Object(m)) => {
+            if m.is_empty() {
+                return Ok(None);
+            }
+            let mut out = BTreeMap::new();
+            for (k, v) in m {
+                match v {
+                    serde_json::Value::String(s) => {
+                        out.insert(k, s);
+                    }
+                    other => {
+                        return Err(format!(
+                            "headers must map strings to strings, but {k:?} holds {other}"
+                        ));
+                    }
+                }
+            }
+            Ok(Some(out))
+        }
+        Some(other) => Err(format!("headers must be a JSON object, got {other}")),
+    }
+}
+
+impl RawRow {
+    /// Decodes the row, or says why it cannot be (R82). The error is the text after
+    /// `undecodable row: ` (the relay adds the prefix).
+    pub fn decode(mut self) -> Result<OutboxEvent, UndecodableRow> {
+        let status = self.status.parse::<Status>();
+        let headers = decode_headers(self.headers.take());
+        let reason = match (&status, &headers) {
+            (Err(e), _) => Some(e.clone()),
+            (_, Err(e)) => Some(e.clone()),
+            _ => None,
+        };
+        if let Some(reason) = reason {
+            return Err(UndecodableRow {
+                id: self.id,
+                topic: self.topic,
+                partition_key: self.partition_key,
+                attempts_made: self.attempts_made,
+                reason,
+            });
+        }
+        Ok(OutboxEvent {
+            id: self.id,
+            event_type: self.event_type,
+            payload: self.payload,
+            headers: headers.expect("checked"),
+            trace_id: self.trace_id,
+            idempotency_key: self.idempotency_key,
+            correlation_id: self.correlation_id,
+            causation_id: self.causation_id,
+            schema_version: self.schema_version,
+            status: status.expect("checked"),
+            attempts_made: self.attempts_made,
+            max_attempts: self.max_attempts,
+            last_error: self.last_error,
+            scheduled_at: self.scheduled_at,
+            completed_at: self.completed_at,
+            locked_at: self.locked_at,
+            locked_by: self.locked_by,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+            aggregate_type: self.aggregate_type,
+            aggregate_id: self.aggregate_id,
+            topic: self.topic,
+            partition_key: self.partition_key,
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Error classification
+// ---------------------------------------------------------------------------------------------
+
+/// What a failed statement means for the caller, from its SQLSTATE (driver-independent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorClass {
+    /// Connection lost, server shutting down, too many connections, serialization failure or
+    /// deadlock, statement timeout: retry later (`RepositoryError::Unavailable`).
+    Transient,
+    /// An integrity constraint (class 23): `RepositoryError::Constraint` naming the rule.
+    Constraint,
+    /// The table or a column is missing: run the schema creation (`RepositoryError::Schema`).
+    Schema,
+    /// Anything else (`RepositoryError::Other`).
+    Other,
+}
+
+/// Classifies a SQLSTATE code.
+pub fn classify(sqlstate: &str) -> ErrorClass {
+    match sqlstate {
+        s if s.starts_with("08") => ErrorClass::Transient, // connection exception
+        s if s.starts_with("53") => ErrorClass::Transient, // insufficient resources
+        "57P01" | "57P02" | "57P03" | "57014" => ErrorClass::Transient, // shutdown, cancel/timeout
+        "40001" | "40P01" => ErrorClass::Transient,        // serialization failure, deadlock
+        "55P03" => ErrorClass::Transient,                  // lock not available
+        s if s.starts_with("23") => ErrorClass::Constraint,
+        "42P01" | "42703" | "3F000" => ErrorClass::Schema,
+        _ => ErrorClass::Other,
+    }
+}
+
+/// The rule a named constraint or index of `table` enforces, for error messages.
+pub fn constraint_rule(table: &TableName, constraint: &str) -> String {
+    let t = table.table();
+    let rule = if constraint == format!("{t}_pkey") {
+        "duplicate event id (primary key)"
+    } else if constraint == format!("idx_{t}_idempotency_key") {
+        "duplicate idempotency_key (R16)"
+    } else if constraint == format!("ck_{t}_attempts_valid") {
+        "attempts_made must not exceed max_attempts (R3)"
+    } else if constraint == format!("ck_{t}_completed_status_consistency") {
+        "completed_at is set exactly when status is 'completed' (R3)"
+    } else if constraint == format!("ck_{t}_lock_consistency") {
+        "locked_at and locked_by are both set or both null (R3)"
+    } else {
+        "a table constraint"
+    };
+    format!("{constraint}: {rule}")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Test fixtures shared by the Postgres harnesses
+// ---------------------------------------------------------------------------------------------
+
+/// SQL for the conformance harnesses of both Postgres backends (not used by the library).
+pub mod fixtures {
+    /// `CREATE TABLE IF NOT EXISTS "<schema>".aggregates (name text PRIMARY KEY)`: the
+    /// application lock table of the suite's writers.
+    pub fn create_aggregates(schema: &str) -> String {
+        format!("CREATE TABLE IF NOT EXISTS \"{schema}\".aggregates (name text PRIMARY KEY)")
+    }
+
+    /// Takes the application lock of `$1 text` for the rest of the transaction: run
+    /// [`ensure_aggregate`] and then this.
+    pub fn lock_aggregate(schema: &str) -> String {
+        format!("SELECT name FROM \"{schema}\".aggregates WHERE name = $1::text FOR UPDATE")
+    }
+
+    /// Inserts the aggregate row `$1 text` if missing (run in its own committed statement
+    /// first, so writers contend only on the row lock).
+    pub fn ensure_aggregate(schema: &str) -> String {
+        format!(
+            "INSERT INTO \"{schema}\".aggregates (name) VALUES ($1::text) ON CONFLICT DO NOTHING"
+        )
+    }
+
+    /// `DROP SCHEMA IF EXISTS "<schema>" CASCADE`.
+    pub fn drop_schema(schema: &str) -> String {
+        format!("DROP SCHEMA IF EXISTS \"{schema}\" CASCADE")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn table_names_follow_r78() {
+        assert!(TableName::new("outbox_events").is_ok());
+        assert!(TableName::new("ops.outbox_events").is_ok());
+        assert!(TableName::new("Outbox").is_err());
+        assert!(TableName::new("a-b").is_err());
+        assert!(TableName::new(&"a".repeat(31)).is_ok());
+        assert!(TableName::new(&"a".repeat(32)).is_err());
+        assert!(TableName::new(&format!("{}.t", "s".repeat(63))).is_ok());
+        assert!(TableName::new(&format!("{}.t", "s".repeat(64))).is_err());
+        assert!(TableName::new("a.b.c").is_err());
+        assert!(TableName::new("").is_err());
+        assert!(TableName::new("1abc").is_err());
+        assert!(TableName::new("x\"; drop table y; --").is_err());
+        let t = TableName::new(&"a".repeat(31)).unwrap();
+        for ix in indexes(&t) {
+            assert!(ix.name.len() <= 63, "{}", ix.name);
+        }
+        assert!(format!("ck_{}_completed_status_consistency", t.table()).len() <= 63);
+    }
+
+    #[test]
+    fn ddl_names_derive_from_the_table() {
+        let t = TableName::new("ops.my_outbox").unwrap();
+        let ddl = ddl(&t).join(";\n");
+        assert!(ddl.contains("CREATE SCHEMA IF NOT EXISTS \"ops\""));
+        assert!(ddl.contains("\"ck_my_outbox_lock_consistency\""));
+        assert!(ddl.contains("\"idx_my_outbox_pending_key_order\" ON \"ops\".\"my_outbox\""));
+        assert!(!ddl.contains("outbox_events"));
+        assert_eq!(ancestor_ddl(&t).len(), 8);
+    }
+
+    #[test]
+    fn headers_decode_only_as_string_maps() {
+        assert_eq!(decode_headers(None), Ok(None));
+        assert_eq!(decode_headers(Some(serde_json::json!({}))), Ok(None));
+        assert_eq!(
+            decode_headers(Some(serde_json::json!({"a": "b"})))
+                .unwrap()
+                .unwrap()["a"],
+            "b"
+        );
+        assert!(decode_headers(Some(serde_json::json!({"a": 1}))).is_err());
+        assert!(decode_headers(Some(serde_json::json!(["a"]))).is_err());
+    }
+
+    #[test]
+    fn sqlstates_classify() {
+        assert_eq!(classify("08006"), ErrorClass::Transient);
+        assert_eq!(classify("57P01"), ErrorClass::Transient);
+        assert_eq!(classify("23505"), ErrorClass::Constraint);
+        assert_eq!(classify("42P01"), ErrorClass::Schema);
+        assert_eq!(classify("22001"), ErrorClass::Other);
+    }
+}
