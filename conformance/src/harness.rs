@@ -94,6 +94,12 @@ pub trait Harness: Send + Sync {
     async fn set(&self, id: Uuid, patch: RowPatch);
     /// Makes the next outcome transaction fail (R57).
     fn fail_next_outcome_commit(&self);
+    /// Builds this backend's repository with these settings, as a user would configure it, and
+    /// reports whether they were accepted (V-17: maintenance batch size 1 to 10,000;
+    /// error_max_length > 15). The default says the backend has no such settings.
+    fn try_configure(&self, _batch_size: usize, _error_max_length: usize) -> Option<Result<(), String>> {
+        None
+    }
     /// For [pg] scenarios: runs SQL on a connection of its own and returns the rows as JSON
     /// objects. `{table}` in the text is replaced by the qualified table name.
     async fn sql(&self, _statement: &str) -> Result<Vec<serde_json::Value>, String> {

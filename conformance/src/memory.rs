@@ -119,6 +119,15 @@ impl Harness for MemHarness {
     fn fail_next_outcome_commit(&self) {
         self.repo.fail_next_outcome_commit();
     }
+    fn try_configure(&self, batch_size: usize, error_max_length: usize) -> Option<Result<(), String>> {
+        Some(
+            outbox_core::memory::MemoryConfig::default()
+                .batch_size(batch_size)
+                .and_then(|c| c.error_max_length(error_max_length))
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        )
+    }
 }
 
 /// Makes a fresh [`MemHarness`] per trial.

@@ -113,8 +113,14 @@ impl InMemoryRepository {
         self.inner.state.lock().expect("memory store poisoned")
     }
 
+    /// The backend clock: the injected clock, but never earlier than the last write's
+    /// created_at (which is raised 1 µs per write call when the clock stands still).
     fn now_sync(&self) -> DateTime<Utc> {
-        self.inner.clock.now()
+        let now = self.inner.clock.now();
+        match self.lock().last_created {
+            Some(last) if last > now => last,
+            _ => now,
+        }
     }
 
     /// Begins a unit of work (the in-memory "transaction", R12).
@@ -207,7 +213,7 @@ impl MemTransaction {
     }
 
     fn write_locked(&mut self, st: &mut State, events: Vec<NewEvent>) -> Vec<WriteResult> {
-        let now = self.repo.now_sync();
+        let now = self.repo.inner.clock.now();
         let created = match st.last_created {
             Some(prev) if now <= prev => prev + chrono::Duration::microseconds(1),
             _ => now,
