@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod ctx;
+pub mod broker;
 pub mod harness;
 pub mod memory;
 pub mod scenarios;

@@ -1,2 +1,390 @@
-//! Not yet implemented: see the README of this crate.
+#![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
+
+mod config;
+mod error;
+mod subject;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::connection::State;
+use async_nats::jetstream::context::{GetStreamByNameErrorKind, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::jetstream::{self, ErrorCode};
+use async_nats::{HeaderMap, HeaderName, HeaderValue};
+use async_trait::async_trait;
+use outbox_core::{Ack, Broker, BrokerError, Message};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+pub use config::{
+    BodyFormat, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_DELAY_MAX, DEFAULT_TIMEOUT, KeyToken,
+    NatsBrokerConfig, StreamSpec, StreamStorage,
+};
+pub use error::NatsBrokerError;
+
+/// A [`Broker`] publishing to NATS JetStream and waiting for the acknowledgement.
+///
+/// Cloning shares the connection.
+#[derive(Clone)]
+pub struct NatsBroker {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    config: Arc<NatsBrokerConfig>,
+    state_changed: Arc<Notify>,
+}
+
+impl std::fmt::Debug for NatsBroker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsBroker")
+            .field("url", &self.config.url)
+            .field("subject_prefix", &self.config.subject_prefix)
+            .field("state", &self.client.connection_state())
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsBroker {
+    /// Connects (failing when the server cannot be reached within the connect timeout) and,
+    /// when the configuration says so, creates the stream if it does not exist. After this
+    /// first connection the client reconnects by itself whenever the connection is lost.
+    pub async fn connect(config: NatsBrokerConfig) -> Result<Self, NatsBrokerError> {
+        config.validate()?;
+        let notify = Arc::new(Notify::new());
+        let client = options(&config, &notify)
+            .connect(config.url.as_str())
+            .await
+            .map_err(|e| NatsBrokerError::Connect {
+                url: config.url.clone(),
+                message: e.to_string(),
+            })?;
+        let broker = Self::assemble(client, config, notify);
+        broker.ensure_stream().await?;
+        Ok(broker)
+    }
+
+    /// Returns at once and connects in the background, retrying until the server is there;
+    /// publishes fail transiently until then. Use it when the relay may start before NATS.
+    /// [`NatsBrokerConfig::ensure_stream`] is not allowed here (call
+    /// [`ensure_stream`](Self::ensure_stream) once connected).
+    pub async fn connect_lazy(config: NatsBrokerConfig) -> Result<Self, NatsBrokerError> {
+        config.validate()?;
+        if config.ensure_stream.is_some() {
+            return Err(NatsBrokerError::Config(
+                "ensure_stream needs a connection at start-up: use NatsBroker::connect, or call ensure_stream() after wait_connected()".into(),
+            ));
+        }
+        let notify = Arc::new(Notify::new());
+        let client = options(&config, &notify)
+            .retry_on_initial_connect()
+            .connect(config.url.as_str())
+            .await
+            .map_err(|e| NatsBrokerError::Connect {
+                url: config.url.clone(),
+                message: e.to_string(),
+            })?;
+        Ok(Self::assemble(client, config, notify))
+    }
+
+    /// Uses a client the application already has. [`wait_connected`](Self::wait_connected)
+    /// is only exact for clients made by this crate; here it re-checks the state every 50 ms.
+    pub async fn from_client(
+        client: async_nats::Client,
+        config: NatsBrokerConfig,
+    ) -> Result<Self, NatsBrokerError> {
+        config.validate()?;
+        let broker = Self::assemble(client, config, Arc::new(Notify::new()));
+        broker.ensure_stream().await?;
+        Ok(broker)
+    }
+
+    fn assemble(client: async_nats::Client, config: NatsBrokerConfig, notify: Arc<Notify>) -> Self {
+        let js = jetstream::ContextBuilder::new()
+            .timeout(config.timeout)
+            .backpressure_on_inflight(true)
+            .build(client.clone());
+        Self {
+            client,
+            js,
+            config: Arc::new(config),
+            state_changed: notify,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &NatsBrokerConfig {
+        &self.config
+    }
+
+    /// The underlying client.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
+    }
+
+    /// The JetStream context the adapter publishes with.
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+
+    /// Whether the client is connected right now.
+    pub fn is_connected(&self) -> bool {
+        self.client.connection_state() == State::Connected
+    }
+
+    /// Waits until the client is connected, at most `within`; returns whether it is.
+    pub async fn wait_connected(&self, within: Duration) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            let notified = self.state_changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_connected() {
+                return true;
+            }
+            let step = deadline.min(Instant::now() + Duration::from_millis(50));
+            if Instant::now() >= deadline {
+                return false;
+            }
+            let _ = tokio::time::timeout_at(step, notified).await;
+        }
+    }
+
+    /// Creates the configured stream when it does not exist (a no-op without one).
+    pub async fn ensure_stream(&self) -> Result<(), NatsBrokerError> {
+        let Some(spec) = &self.config.ensure_stream else {
+            return Ok(());
+        };
+        let mut cfg = jetstream::stream::Config {
+            name: spec.name.clone(),
+            subjects: self.config.stream_subjects(spec),
+            storage: match spec.storage {
+                StreamStorage::File => jetstream::stream::StorageType::File,
+                StreamStorage::Memory => jetstream::stream::StorageType::Memory,
+            },
+            ..Default::default()
+        };
+        if let Some(n) = spec.max_message_size {
+            cfg.max_message_size = n;
+        }
+        if let Some(d) = spec.duplicate_window {
+            cfg.duplicate_window = d;
+        }
+        if let Some(d) = spec.max_age {
+            cfg.max_age = d;
+        }
+        self.js
+            .get_or_create_stream(cfg)
+            .await
+            .map(|_| ())
+            .map_err(|e| NatsBrokerError::Stream {
+                stream: spec.name.clone(),
+                message: e.to_string(),
+            })
+    }
+
+    /// The subject of a message, or why it has none (a rejection).
+    pub fn subject(&self, m: &Message) -> Result<String, BrokerError> {
+        let base = self.config.subject_for_topic(&m.topic);
+        if let Some(p) = subject::subject_problem(&base) {
+            return Err(BrokerError::rejected(format!(
+                "NATS: topic {:?} gives subject {base:?}, which cannot be published to: {p}; use topics made of dot-separated tokens without spaces or wildcards",
+                m.topic
+            )));
+        }
+        match self.config.key_token {
+            KeyToken::Off => Ok(base),
+            KeyToken::Sanitized => Ok(format!("{base}.{}", subject::sanitize_token(&m.partition_key))),
+            KeyToken::Validated => match subject::token_problem(&m.partition_key) {
+                None => Ok(format!("{base}.{}", m.partition_key)),
+                Some(p) => Err(BrokerError::rejected(format!(
+                    "NATS: partition key {:?} cannot be a subject token: {p}; use KeyToken::Sanitized or keys without '.', '*', '>' and spaces",
+                    m.partition_key
+                ))),
+            },
+        }
+    }
+
+    /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id.
+    pub fn headers(&self, m: &Message) -> Result<HeaderMap, BrokerError> {
+        let mut h = HeaderMap::new();
+        for (k, v) in &m.attributes {
+            if k.len() >= 5 && k[..5].eq_ignore_ascii_case("nats-") {
+                return Err(BrokerError::rejected(format!(
+                    "NATS: header {k:?} uses the reserved prefix \"Nats-\", which would change how JetStream stores the message; rename the header"
+                )));
+            }
+            let name: HeaderName = k.parse().map_err(|_| {
+                BrokerError::rejected(format!(
+                    "NATS: header name {k:?} is not allowed (only printable ASCII without ':' or spaces); rename the header"
+                ))
+            })?;
+            let value: HeaderValue = v.parse().map_err(|_| {
+                BrokerError::rejected(format!("NATS: the value of header {k:?} holds a line break"))
+            })?;
+            h.insert(name, value);
+        }
+        Ok(h)
+    }
+
+    /// The body of a message.
+    pub fn body(&self, m: &Message) -> Vec<u8> {
+        match self.config.body {
+            BodyFormat::Payload => m.body.clone(),
+            BodyFormat::Envelope => serde_json::to_vec(&serde_json::json!({
+                "event_id": m.event_id.hyphenated().to_string(),
+                "event_type": m.event_type,
+                "topic": m.topic,
+                "partition_key": m.partition_key,
+                "attributes": m.attributes,
+                "payload": m.payload(),
+            }))
+            .expect("a JSON value always serializes"),
+        }
+    }
+
+    async fn diagnose_no_responders(&self, subject: &str, deadline: Instant) -> BrokerError {
+        match tokio::time::timeout_at(deadline, self.js.stream_by_subject(subject)).await {
+            Ok(Err(e)) if e.kind() == GetStreamByNameErrorKind::NotFound => BrokerError::rejected(format!(
+                "NATS: no JetStream stream covers subject {subject:?}; create a stream whose subjects include it (or configure ensure_stream)"
+            )),
+            Ok(Ok(stream)) => BrokerError::transient(format!(
+                "NATS: no responders for subject {subject:?} although stream {stream:?} covers it; JetStream may be restarting"
+            )),
+            Ok(Err(e)) => BrokerError::transient(format!(
+                "NATS: no responders for subject {subject:?}, and the JetStream API did not answer ({e}); is JetStream enabled and up?"
+            )),
+            Err(_) => BrokerError::transient(format!(
+                "NATS: no responders for subject {subject:?}, and the JetStream API did not answer within the timeout"
+            )),
+        }
+    }
+
+    async fn map_error(
+        &self,
+        e: async_nats::jetstream::context::PublishError,
+        subject: &str,
+        deadline: Instant,
+    ) -> BrokerError {
+        use std::error::Error as _;
+        match e.kind() {
+            PublishErrorKind::StreamNotFound => self.diagnose_no_responders(subject, deadline).await,
+            PublishErrorKind::TimedOut => BrokerError::transient(format!(
+                "NATS: no JetStream acknowledgement for subject {subject:?} within {:?}",
+                self.config.timeout
+            )),
+            PublishErrorKind::BrokenPipe => BrokerError::transient(format!(
+                "NATS: the connection was lost before the acknowledgement for subject {subject:?} arrived"
+            )),
+            PublishErrorKind::MaxAckPending => BrokerError::transient(
+                "NATS: too many publishes are waiting for acknowledgements; try again".to_string(),
+            ),
+            PublishErrorKind::MaxPayloadExceeded => BrokerError::rejected(format!(
+                "NATS: message for subject {subject:?} is larger than the server's max_payload: {e}"
+            )),
+            PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence => {
+                BrokerError::rejected(format!("NATS JetStream refused the message on {subject:?}: {e}"))
+            }
+            _ => {
+                let api = e
+                    .source()
+                    .and_then(|s| s.downcast_ref::<jetstream::Error>());
+                match api {
+                    Some(api) if is_temporary(api) => BrokerError::transient(format!(
+                        "NATS JetStream is temporarily unavailable for subject {subject:?}: {api}"
+                    )),
+                    Some(api) => BrokerError::rejected(format!(
+                        "NATS JetStream refused the message on subject {subject:?}: {api}"
+                    )),
+                    None => BrokerError::transient(format!("NATS: publish to {subject:?} failed: {e}")),
+                }
+            }
+        }
+    }
+}
+
+/// JetStream API errors that say "not now" rather than "not this message".
+fn is_temporary(e: &jetstream::Error) -> bool {
+    e.code() == 503
+        || [
+            ErrorCode::CLUSTER_NOT_AVAILABLE,
+            ErrorCode::CLUSTER_NOT_ACTIVE,
+            ErrorCode::CLUSTER_NOT_LEADER,
+            ErrorCode::CLUSTER_NO_PEERS,
+            ErrorCode::CLUSTER_INCOMPLETE,
+            ErrorCode::RAFT_GENERAL,
+            ErrorCode::JETSTREAM_NOT_ENABLED,
+            ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
+        ]
+        .contains(&e.error_code())
+}
+
+fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::ConnectOptions {
+    let n = notify.clone();
+    let max = config.reconnect_delay_max;
+    let mut o = async_nats::ConnectOptions::new()
+        .connection_timeout(config.connect_timeout)
+        .max_reconnects(None)
+        .reconnect_delay_callback(move |attempts| {
+            // 0, 100 ms, 200 ms, 400 ms, ... up to the configured maximum.
+            if attempts <= 1 {
+                Duration::ZERO
+            } else {
+                let exp = (attempts - 2).min(16) as u32;
+                Duration::from_millis(100u64.saturating_mul(1 << exp)).min(max)
+            }
+        })
+        .event_callback(move |event| {
+            let n = n.clone();
+            async move {
+                match event {
+                    async_nats::Event::Connected => tracing::info!("NATS connected"),
+                    async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
+                    other => tracing::debug!("NATS event: {other}"),
+                }
+                n.notify_waiters();
+            }
+        });
+    if let Some(name) = &config.client_name {
+        o = o.name(name);
+    }
+    o
+}
+
+#[async_trait]
+impl Broker for NatsBroker {
+    async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
+        let subject = self.subject(m)?;
+        let headers = self.headers(m)?;
+        let body = self.body(m);
+        let state = self.client.connection_state();
+        if state != State::Connected {
+            return Err(BrokerError::transient(format!(
+                "NATS: not connected to {} (connection {state}); the message for {subject:?} was not sent",
+                self.config.url
+            )));
+        }
+        let deadline = Instant::now() + self.config.timeout;
+        let publish = PublishMessage::build()
+            .payload(body.into())
+            .headers(headers)
+            .message_id(m.event_id.hyphenated().to_string());
+        let sent = tokio::time::timeout_at(deadline, async {
+            self.js.send_publish(subject.clone(), publish).await?.await
+        })
+        .await;
+        match sent {
+            Ok(Ok(ack)) => {
+                if ack.duplicate {
+                    tracing::debug!(event_id = %m.event_id, stream = %ack.stream, "JetStream dropped a duplicate");
+                }
+                Ok(Ack { duplicate: ack.duplicate })
+            }
+            Ok(Err(e)) => Err(self.map_error(e, &subject, deadline).await),
+            Err(_) => Err(BrokerError::transient(format!(
+                "NATS: no JetStream acknowledgement for subject {subject:?} within {:?}",
+                self.config.timeout
+            ))),
+        }
+    }
+}

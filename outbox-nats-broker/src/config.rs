@@ -1,0 +1,303 @@
+//! Settings of the NATS broker adapter.
+
+use std::time::Duration;
+
+use crate::error::NatsBrokerError;
+use crate::subject::{subject_problem, token_problem};
+
+/// Whether, and how, the partition key becomes the last token of the subject.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyToken {
+    /// Subject = prefix + topic (the default).
+    #[default]
+    Off,
+    /// Subject = prefix + topic + `.` + partition key; a key that is not a valid subject token
+    /// (it holds `.`, `*`, `>`, whitespace or a control character) makes the message a
+    /// rejection.
+    Validated,
+    /// Subject = prefix + topic + `.` + the partition key with every character a token cannot
+    /// hold replaced by `_`. Two keys may then share a subject; the `partition_key` header
+    /// still tells them apart.
+    Sanitized,
+}
+
+/// What the message body holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BodyFormat {
+    /// The payload as compact JSON (R50; the default). Everything else is in the headers.
+    #[default]
+    Payload,
+    /// A JSON envelope `{"event_id", "event_type", "topic", "partition_key", "attributes",
+    /// "payload"}`, for consumers that cannot read headers. The headers are sent as well.
+    Envelope,
+}
+
+/// Where JetStream keeps a stream created by [`StreamSpec`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum StreamStorage {
+    /// On disk (the default).
+    #[default]
+    File,
+    /// In memory.
+    Memory,
+}
+
+/// A stream the adapter creates at start-up when no stream of that name exists. An existing
+/// stream is left as it is (its settings are not compared or changed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamSpec {
+    pub(crate) name: String,
+    pub(crate) subjects: Vec<String>,
+    pub(crate) max_message_size: Option<i32>,
+    pub(crate) duplicate_window: Option<Duration>,
+    pub(crate) max_age: Option<Duration>,
+    pub(crate) storage: StreamStorage,
+}
+
+impl StreamSpec {
+    /// A stream named `name` covering the adapter's subject prefix followed by `>` (so the
+    /// prefix must not be empty unless [`subjects`](Self::subjects) is set).
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            subjects: Vec::new(),
+            max_message_size: None,
+            duplicate_window: None,
+            max_age: None,
+            storage: StreamStorage::File,
+        }
+    }
+
+    /// The stream's subjects (wildcards allowed), instead of prefix + `>`.
+    pub fn subjects<S: Into<String>>(mut self, subjects: impl IntoIterator<Item = S>) -> Self {
+        self.subjects = subjects.into_iter().map(Into::into).collect();
+        self
+    }
+
+    /// The largest message the stream accepts, in bytes (server default: unlimited).
+    pub fn max_message_size(mut self, bytes: i32) -> Self {
+        self.max_message_size = Some(bytes);
+        self
+    }
+
+    /// The duplicate window within which a republished event id is dropped (server default:
+    /// 2 minutes). Make it longer than the longest time a row can stay locked after its
+    /// publish (the relay's lease TTL, 300 s by default) to drop more redeliveries.
+    pub fn duplicate_window(mut self, d: Duration) -> Self {
+        self.duplicate_window = Some(d);
+        self
+    }
+
+    /// How long the stream keeps a message (server default: forever).
+    pub fn max_age(mut self, d: Duration) -> Self {
+        self.max_age = Some(d);
+        self
+    }
+
+    /// File or memory storage.
+    pub fn storage(mut self, s: StreamStorage) -> Self {
+        self.storage = s;
+        self
+    }
+
+    /// The stream name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+/// Settings of [`crate::NatsBroker`]. [`validate`](Self::validate) (called by the
+/// constructors) checks them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NatsBrokerConfig {
+    pub(crate) url: String,
+    pub(crate) subject_prefix: String,
+    pub(crate) key_token: KeyToken,
+    pub(crate) body: BodyFormat,
+    pub(crate) timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) reconnect_delay_max: Duration,
+    pub(crate) ensure_stream: Option<StreamSpec>,
+    pub(crate) client_name: Option<String>,
+}
+
+/// Default adapter timeout: the longest a publish waits for its acknowledgement.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default connect timeout.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default longest wait between two reconnect attempts.
+pub const DEFAULT_RECONNECT_DELAY_MAX: Duration = Duration::from_secs(2);
+
+impl NatsBrokerConfig {
+    /// Settings for the server(s) at `url` (e.g. `nats://127.0.0.1:4222`; several separated by
+    /// commas), with subject prefix `""`, no key token, the payload as body and a 10 s timeout.
+    pub fn new(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            subject_prefix: String::new(),
+            key_token: KeyToken::Off,
+            body: BodyFormat::Payload,
+            timeout: DEFAULT_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            reconnect_delay_max: DEFAULT_RECONNECT_DELAY_MAX,
+            ensure_stream: None,
+            client_name: None,
+        }
+    }
+
+    /// The text put before the topic, usually ending in `.` (e.g. `outbox.`): subject =
+    /// prefix + topic.
+    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.subject_prefix = prefix.into();
+        self
+    }
+
+    /// Whether the partition key becomes the last subject token.
+    pub fn key_token(mut self, k: KeyToken) -> Self {
+        self.key_token = k;
+        self
+    }
+
+    /// What the body holds.
+    pub fn body(mut self, b: BodyFormat) -> Self {
+        self.body = b;
+        self
+    }
+
+    /// The adapter's own bound on one publish, acknowledgement included (> 0). Keep it below
+    /// the relay's publish timeout, so the adapter's error text, not the relay's timeout, is
+    /// what a row records.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = d;
+        self
+    }
+
+    /// How long one connection attempt may take (> 0).
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.connect_timeout = d;
+        self
+    }
+
+    /// The longest wait between two reconnect attempts after the connection was lost (the
+    /// waits grow from 0 up to this).
+    pub fn reconnect_delay_max(mut self, d: Duration) -> Self {
+        self.reconnect_delay_max = d;
+        self
+    }
+
+    /// Creates this stream at start-up when it does not exist.
+    pub fn ensure_stream(mut self, s: StreamSpec) -> Self {
+        self.ensure_stream = Some(s);
+        self
+    }
+
+    /// The client name the server shows in its connection list.
+    pub fn client_name(mut self, name: impl Into<String>) -> Self {
+        self.client_name = Some(name.into());
+        self
+    }
+
+    /// The server URL(s).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The subject a message with this topic is published to when the key token is off.
+    pub fn subject_for_topic(&self, topic: &str) -> String {
+        format!("{}{}", self.subject_prefix, topic)
+    }
+
+    /// Checks every setting.
+    pub fn validate(&self) -> Result<(), NatsBrokerError> {
+        let bad = |m: String| Err(NatsBrokerError::Config(m));
+        if self.url.trim().is_empty() {
+            return bad("url must not be empty; give e.g. nats://127.0.0.1:4222".into());
+        }
+        if !self.subject_prefix.is_empty() {
+            // The prefix plus any valid topic must be a valid subject.
+            if let Some(p) = subject_problem(&format!("{}x", self.subject_prefix)) {
+                return bad(format!(
+                    "subject_prefix {:?} cannot start a subject: {p}",
+                    self.subject_prefix
+                ));
+            }
+        }
+        if self.timeout.is_zero() {
+            return bad("timeout must be > 0".into());
+        }
+        if self.connect_timeout.is_zero() {
+            return bad("connect_timeout must be > 0".into());
+        }
+        if let Some(s) = &self.ensure_stream {
+            if s.name.is_empty()
+                || s.name
+                    .chars()
+                    .any(|c| c == '.' || c == '*' || c == '>' || c == '/' || c == '\\' || c.is_whitespace() || c.is_control())
+            {
+                return bad(format!(
+                    "stream name {:?} must be non-empty without '.', '*', '>', '/', '\\' or whitespace",
+                    s.name
+                ));
+            }
+            if s.subjects.is_empty() && self.subject_prefix.is_empty() {
+                return bad(
+                    "ensure_stream without subjects needs a non-empty subject_prefix (the stream covers prefix + \">\"); set one, or give the stream's subjects".into(),
+                );
+            }
+            for subj in &s.subjects {
+                let bad_token = subj.is_empty()
+                    || subj.split('.').any(|t| {
+                        t != "*" && t != ">" && token_problem(t).is_some()
+                    });
+                if bad_token {
+                    return bad(format!("stream subject {subj:?} is not a valid subject filter"));
+                }
+            }
+            if let Some(n) = s.max_message_size
+                && n < 1
+            {
+                return bad(format!("stream max_message_size must be >= 1, got {n}"));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn stream_subjects(&self, s: &StreamSpec) -> Vec<String> {
+        if s.subjects.is_empty() {
+            vec![format!("{}>", self.subject_prefix)]
+        } else {
+            s.subjects.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validation() {
+        let ok = NatsBrokerConfig::new("nats://127.0.0.1:4222").subject_prefix("outbox.");
+        assert!(ok.validate().is_ok());
+        assert!(NatsBrokerConfig::new("").validate().is_err());
+        assert!(ok.clone().subject_prefix("out box.").validate().is_err());
+        assert!(ok.clone().subject_prefix("outbox..").validate().is_err());
+        assert!(ok.clone().subject_prefix("outbox.*.").validate().is_err());
+        assert!(ok.clone().timeout(Duration::ZERO).validate().is_err());
+        assert!(ok.clone().ensure_stream(StreamSpec::new("OUT")).validate().is_ok());
+        assert!(ok.clone().ensure_stream(StreamSpec::new("a.b")).validate().is_err());
+        assert!(
+            NatsBrokerConfig::new("nats://x")
+                .ensure_stream(StreamSpec::new("OUT"))
+                .validate()
+                .is_err()
+        );
+        assert!(
+            NatsBrokerConfig::new("nats://x")
+                .ensure_stream(StreamSpec::new("OUT").subjects(["orders.>"]))
+                .validate()
+                .is_ok()
+        );
+        assert!(ok.ensure_stream(StreamSpec::new("OUT").max_message_size(0)).validate().is_err());
+    }
+}

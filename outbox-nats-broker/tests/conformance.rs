@@ -1,0 +1,206 @@
+//! Broker trials K-01 to K-06 and the outage trial against the machine's NATS JetStream
+//! (`NATS_URL`, default `nats://127.0.0.1:4222`). Each trial uses a fresh stream and subject
+//! prefix and deletes the stream at the end. An unreachable server fails the trials.
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_trait::async_trait;
+use outbox_conformance::broker::{
+    BrokerKind, BrokerTrial, BrokerUnderTest, Received, TrialOptions, fresh_suffix,
+};
+use outbox_core::Broker;
+use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
+
+fn url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+fn host_port(url: &str) -> String {
+    url.trim_start_matches("nats://").to_owned()
+}
+
+struct Nats;
+
+struct NatsTrial {
+    broker: NatsBroker,
+    admin: jetstream::Context,
+    stream: String,
+    prefix: String,
+}
+
+#[async_trait]
+impl BrokerUnderTest for Nats {
+    fn kind(&self) -> BrokerKind {
+        BrokerKind::Nats
+    }
+
+    fn server_addr(&self) -> SocketAddr {
+        host_port(&url())
+            .to_socket_addrs()
+            .expect("NATS_URL resolves")
+            .next()
+            .expect("an address")
+    }
+
+    async fn trial(&self, opts: TrialOptions) -> Box<dyn BrokerTrial> {
+        let suffix = fresh_suffix();
+        let stream = format!("OUTBOX_TEST_{suffix}");
+        let prefix = format!("outboxtest.{suffix}.");
+        let admin_client = async_nats::connect(url())
+            .await
+            .unwrap_or_else(|e| panic!("NATS at {} is unreachable: {e}", url()));
+        let admin = jetstream::new(admin_client);
+        admin
+            .create_stream(jetstream::stream::Config {
+                name: stream.clone(),
+                subjects: vec![format!("{prefix}>")],
+                storage: jetstream::stream::StorageType::Memory,
+                ..Default::default()
+            })
+            .await
+            .expect("create the trial stream");
+        let target = match opts.connect_to {
+            Some(a) => format!("nats://{a}"),
+            None => url(),
+        };
+        let cfg = NatsBrokerConfig::new(target)
+            .subject_prefix(&prefix)
+            .timeout(opts.adapter_timeout)
+            .reconnect_delay_max(Duration::from_millis(200));
+        let broker = NatsBroker::connect(cfg).await.expect("connect the adapter");
+        Box::new(NatsTrial {
+            broker,
+            admin,
+            stream,
+            prefix,
+        })
+    }
+
+    async fn unreachable(&self, addr: SocketAddr, adapter_timeout: Duration) -> Arc<dyn Broker> {
+        let cfg = NatsBrokerConfig::new(format!("nats://{addr}"))
+            .subject_prefix("outboxtest.unreachable.")
+            .timeout(adapter_timeout);
+        Arc::new(NatsBroker::connect_lazy(cfg).await.expect("a lazy adapter needs no server"))
+    }
+}
+
+#[async_trait]
+impl BrokerTrial for NatsTrial {
+    fn broker(&self) -> Arc<dyn Broker> {
+        Arc::new(self.broker.clone())
+    }
+
+    fn destination(&self, topic: &str) -> String {
+        format!("{}{topic}", self.prefix)
+    }
+
+    async fn read(&self, topic: &str) -> Vec<Received> {
+        let subject = self.destination(topic);
+        let stream = self.admin.get_stream(&self.stream).await.expect("get the stream");
+        let info = stream.get_info().await.expect("stream info");
+        let mut out = Vec::new();
+        if info.state.messages == 0 {
+            return out;
+        }
+        for seq in info.state.first_sequence..=info.state.last_sequence {
+            let m = stream.get_raw_message(seq).await.expect("read a stored message");
+            if m.subject.as_str() != subject && !m.subject.as_str().starts_with(&format!("{subject}.")) {
+                continue;
+            }
+            let mut attributes = BTreeMap::new();
+            let mut message_id = None;
+            for (name, values) in m.headers.iter() {
+                let name = name.to_string();
+                let value = values.last().map(|v| v.as_str().to_owned()).unwrap_or_default();
+                if name.eq_ignore_ascii_case("Nats-Msg-Id") {
+                    message_id = Some(value);
+                } else if !name.to_ascii_lowercase().starts_with("nats-") {
+                    attributes.insert(name, value);
+                }
+            }
+            out.push(Received {
+                destination: m.subject.to_string(),
+                body: m.payload.to_vec(),
+                attributes,
+                message_id,
+            });
+        }
+        out
+    }
+
+    async fn prepare_refusal(&self, _topic: &str) -> String {
+        let mut stream = self.admin.get_stream(&self.stream).await.expect("get the stream");
+        let mut cfg = stream.info().await.expect("stream info").config.clone();
+        cfg.max_message_size = 1024;
+        self.admin.update_stream(cfg).await.expect("set max message size 1024");
+        "message size exceeds maximum allowed".into()
+    }
+
+    async fn await_reachable(&self, within: Duration) -> bool {
+        self.broker.wait_connected(within).await
+    }
+
+    async fn cleanup(&self) {
+        let _ = self.admin.delete_stream(&self.stream).await;
+    }
+}
+
+outbox_conformance::broker_suite!(Nats);
+
+/// ensure_stream creates the stream at start-up; an uncovered subject is a rejection that
+/// says so; an invalid topic is a rejection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ensure_stream_and_rejections() {
+    use outbox_core::{BrokerError, Message};
+    let suffix = fresh_suffix();
+    let name = format!("OUTBOX_ENSURE_{suffix}");
+    let prefix = format!("outboxensure.{suffix}.");
+    let cfg = NatsBrokerConfig::new(url())
+        .subject_prefix(&prefix)
+        .timeout(Duration::from_secs(2))
+        .ensure_stream(StreamSpec::new(&name).duplicate_window(Duration::from_secs(600)));
+    let broker = NatsBroker::connect(cfg).await.expect("connect and ensure the stream");
+    let admin = jetstream::new(async_nats::connect(url()).await.expect("admin connection"));
+    let mut stream = admin.get_stream(&name).await.expect("the stream exists");
+    let info = stream.info().await.expect("info");
+    assert_eq!(info.config.subjects, vec![format!("{prefix}>")]);
+    assert_eq!(info.config.duplicate_window, Duration::from_secs(600));
+
+    let row = outbox_core::NewEvent::builder()
+        .event_type("t")
+        .aggregate("a", uuid::Uuid::nil())
+        .topic("orders")
+        .partition_key("k")
+        .payload_json(serde_json::json!({"n": 1}))
+        .build()
+        .expect("valid")
+        .into_row(chrono::Utc::now());
+    let m = Message::from_event(&row);
+    assert!(!broker.publish(&m).await.expect("publish").duplicate);
+
+    // A topic that is no valid subject.
+    let mut bad = m.clone();
+    bad.topic = "has space".into();
+    match broker.publish(&bad).await {
+        Err(BrokerError::Rejected(t)) => assert!(t.contains("cannot be published to"), "{t}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+
+    // A subject no stream covers: an adapter with another prefix.
+    let other = NatsBroker::connect(
+        NatsBrokerConfig::new(url())
+            .subject_prefix(format!("outboxnostream.{suffix}."))
+            .timeout(Duration::from_secs(2)),
+    )
+    .await
+    .expect("connect");
+    match other.publish(&m).await {
+        Err(BrokerError::Rejected(t)) => assert!(t.contains("no JetStream stream covers subject"), "{t}"),
+        other => panic!("expected a rejection, got {other:?}"),
+    }
+    admin.delete_stream(&name).await.expect("delete");
+}
