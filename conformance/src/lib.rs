@@ -1,8 +1,8 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
-pub mod ctx;
 pub mod broker;
+pub mod ctx;
 pub mod harness;
 pub mod memory;
 pub mod scenarios;
