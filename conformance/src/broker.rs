@@ -247,6 +247,7 @@ pub async fn k_03(b: &dyn BrokerUnderTest) {
     let started = std::time::Instant::now();
     let r = cycle(&relay).await;
     let took = started.elapsed();
+    eprintln!("K-03: {took:?}: {:?}", r.transient);
     assert!(took <= Duration::from_secs(2), "K-03: reported within 2 s, took {took:?}");
     assert!(r.counted.is_empty(), "K-03: no counted failure: {r:?}");
     assert_eq!(r.transient.len(), 1, "K-03: one transient failure: {r:?}");
@@ -276,6 +277,7 @@ pub async fn k_04(b: &dyn BrokerUnderTest) {
     let stored = get(&repo, row.id).await;
     assert_eq!(stored.attempts_made, 1, "K-04: attempts_made 1");
     let last = stored.last_error.unwrap_or_default();
+    eprintln!("K-04: last_error {last:?}");
     assert!(
         last.contains(&expected),
         "K-04: last_error {last:?} is the broker's refusal (contains {expected:?})"
@@ -372,6 +374,7 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
         assert!(r.counted.is_empty(), "outage: no counted failure while down (cycle {i}): {r:?}");
         assert!(r.broker_unreachable, "outage: the cycle finds the broker unreachable: {r:?}");
         assert!(!r.transient.is_empty(), "outage: a transient failure: {r:?}");
+        eprintln!("outage: down cycle {i}: {:?}", r.transient[0].error);
     }
     for row in repo.rows() {
         let was = &before[&row.id];
@@ -391,6 +394,11 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
         clock.advance(Duration::from_secs(1));
         let r = cycle(&relay).await;
         assert!(r.counted.is_empty(), "outage: no counted failure: {r:?}");
+        eprintln!(
+            "outage: cycle {cycles} after reopening: {} completed, unreachable {}",
+            r.completed.len(),
+            r.broker_unreachable
+        );
         if r.broker_unreachable {
             assert!(
                 t.await_reachable(Duration::from_secs(10)).await,
