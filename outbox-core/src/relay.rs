@@ -517,10 +517,19 @@ impl Relay {
 
         let state = Mutex::new(CycleState::default());
         let lease_deadline = fetch_started + self.config.lease_ttl;
-        futures::stream::iter(runs.iter())
-            .for_each_concurrent(self.config.publish_concurrency, |(key, run)| {
-                self.publish_run(key, run, shutdown, lease_deadline, &state)
+        // Every key's run is a future; a FIFO semaphore lets `publish_concurrency` of them
+        // publish at once, in head order (R75).
+        let permits = tokio::sync::Semaphore::new(self.config.publish_concurrency);
+        runs.iter()
+            .map(|(key, run)| {
+                let (permits, state) = (&permits, &state);
+                async move {
+                    let _permit = permits.acquire().await.expect("semaphore never closed");
+                    self.publish_run(key, run, shutdown, lease_deadline, state).await;
+                }
             })
+            .collect::<futures::stream::FuturesUnordered<_>>()
+            .collect::<Vec<()>>()
             .await;
         let state = state.into_inner().expect("cycle state poisoned");
 
@@ -725,7 +734,7 @@ impl Relay {
                 "process",
                 otel.name = %format_args!("process {}", row.event_type),
                 event.id = %row.id,
-                event.r#type = %row.event_type,
+                "event.type" = %row.event_type,
                 worker.id = %self.config.worker_id,
                 event.trace_id = row.trace_id.as_deref().unwrap_or(""),
                 error = tracing::field::Empty,

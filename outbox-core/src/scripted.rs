@@ -185,6 +185,9 @@ impl ScriptedBroker {
 #[async_trait]
 impl Broker for ScriptedBroker {
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
+        // A real broker never answers within the call that sends: yield once, so publishes the
+        // relay starts together are all in flight before the first answer arrives.
+        tokio::task::yield_now().await;
         let (idx, action) = {
             let mut st = self.state.lock().expect("broker poisoned");
             let action = st
