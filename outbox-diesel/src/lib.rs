@@ -1,2 +1,17 @@
-//! Not yet implemented: see the README of this crate.
+#![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
+
+pub mod error;
+pub mod migrations;
+pub mod pool;
+mod repository;
+mod row;
+pub mod schema;
+mod writer;
+
+pub use error::Error;
+pub use migrations::{OutboxMigrations, create_schema, run_migrations, run_migrations_url};
+pub use outbox_postgres::sql::TableName;
+pub use pool::{PgPool, PoolSettings, PooledConnection, build_pool};
+pub use repository::{DieselConfig, DieselOutboxRepository};
+pub use writer::{DieselOutboxWriter, WriteError};

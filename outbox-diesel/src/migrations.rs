@@ -1,0 +1,221 @@
+//! Creating the schema: the DDL shared with `outbox-postgres`, run through diesel_migrations.
+//!
+//! # Why no `migrations/` folder
+//!
+//! The table name is configurable (R78), and a static `up.sql` could only create one fixed
+//! name; a second copy of the DDL would also be the SQL written twice. So the one migration of
+//! this crate, [`OutboxMigrations`], is a diesel [`MigrationSource`] built at run time from
+//! `outbox_postgres::sql::ddl(table)`: the same statements the sqlx backend's `create_schema`
+//! runs, for any validated table name. It is embedded in the binary like `embed_migrations!`
+//! output, and diesel_migrations records it in `__diesel_schema_migrations` as version
+//! `outbox_<table>_0001`, so it runs once per table.
+//!
+//! # Where the bookkeeping lives
+//!
+//! [`run_migrations`] puts `__diesel_schema_migrations` in the outbox table's own schema (for
+//! `ops.outbox_events`: `ops`; for an unqualified name: the first schema of the connection's
+//! `search_path`), so each schema records its own outbox tables and creators of different
+//! schemas never race on one bookkeeping table.
+//!
+//! # No libpq
+//!
+//! diesel_migrations is synchronous; diesel-async's [`AsyncMigrationHarness`] runs it over the
+//! async connection (tokio-postgres) with `tokio::task::block_in_place`, which panics on a
+//! current-thread runtime: call [`run_migrations`] from a multi-thread runtime
+//! (`#[tokio::main]`, `#[tokio::test(flavor = "multi_thread")]`).
+
+use std::fmt;
+
+use diesel::migration::{
+    Migration, MigrationMetadata, MigrationName, MigrationSource, MigrationVersion,
+};
+use diesel::pg::Pg;
+use diesel::query_builder::SqlQuery;
+use diesel::sql_types::Text;
+use diesel::{QueryableByName, connection::BoxableConnection};
+use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_migrations::MigrationHarness;
+use outbox_postgres::sql::{self, Statements, TableName};
+
+use crate::error::Error;
+
+/// The outbox schema as a diesel migration source: one migration per table that runs
+/// `outbox_postgres::sql::ddl(table)` in a transaction, under the shared schema advisory lock.
+/// Use it with any diesel [`MigrationHarness`], or call [`run_migrations`].
+#[derive(Debug, Clone)]
+pub struct OutboxMigrations {
+    table: TableName,
+}
+
+impl OutboxMigrations {
+    /// The migrations for `table`.
+    pub fn new(table: &TableName) -> Self {
+        Self {
+            table: table.clone(),
+        }
+    }
+
+    /// The version recorded in `__diesel_schema_migrations`: `outbox_<table>_0001`.
+    pub fn version(&self) -> String {
+        format!("outbox_{}_0001", self.table.table())
+    }
+
+    /// The SQL the migration runs, as one script: the advisory lock, then the DDL.
+    pub fn up_sql(&self) -> String {
+        let stmts = Statements::new(&self.table);
+        // The shared statement binds the lock key as `$1`, but a diesel migration only gets a
+        // `BoxableConnection`, which runs SQL text without binds. The key is
+        // `outbox-schema:` + the validated table name (only [a-z0-9_.:-]), so it is written
+        // here as a literal; the statement is otherwise the shared one.
+        let lock = stmts
+            .schema_lock
+            .replace("$1", &format!("'{}'", stmts.schema_lock_key()));
+        let mut script = vec![lock];
+        script.extend(sql::ddl(&self.table));
+        script.join(";\n") + ";\n"
+    }
+}
+
+struct SchemaMigration {
+    name: OutboxMigrationName,
+    up: String,
+}
+
+#[derive(Debug, Clone)]
+struct OutboxMigrationName {
+    version: String,
+    table: String,
+}
+
+impl fmt::Display for OutboxMigrationName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}_create_outbox_table_{}", self.version, self.table)
+    }
+}
+
+impl MigrationName for OutboxMigrationName {
+    fn version(&self) -> MigrationVersion<'_> {
+        MigrationVersion::from(self.version.as_str())
+    }
+}
+
+struct InTransaction;
+
+impl MigrationMetadata for InTransaction {
+    fn run_in_transaction(&self) -> bool {
+        true
+    }
+}
+
+impl Migration<Pg> for SchemaMigration {
+    fn run(&self, conn: &mut dyn BoxableConnection<Pg>) -> diesel::migration::Result<()> {
+        conn.batch_execute(&self.up)?;
+        Ok(())
+    }
+
+    fn revert(&self, _conn: &mut dyn BoxableConnection<Pg>) -> diesel::migration::Result<()> {
+        Err("the outbox table is never dropped by a migration: its rows are the undelivered events; drop it by hand if you mean to".into())
+    }
+
+    fn metadata(&self) -> &dyn MigrationMetadata {
+        &InTransaction
+    }
+
+    fn name(&self) -> &dyn MigrationName {
+        &self.name
+    }
+}
+
+impl MigrationSource<Pg> for OutboxMigrations {
+    fn migrations(&self) -> diesel::migration::Result<Vec<Box<dyn Migration<Pg>>>> {
+        Ok(vec![Box::new(SchemaMigration {
+            name: OutboxMigrationName {
+                version: self.version(),
+                table: self.table.dotted(),
+            },
+            up: self.up_sql(),
+        })])
+    }
+}
+
+#[derive(QueryableByName)]
+struct SearchPath {
+    #[diesel(sql_type = Text)]
+    search_path: String,
+}
+
+fn ident(s: &str) -> String {
+    // Only validated identifiers reach here (TableName), so quoting cannot be escaped.
+    format!("\"{s}\"")
+}
+
+/// Runs the pending outbox migrations for `table` on `conn` (see the module docs), and returns
+/// the connection. Idempotent: the migration runs once per table; its DDL also only adds what
+/// is missing (R79), so running it over a table the sqlx backend or the ancestor created is
+/// safe. Needs a multi-thread tokio runtime.
+pub async fn run_migrations(
+    mut conn: AsyncPgConnection,
+    table: &TableName,
+) -> Result<AsyncPgConnection, Error> {
+    let fail = |message: String| Error::Migration {
+        table: table.dotted(),
+        message,
+    };
+    let saved = match table.schema() {
+        Some(schema) => {
+            let before: SearchPath = diesel::sql_query("SELECT current_setting('search_path') AS search_path")
+                .get_result(&mut conn)
+                .await
+                .map_err(|e| fail(e.to_string()))?;
+            conn.batch_execute(&format!(
+                "CREATE SCHEMA IF NOT EXISTS {s}; SET search_path TO {s}",
+                s = ident(schema)
+            ))
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+            Some(before.search_path)
+        }
+        None => None,
+    };
+    let mut harness = AsyncMigrationHarness::new(conn);
+    let ran = harness
+        .run_pending_migrations(OutboxMigrations::new(table))
+        .map(|_| ())
+        .map_err(|e| fail(e.to_string()));
+    let mut conn = harness.into_inner();
+    if let Some(path) = saved {
+        let restore: SqlQuery = diesel::sql_query("SELECT set_config('search_path', $1, false) AS search_path");
+        let _: SearchPath = restore
+            .bind::<Text, _>(path)
+            .get_result(&mut conn)
+            .await
+            .map_err(|e| fail(format!("could not restore search_path: {e}")))?;
+    }
+    ran?;
+    Ok(conn)
+}
+
+/// Opens a connection to `database_url`, runs [`run_migrations`] and closes it.
+pub async fn run_migrations_url(database_url: &str, table: &TableName) -> Result<(), Error> {
+    let conn = AsyncPgConnection::establish(database_url)
+        .await
+        .map_err(|e| Error::Migration {
+            table: table.dotted(),
+            message: format!("could not connect: {e}"),
+        })?;
+    run_migrations(conn, table).await.map(drop)
+}
+
+/// Runs the shared DDL for `table` directly, without migration bookkeeping, in one
+/// transaction under the schema advisory lock: exactly what the sqlx backend's `create_schema`
+/// does. Use it when the application tracks migrations elsewhere; it is idempotent and on an
+/// existing table adds only what is missing (R79). Works on a current-thread runtime.
+pub async fn create_schema(conn: &mut AsyncPgConnection, table: &TableName) -> Result<(), Error> {
+    let script = OutboxMigrations::new(table).up_sql();
+    conn.transaction(async |c| c.batch_execute(&script).await)
+        .await
+        .map_err(|e: diesel::result::Error| Error::Migration {
+            table: table.dotted(),
+            message: e.to_string(),
+        })
+}

@@ -1,0 +1,72 @@
+//! The deadpool pool of diesel-async connections (tokio-postgres underneath: no libpq).
+
+use std::time::Duration;
+
+use diesel_async::AsyncPgConnection;
+use diesel_async::pooled_connection::AsyncDieselConnectionManager;
+use diesel_async::pooled_connection::deadpool::{Object, Pool};
+
+use crate::error::Error;
+
+/// A pool of diesel-async PostgreSQL connections.
+pub type PgPool = Pool<AsyncPgConnection>;
+
+/// A connection taken from a [`PgPool`]; it derefs to [`AsyncPgConnection`].
+pub type PooledConnection = Object<AsyncPgConnection>;
+
+/// Settings of the pool [`build_pool`] makes.
+#[derive(Debug, Clone)]
+pub struct PoolSettings {
+    max_size: usize,
+    wait_timeout: Duration,
+    create_timeout: Duration,
+}
+
+impl Default for PoolSettings {
+    fn default() -> Self {
+        Self {
+            max_size: 16,
+            wait_timeout: Duration::from_secs(30),
+            create_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl PoolSettings {
+    /// At most this many connections (default 16, ≥ 1).
+    pub fn max_size(mut self, n: usize) -> Result<Self, Error> {
+        if n == 0 {
+            return Err(Error::Config("pool max_size must be at least 1, got 0".into()));
+        }
+        self.max_size = n;
+        Ok(self)
+    }
+
+    /// How long a caller waits for a free connection before the operation fails as unavailable
+    /// (default 30 s).
+    pub fn wait_timeout(mut self, d: Duration) -> Self {
+        self.wait_timeout = d;
+        self
+    }
+
+    /// How long opening a new connection may take (default 10 s).
+    pub fn create_timeout(mut self, d: Duration) -> Self {
+        self.create_timeout = d;
+        self
+    }
+}
+
+/// Builds a pool for `database_url` (`postgres://user@host:port/db`). No connection is opened
+/// until one is needed; an unreachable database shows as [`outbox_core::RepositoryError::Unavailable`]
+/// on first use.
+pub fn build_pool(database_url: &str, settings: &PoolSettings) -> Result<PgPool, Error> {
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
+    Pool::builder(manager)
+        .max_size(settings.max_size)
+        .wait_timeout(Some(settings.wait_timeout))
+        .create_timeout(Some(settings.create_timeout))
+        .recycle_timeout(Some(settings.create_timeout))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+        .map_err(|e| Error::Pool(e.to_string()))
+}

@@ -1,0 +1,458 @@
+//! The repository (relay and operator side) over a deadpool pool of diesel-async connections.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use diesel::sql_types::{Array, BigInt, Bool, Int4, Nullable, Text, Timestamptz};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use outbox_core::RepositoryError;
+use outbox_core::event::{OutboxEvent, WorkerId, force_unlock_text, normalize_error};
+use outbox_core::repository::{
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
+    Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES, StatusCount,
+    WrittenOutcome, args, check_backend_batch_size,
+};
+use outbox_postgres::sql::{self, FetchParams, Statements, TableName};
+use uuid::Uuid;
+
+use crate::error::{Error, map_diesel, map_pool};
+use crate::pool::{PgPool, PooledConnection};
+use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, NowRow, OutboxRow};
+use crate::writer::DieselOutboxWriter;
+
+type SqlUuid = diesel::sql_types::Uuid;
+
+/// Settings of the diesel backend.
+#[derive(Debug, Clone)]
+pub struct DieselConfig {
+    table: TableName,
+    batch_size: usize,
+    error_max_length: usize,
+}
+
+impl Default for DieselConfig {
+    fn default() -> Self {
+        Self {
+            table: TableName::default(),
+            batch_size: DEFAULT_BACKEND_BATCH_SIZE,
+            error_max_length: outbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
+        }
+    }
+}
+
+impl DieselConfig {
+    /// The table name, `table` or `schema.table`, validated (R78).
+    pub fn table_name(mut self, name: &str) -> Result<Self, Error> {
+        self.table = TableName::new(name)?;
+        Ok(self)
+    }
+
+    /// An already validated table name.
+    pub fn table(mut self, table: TableName) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// Maintenance batch size (R63): 1 to 10,000, default 1000.
+    pub fn batch_size(mut self, n: usize) -> Result<Self, Error> {
+        self.batch_size = check_backend_batch_size(n).map_err(|e| Error::Config(e.to_string()))?;
+        Ok(self)
+    }
+
+    /// last_error limit in bytes (R9), default 2000.
+    pub fn error_max_length(mut self, n: usize) -> Result<Self, Error> {
+        self.error_max_length = outbox_core::event::check_error_max_length(n)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        Ok(self)
+    }
+
+    /// The configured table.
+    pub fn table_ref(&self) -> &TableName {
+        &self.table
+    }
+}
+
+/// The diesel-async repository on a deadpool pool. Cloning shares the pool.
+#[derive(Clone)]
+pub struct DieselOutboxRepository {
+    pool: PgPool,
+    stmts: Arc<Statements>,
+    cfg: DieselConfig,
+    fail_next_commit: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for DieselOutboxRepository {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DieselOutboxRepository")
+            .field("table", &self.cfg.table)
+            .field("batch_size", &self.cfg.batch_size)
+            .field("pool", &self.pool.status())
+            .finish()
+    }
+}
+
+/// Errors inside a transaction closure: diesel's, or ours (which roll back too).
+enum TxError {
+    Db(diesel::result::Error),
+    Repo(RepositoryError),
+}
+
+impl From<diesel::result::Error> for TxError {
+    fn from(e: diesel::result::Error) -> Self {
+        TxError::Db(e)
+    }
+}
+
+impl DieselOutboxRepository {
+    /// A repository on `pool` with these settings. Run the migrations first
+    /// ([`crate::run_migrations`]).
+    pub fn new(pool: PgPool, cfg: DieselConfig) -> Self {
+        Self {
+            pool,
+            stmts: Arc::new(Statements::new(&cfg.table)),
+            cfg,
+            fail_next_commit: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The writer for this repository's table.
+    pub fn writer(&self) -> DieselOutboxWriter {
+        DieselOutboxWriter::from_statements(self.stmts.clone())
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table.
+    pub fn table(&self) -> &TableName {
+        &self.cfg.table
+    }
+
+    /// Test hook: the next outcome transaction runs its statements and then rolls back, and
+    /// `write_outcomes` returns an error (R57; P-06).
+    #[doc(hidden)]
+    pub fn fail_next_outcome_commit(&self) {
+        self.fail_next_commit.store(true, Ordering::SeqCst);
+    }
+
+    fn err(&self, e: diesel::result::Error) -> RepositoryError {
+        map_diesel(&self.cfg.table, e)
+    }
+
+    fn tx_err(&self, e: TxError) -> RepositoryError {
+        match e {
+            TxError::Db(d) => self.err(d),
+            TxError::Repo(r) => r,
+        }
+    }
+
+    async fn conn(&self) -> Result<PooledConnection, RepositoryError> {
+        self.pool.get().await.map_err(map_pool)
+    }
+
+    /// Runs a statement taking `($1 uuid, $2 text)` and returns the affected-row count.
+    async fn exec_id_worker(
+        &self,
+        sql: &str,
+        id: Uuid,
+        worker: &WorkerId,
+    ) -> Result<usize, RepositoryError> {
+        let mut conn = self.conn().await?;
+        diesel::sql_query(sql)
+            .bind::<SqlUuid, _>(id)
+            .bind::<Text, _>(worker.as_str())
+            .execute(&mut conn)
+            .await
+            .map_err(|e| self.err(e))
+    }
+}
+
+async fn load_applied(
+    q: diesel::query_builder::BoxedSqlQuery<'_, diesel::pg::Pg, diesel::query_builder::SqlQuery>,
+    conn: &mut AsyncPgConnection,
+    out: &mut Vec<AppliedRow>,
+) -> Result<(), diesel::result::Error> {
+    out.extend(q.load::<AppliedRow>(conn).await?);
+    Ok(())
+}
+
+#[async_trait]
+impl OutboxRepository for DieselOutboxRepository {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "postgres-diesel",
+            database_clock: true,
+            undecodable_rows: true,
+        }
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
+        let mut conn = self.conn().await?;
+        // The shared text is `SELECT now()`, whose column PostgreSQL names `now`.
+        let r: NowRow = diesel::sql_query(self.stmts.now.as_str())
+            .get_result(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(r.now)
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxEvent>, RepositoryError> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<OutboxRow> = diesel::sql_query(self.stmts.get.as_str())
+            .bind::<SqlUuid, _>(id)
+            .load(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        rows.into_iter().next().map(OutboxRow::into_event).transpose()
+    }
+
+    async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError> {
+        req.validate()?;
+        let p = FetchParams::new(req);
+        let worker = req.worker.as_str().to_owned();
+        let fetch = self.stmts.fetch.as_str();
+        let mut conn = self.conn().await?;
+        // Its own transaction, committed at once (R76).
+        let rows: Vec<OutboxRow> = conn
+            .transaction(async |c| {
+                diesel::sql_query(fetch)
+                    .into_boxed()
+                    .bind::<Text, _>(worker)
+                    .bind::<BigInt, _>(p.limit)
+                    .bind::<BigInt, _>(p.lease_us)
+                    .bind::<BigInt, _>(p.max_per_key)
+                    .bind::<Nullable<Array<Text>>, _>(p.topics)
+                    .bind::<Nullable<Array<Text>>, _>(p.aggregate_types)
+                    .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids)
+                    .bind::<BigInt, _>(p.scan_limit)
+                    .load::<OutboxRow>(c)
+                    .await
+            })
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(rows.into_iter().map(OutboxRow::into_fetched).collect())
+    }
+
+    async fn write_outcomes(
+        &self,
+        worker: &WorkerId,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        let max = self.cfg.error_max_length;
+        let mut done: Vec<Uuid> = Vec::new();
+        let mut released: Vec<Uuid> = Vec::new();
+        let (mut f_id, mut f_counted, mut f_err, mut f_after, mut f_at) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for o in outcomes {
+            let mut fail = |counted: bool, error: &str, retry: Retry| {
+                f_id.push(o.id);
+                f_counted.push(counted);
+                f_err.push(normalize_error(error, max));
+                let (after, at): (Option<i64>, Option<DateTime<Utc>>) = match retry {
+                    Retry::Keep => (None, None),
+                    Retry::After(d) => (Some(sql::micros(d)), None),
+                    Retry::At(t) => (None, Some(t)),
+                };
+                f_after.push(after);
+                f_at.push(at);
+            };
+            match &o.kind {
+                OutcomeKind::Completed => done.push(o.id),
+                OutcomeKind::Counted { error, retry } => fail(true, error, *retry),
+                OutcomeKind::Transient { error, retry } => fail(false, error, *retry),
+                OutcomeKind::Deferred { error } => fail(false, error, Retry::Keep),
+                OutcomeKind::Released => released.push(o.id),
+            }
+        }
+        let w = worker.as_str().to_owned();
+        let stmts = self.stmts.clone();
+        let fail_flag = self.fail_next_commit.clone();
+        let mut conn = self.conn().await?;
+        // One transaction, one statement per outcome kind (R54).
+        let applied: Vec<AppliedRow> = conn
+            .transaction(async |c| {
+                let mut applied = Vec::new();
+                if !done.is_empty() {
+                    let q = diesel::sql_query(stmts.complete.as_str())
+                        .into_boxed()
+                        .bind::<Array<SqlUuid>, _>(done)
+                        .bind::<Text, _>(w.clone());
+                    load_applied(q, c, &mut applied).await?;
+                }
+                if !f_id.is_empty() {
+                    let q = diesel::sql_query(stmts.fail.as_str())
+                        .into_boxed()
+                        .bind::<Array<SqlUuid>, _>(f_id)
+                        .bind::<Array<Bool>, _>(f_counted)
+                        .bind::<Array<Text>, _>(f_err)
+                        .bind::<Array<Nullable<BigInt>>, _>(f_after)
+                        .bind::<Array<Nullable<Timestamptz>>, _>(f_at)
+                        .bind::<Text, _>(w.clone());
+                    load_applied(q, c, &mut applied).await?;
+                }
+                if !released.is_empty() {
+                    let q = diesel::sql_query(stmts.release.as_str())
+                        .into_boxed()
+                        .bind::<Array<SqlUuid>, _>(released)
+                        .bind::<Text, _>(w.clone());
+                    load_applied(q, c, &mut applied).await?;
+                }
+                if fail_flag.swap(false, Ordering::SeqCst) {
+                    // The statements ran; returning an error rolls all of them back (R57).
+                    return Err(TxError::Repo(RepositoryError::Other(
+                        "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
+                    )));
+                }
+                Ok(applied)
+            })
+            .await
+            .map_err(|e| self.tx_err(e))?;
+        let mut results: HashMap<Uuid, OutcomeResult> = HashMap::with_capacity(applied.len());
+        for a in applied {
+            let (id, r) = a.result()?;
+            results.insert(id, r);
+        }
+        Ok(outcomes
+            .iter()
+            .map(|o| WrittenOutcome {
+                id: o.id,
+                result: results.get(&o.id).cloned().unwrap_or(OutcomeResult::LeaseLost),
+            })
+            .collect())
+    }
+
+    async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        Ok(self.exec_id_worker(&self.stmts.refresh_lock, id, worker).await? == 1)
+    }
+
+    async fn release_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        Ok(self.exec_id_worker(&self.stmts.release_lock, id, worker).await? == 1)
+    }
+
+    async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
+        let expected = ids.len() as u64;
+        let ids = ids.to_vec();
+        let w = worker.as_str().to_owned();
+        let sql = self.stmts.release_locks.as_str();
+        let mut conn = self.conn().await?;
+        conn.transaction(async |c| {
+            let n = diesel::sql_query(sql)
+                .bind::<Array<SqlUuid>, _>(ids)
+                .bind::<Text, _>(w)
+                .execute(c)
+                .await? as u64;
+            if n != expected {
+                // Roll back: the bulk release changes nothing unless every id was held (R24).
+                return Err(TxError::Repo(RepositoryError::ReleaseMismatch {
+                    changed: n,
+                    expected,
+                }));
+            }
+            Ok(n)
+        })
+        .await
+        .map_err(|e| self.tx_err(e))
+    }
+
+    async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
+        args::stale_timeout(timeout)?;
+        let batch = self.cfg.batch_size as i64;
+        let mut conn = self.conn().await?;
+        let mut total = 0u64;
+        for _ in 0..STALE_LOCK_MAX_BATCHES {
+            let n = diesel::sql_query(self.stmts.release_stale.as_str())
+                .bind::<BigInt, _>(sql::micros(timeout))
+                .bind::<BigInt, _>(batch)
+                .execute(&mut conn)
+                .await
+                .map_err(|e| self.err(e))? as u64;
+            total += n;
+            if n < batch as u64 {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
+        let mut conn = self.conn().await?;
+        let n = diesel::sql_query(self.stmts.requeue.as_str())
+            .bind::<SqlUuid, _>(id)
+            .execute(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(n == 1)
+    }
+
+    async fn delete_old_completed(
+        &self,
+        retention_days: u32,
+        batch_size: usize,
+    ) -> Result<u64, RepositoryError> {
+        args::cleanup(retention_days, batch_size)?;
+        let mut conn = self.conn().await?;
+        let n = diesel::sql_query(self.stmts.delete_old_completed.as_str())
+            .bind::<Int4, _>(i32::try_from(retention_days).unwrap_or(i32::MAX))
+            .bind::<BigInt, _>(i64::try_from(batch_size).unwrap_or(i64::MAX))
+            .execute(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(n as u64)
+    }
+
+    async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
+        let text = force_unlock_text(reason)?;
+        let mut conn = self.conn().await?;
+        let n = diesel::sql_query(self.stmts.force_unlock.as_str())
+            .bind::<SqlUuid, _>(id)
+            .bind::<Text, _>(text)
+            .execute(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        if n == 0 {
+            return Err(RepositoryError::NotLocked(id));
+        }
+        Ok(())
+    }
+
+    async fn blocked_keys(
+        &self,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<BlockedKey>, RepositoryError> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<BlockedRow> = diesel::sql_query(self.stmts.blocked_keys.as_str())
+            .bind::<BigInt, _>(sql::micros(lease_ttl))
+            .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
+            .load(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(rows.into_iter().map(BlockedKey::from).collect())
+    }
+
+    async fn counts(&self) -> Result<Vec<StatusCount>, RepositoryError> {
+        let mut conn = self.conn().await?;
+        let rows: Vec<CountRow> = diesel::sql_query(self.stmts.counts.as_str())
+            .load(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        let mut out: Vec<StatusCount> = rows.into_iter().filter_map(CountRow::into_count).collect();
+        out.sort();
+        Ok(out)
+    }
+
+    async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
+        let mut conn = self.conn().await?;
+        let r: AgeRow = diesel::sql_query(self.stmts.oldest_due_age.as_str())
+            .get_result(&mut conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(r.age_us.map(|u| Duration::from_micros(u.max(0) as u64)))
+    }
+}

@@ -1,0 +1,199 @@
+//! Decoding rows: diesel reads the columns by name into [`OutboxRow`] with the SQL types of
+//! [`crate::schema::outbox_events`]; the outbox's own decoding (headers must be a string map,
+//! status one of three, R82) is `outbox_postgres::sql::RawRow::decode`, shared with the sqlx
+//! backend.
+
+use chrono::{DateTime, Utc};
+use diesel::QueryableByName;
+use diesel::sql_types::{BigInt, Int4, Nullable, Text, Timestamptz};
+use outbox_core::event::{OutboxEvent, Status};
+use outbox_core::repository::{BlockedKey, Fetched, OutcomeResult, StatusCount};
+use outbox_core::RepositoryError;
+use outbox_postgres::sql::RawRow;
+use serde_json::Value;
+use uuid::Uuid;
+
+/// The columns of `outbox_postgres::sql::COLUMNS`, read by name.
+#[derive(Debug, Clone, QueryableByName)]
+#[diesel(table_name = crate::schema::outbox_events)]
+#[diesel(check_for_backend(diesel::pg::Pg))]
+pub(crate) struct OutboxRow {
+    id: Uuid,
+    event_type: String,
+    payload: Value,
+    headers: Option<Value>,
+    trace_id: Option<String>,
+    idempotency_key: Option<String>,
+    correlation_id: Option<String>,
+    causation_id: Option<String>,
+    schema_version: Option<String>,
+    status: String,
+    attempts_made: i32,
+    max_attempts: i32,
+    last_error: Option<String>,
+    scheduled_at: DateTime<Utc>,
+    completed_at: Option<DateTime<Utc>>,
+    locked_at: Option<DateTime<Utc>>,
+    locked_by: Option<String>,
+    created_at: DateTime<Utc>,
+    updated_at: Option<DateTime<Utc>>,
+    aggregate_type: String,
+    aggregate_id: Uuid,
+    topic: String,
+    partition_key: String,
+}
+
+impl From<OutboxRow> for RawRow {
+    fn from(r: OutboxRow) -> Self {
+        RawRow {
+            id: r.id,
+            event_type: r.event_type,
+            payload: r.payload,
+            headers: r.headers,
+            trace_id: r.trace_id,
+            idempotency_key: r.idempotency_key,
+            correlation_id: r.correlation_id,
+            causation_id: r.causation_id,
+            schema_version: r.schema_version,
+            status: r.status,
+            attempts_made: r.attempts_made,
+            max_attempts: r.max_attempts,
+            last_error: r.last_error,
+            scheduled_at: r.scheduled_at,
+            completed_at: r.completed_at,
+            locked_at: r.locked_at,
+            locked_by: r.locked_by,
+            created_at: r.created_at,
+            updated_at: r.updated_at,
+            aggregate_type: r.aggregate_type,
+            aggregate_id: r.aggregate_id,
+            topic: r.topic,
+            partition_key: r.partition_key,
+        }
+    }
+}
+
+impl OutboxRow {
+    /// A fetched row: decoded, or [`Fetched::Undecodable`] naming the problem (R82).
+    pub(crate) fn into_fetched(self) -> Fetched {
+        match RawRow::from(self).decode() {
+            Ok(e) => Fetched::Row(e),
+            Err(u) => Fetched::Undecodable(u),
+        }
+    }
+
+    /// A row read outside a fetch; an undecodable one is an error naming it.
+    pub(crate) fn into_event(self) -> Result<OutboxEvent, RepositoryError> {
+        RawRow::from(self).decode().map_err(|u| {
+            RepositoryError::Other(format!("row {} cannot be decoded: {}", u.id, u.reason))
+        })
+    }
+}
+
+/// What an outcome statement returns per written row.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct AppliedRow {
+    #[diesel(sql_type = diesel::sql_types::Uuid)]
+    pub id: Uuid,
+    #[diesel(sql_type = Text)]
+    pub status: String,
+    #[diesel(sql_type = Int4)]
+    pub attempts_made: i32,
+    #[diesel(sql_type = Timestamptz)]
+    pub scheduled_at: DateTime<Utc>,
+}
+
+impl AppliedRow {
+    pub(crate) fn result(self) -> Result<(Uuid, OutcomeResult), RepositoryError> {
+        let status = self.status.parse::<Status>().map_err(|e| {
+            RepositoryError::Other(format!("outcome write of {} returned {e}", self.id))
+        })?;
+        Ok((
+            self.id,
+            OutcomeResult::Applied {
+                status,
+                attempts_made: self.attempts_made,
+                scheduled_at: self.scheduled_at,
+            },
+        ))
+    }
+}
+
+/// `SELECT now()`.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct NowRow {
+    #[diesel(sql_type = Timestamptz)]
+    pub now: DateTime<Utc>,
+}
+
+/// One row of the blocked-keys statement.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct BlockedRow {
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Text)]
+    partition_key: String,
+    #[diesel(sql_type = diesel::sql_types::Uuid)]
+    head_id: Uuid,
+    #[diesel(sql_type = Int4)]
+    attempts_made: i32,
+    #[diesel(sql_type = Int4)]
+    max_attempts: i32,
+    #[diesel(sql_type = Nullable<Text>)]
+    last_error: Option<String>,
+    #[diesel(sql_type = Timestamptz)]
+    next_try: DateTime<Utc>,
+    #[diesel(sql_type = Nullable<Text>)]
+    locked_by: Option<String>,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    locked_at: Option<DateTime<Utc>>,
+    #[diesel(sql_type = BigInt)]
+    waiting: i64,
+}
+
+impl From<BlockedRow> for BlockedKey {
+    fn from(r: BlockedRow) -> Self {
+        BlockedKey {
+            topic: r.topic,
+            partition_key: r.partition_key,
+            head_id: r.head_id,
+            attempts_made: r.attempts_made,
+            max_attempts: r.max_attempts,
+            last_error: r.last_error,
+            next_try: r.next_try,
+            locked_by: r.locked_by,
+            locked_at: r.locked_at,
+            waiting: r.waiting,
+        }
+    }
+}
+
+/// One row of the counts statement.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct CountRow {
+    #[diesel(sql_type = Text)]
+    topic: String,
+    #[diesel(sql_type = Text)]
+    status: String,
+    #[diesel(sql_type = BigInt)]
+    count: i64,
+}
+
+impl CountRow {
+    /// None for a status this library never writes (R2), which is not one of the three.
+    pub(crate) fn into_count(self) -> Option<StatusCount> {
+        let status = self.status.parse::<Status>().ok()?;
+        Some(StatusCount {
+            topic: self.topic,
+            status,
+            count: self.count,
+        })
+    }
+}
+
+/// The oldest-due-age statement.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct AgeRow {
+    #[diesel(sql_type = Nullable<BigInt>)]
+    pub age_us: Option<i64>,
+}

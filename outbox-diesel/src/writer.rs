@@ -1,0 +1,202 @@
+//! Writing events inside the caller's diesel-async transaction (R12 to R17).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use diesel::sql_types::{Array, Int4, Int8, Nullable, Text, Timestamptz};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use outbox_core::RepositoryError;
+use outbox_core::event::{NewEvent, OutboxEvent};
+use outbox_core::repository::WriteResult;
+use outbox_postgres::sql::{self, InsertColumns, Statements, TableName};
+use uuid::Uuid;
+
+use crate::error::map_diesel;
+use crate::row::OutboxRow;
+
+type SqlUuid = diesel::sql_types::Uuid;
+
+/// Writes events inside the caller's open transaction: pass the `&mut AsyncPgConnection` that
+/// `conn.transaction(async |conn| …)` hands you. It never begins, commits or rolls back (R12);
+/// the events become visible to relays when, and only if, the caller commits.
+///
+/// ```no_run
+/// # async fn demo(conn: &mut diesel_async::AsyncPgConnection, w: outbox_diesel::DieselOutboxWriter,
+/// #               event: outbox_core::NewEvent) -> Result<(), outbox_core::RepositoryError> {
+/// use diesel_async::AsyncConnection;
+/// conn.transaction(async |conn| {
+///     // … the application's own writes on `conn` …
+///     w.write(conn, vec![event]).await?;
+///     Ok::<_, outbox_diesel::WriteError>(())
+/// })
+/// .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct DieselOutboxWriter {
+    stmts: Arc<Statements>,
+}
+
+/// The error type to use for a `conn.transaction(…)` closure that writes events: it converts
+/// from both diesel's error (the application's own statements) and the writer's
+/// [`RepositoryError`], and back into a [`RepositoryError`].
+#[derive(Debug, thiserror::Error)]
+pub enum WriteError {
+    /// A statement of the application failed, or the transaction could not commit.
+    #[error(transparent)]
+    Diesel(#[from] diesel::result::Error),
+    /// The outbox write failed.
+    #[error(transparent)]
+    Outbox(#[from] RepositoryError),
+}
+
+impl From<WriteError> for RepositoryError {
+    fn from(e: WriteError) -> Self {
+        match e {
+            WriteError::Outbox(r) => r,
+            WriteError::Diesel(d) => map_diesel(&TableName::default(), d),
+        }
+    }
+}
+
+impl DieselOutboxWriter {
+    /// A writer for `table`.
+    pub fn new(table: &TableName) -> Self {
+        Self::from_statements(Arc::new(Statements::new(table)))
+    }
+
+    pub(crate) fn from_statements(stmts: Arc<Statements>) -> Self {
+        Self { stmts }
+    }
+
+    /// The table written to.
+    pub fn table(&self) -> &TableName {
+        &self.stmts.table
+    }
+
+    /// Writes `events` with one insert statement inside the caller's transaction.
+    ///
+    /// created_at is one `clock_timestamp()` for the call (R73); a repeated idempotency key
+    /// returns the row already there, in any status, and inserts nothing; a key repeated in the
+    /// call collapses to its first occurrence; a writer of a key that another open transaction
+    /// wrote waits for it (R16, R17). Returns, per event in order, the stored row and whether
+    /// this call inserted it (R13).
+    ///
+    /// Fails with [`RepositoryError::Other`] when `conn` is not inside a transaction: writing in
+    /// autocommit would publish the events whether or not the application's change commits.
+    pub async fn write(
+        &self,
+        conn: &mut AsyncPgConnection,
+        events: Vec<NewEvent>,
+    ) -> Result<Vec<WriteResult>, RepositoryError> {
+        let table = &self.stmts.table;
+        let depth = AnsiTransactionManager::transaction_manager_status_mut(conn)
+            .transaction_depth()
+            .map_err(|e| map_diesel(table, e))?;
+        if depth.is_none() {
+            return Err(RepositoryError::Other(
+                "the outbox write needs the caller's open transaction: call it inside conn.transaction(async |conn| …)".into(),
+            ));
+        }
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let plan = sql::dedupe_write(&events);
+        let c = InsertColumns::new(plan.unique.iter().map(|&i| &events[i]));
+        let rows: Vec<OutboxRow> = diesel::sql_query(self.stmts.insert.as_str())
+            .into_boxed()
+            .bind::<Array<SqlUuid>, _>(c.id)
+            .bind::<Array<Text>, _>(c.event_type)
+            .bind::<Array<Text>, _>(c.payload)
+            .bind::<Array<Nullable<Text>>, _>(c.headers)
+            .bind::<Array<Nullable<Text>>, _>(c.trace_id)
+            .bind::<Array<Nullable<Text>>, _>(c.idempotency_key)
+            .bind::<Array<Nullable<Text>>, _>(c.correlation_id)
+            .bind::<Array<Nullable<Text>>, _>(c.causation_id)
+            .bind::<Array<Nullable<Text>>, _>(c.schema_version)
+            .bind::<Array<Int4>, _>(c.max_attempts)
+            .bind::<Array<Nullable<Timestamptz>>, _>(c.scheduled_at)
+            .bind::<Array<Nullable<Int8>>, _>(c.delay_us)
+            .bind::<Array<Text>, _>(c.aggregate_type)
+            .bind::<Array<SqlUuid>, _>(c.aggregate_id)
+            .bind::<Array<Text>, _>(c.topic)
+            .bind::<Array<Text>, _>(c.partition_key)
+            .load(conn)
+            .await
+            .map_err(|e| map_diesel(table, e))?;
+        let mut inserted: HashMap<Uuid, OutboxEvent> = HashMap::with_capacity(rows.len());
+        for r in rows {
+            let e = r.into_event()?;
+            inserted.insert(e.id, e);
+        }
+        // Events the insert skipped (ON CONFLICT DO NOTHING): read the rows already there.
+        let skipped: Vec<usize> = plan
+            .unique
+            .iter()
+            .copied()
+            .filter(|&i| !inserted.contains_key(&events[i].id()))
+            .collect();
+        let mut by_key: HashMap<String, OutboxEvent> = HashMap::new();
+        let mut by_id: HashMap<Uuid, OutboxEvent> = HashMap::new();
+        if !skipped.is_empty() {
+            let ids: Vec<Uuid> = skipped.iter().map(|&i| events[i].id()).collect();
+            let keys: Vec<String> = skipped
+                .iter()
+                .filter_map(|&i| events[i].idempotency_key().map(str::to_owned))
+                .collect();
+            let rows: Vec<OutboxRow> = diesel::sql_query(self.stmts.select_existing.as_str())
+                .bind::<Array<SqlUuid>, _>(ids)
+                .bind::<Array<Text>, _>(keys)
+                .load(conn)
+                .await
+                .map_err(|e| map_diesel(table, e))?;
+            for r in rows {
+                let e = r.into_event()?;
+                if let Some(k) = &e.idempotency_key {
+                    by_key.insert(k.clone(), e.clone());
+                }
+                by_id.insert(e.id, e);
+            }
+        }
+        let mut firsts: HashMap<usize, WriteResult> = HashMap::with_capacity(plan.unique.len());
+        for &i in &plan.unique {
+            let ev = &events[i];
+            let res = match inserted.get(&ev.id()) {
+                Some(row) => WriteResult {
+                    event: row.clone(),
+                    inserted: true,
+                },
+                None => {
+                    let existing = ev
+                        .idempotency_key()
+                        .and_then(|k| by_key.get(k))
+                        .or_else(|| by_id.get(&ev.id()))
+                        .cloned()
+                        .ok_or_else(|| {
+                            RepositoryError::Other(format!(
+                                "event {} was neither inserted nor found (a conflicting row vanished meanwhile); retry the write",
+                                ev.id()
+                            ))
+                        })?;
+                    WriteResult {
+                        event: existing,
+                        inserted: false,
+                    }
+                }
+            };
+            firsts.insert(i, res);
+        }
+        Ok(plan
+            .first
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| {
+                let r = &firsts[&f];
+                WriteResult {
+                    event: r.event.clone(),
+                    inserted: r.inserted && i == f,
+                }
+            })
+            .collect())
+    }
+}
