@@ -4,5 +4,12 @@
 pub mod error;
 pub mod sql;
 
+#[cfg(feature = "sqlx")]
+mod backend;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+#[cfg(feature = "sqlx")]
+pub use backend::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema, map_err, raw_row};
 pub use error::Error;
 pub use sql::TableName;

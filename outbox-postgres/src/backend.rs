@@ -1,0 +1,673 @@
+//! The sqlx backend: [`PgOutboxRepository`] (relay and operator side), [`PgOutboxWriter`]
+//! (writes in the caller's transaction) and [`create_schema`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use outbox_core::error::RepositoryError;
+use outbox_core::event::{
+    NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text, normalize_error,
+};
+use outbox_core::repository::{
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
+    Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult,
+    WrittenOutcome, args, check_backend_batch_size,
+};
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::{AssertSqlSafe, PgConnection, Row};
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::sql::{self, ErrorClass, FetchParams, InsertColumns, RawRow, Statements, TableName};
+
+/// Settings of the sqlx backend.
+#[derive(Debug, Clone)]
+pub struct PgConfig {
+    table: TableName,
+    batch_size: usize,
+    error_max_length: usize,
+}
+
+impl Default for PgConfig {
+    fn default() -> Self {
+        Self {
+            table: TableName::default(),
+            batch_size: DEFAULT_BACKEND_BATCH_SIZE,
+            error_max_length: outbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
+        }
+    }
+}
+
+impl PgConfig {
+    /// The table name, `table` or `schema.table`, validated (R78).
+    pub fn table_name(mut self, name: &str) -> Result<Self, Error> {
+        self.table = TableName::new(name)?;
+        Ok(self)
+    }
+
+    /// An already validated table name.
+    pub fn table(mut self, table: TableName) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// Maintenance batch size (R63): 1 to 10,000, default 1000.
+    pub fn batch_size(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
+        self.batch_size = check_backend_batch_size(n)?;
+        Ok(self)
+    }
+
+    /// last_error limit in bytes (R9), default 2000.
+    pub fn error_max_length(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
+        self.error_max_length = outbox_core::event::check_error_max_length(n)?;
+        Ok(self)
+    }
+
+    /// The configured table.
+    pub fn table_ref(&self) -> &TableName {
+        &self.table
+    }
+}
+
+/// Maps a sqlx error to the core vocabulary: connection, pool and timeout problems are
+/// [`RepositoryError::Unavailable`] (transient for the relay); constraint violations are
+/// [`RepositoryError::Constraint`] naming the rule; a missing table is
+/// [`RepositoryError::Schema`].
+pub fn map_err(table: &TableName, e: sqlx::Error) -> RepositoryError {
+    match e {
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            match sql::classify(&code) {
+                ErrorClass::Transient => RepositoryError::Unavailable {
+                    message: format!("{db} (SQLSTATE {code})"),
+                },
+                ErrorClass::Constraint => RepositoryError::Constraint {
+                    message: match db.constraint() {
+                        Some(c) => format!("{} ({db})", sql::constraint_rule(table, c)),
+                        None => format!("{db} (SQLSTATE {code})"),
+                    },
+                },
+                ErrorClass::Schema => RepositoryError::Schema(format!(
+                    "{db} (SQLSTATE {code}); create the schema for table {table} first (create_schema)"
+                )),
+                ErrorClass::Other => RepositoryError::Other(format!("{db} (SQLSTATE {code})")),
+            }
+        }
+        e @ (sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::Protocol(_)) => RepositoryError::Unavailable {
+            message: e.to_string(),
+        },
+        other => RepositoryError::Other(other.to_string()),
+    }
+}
+
+/// Decodes [`sql::COLUMNS`] of a row into a [`RawRow`].
+pub fn raw_row(r: &PgRow) -> Result<RawRow, sqlx::Error> {
+    Ok(RawRow {
+        id: r.try_get(0)?,
+        event_type: r.try_get(1)?,
+        payload: r.try_get(2)?,
+        headers: r.try_get(3)?,
+        trace_id: r.try_get(4)?,
+        idempotency_key: r.try_get(5)?,
+        correlation_id: r.try_get(6)?,
+        causation_id: r.try_get(7)?,
+        schema_version: r.try_get(8)?,
+        status: r.try_get(9)?,
+        attempts_made: r.try_get(10)?,
+        max_attempts: r.try_get(11)?,
+        last_error: r.try_get(12)?,
+        scheduled_at: r.try_get(13)?,
+        completed_at: r.try_get(14)?,
+        locked_at: r.try_get(15)?,
+        locked_by: r.try_get(16)?,
+        created_at: r.try_get(17)?,
+        updated_at: r.try_get(18)?,
+        aggregate_type: r.try_get(19)?,
+        aggregate_id: r.try_get(20)?,
+        topic: r.try_get(21)?,
+        partition_key: r.try_get(22)?,
+    })
+}
+
+fn decoded(table: &TableName, r: &PgRow) -> Result<OutboxEvent, RepositoryError> {
+    raw_row(r)
+        .map_err(|e| map_err(table, e))?
+        .decode()
+        .map_err(|u| {
+            RepositoryError::Other(format!("row {} cannot be decoded: {}", u.id, u.reason))
+        })
+}
+
+/// Creates the table and its indexes if missing, in one transaction under an advisory lock
+/// (idempotent; on an existing ancestor table it adds only what is missing, R79). Creates the
+/// schema of a qualified name too.
+pub async fn create_schema(pool: &PgPool, table: &TableName) -> Result<(), Error> {
+    let db = |e: sqlx::Error| Error::Database {
+        during: "schema creation",
+        message: e.to_string(),
+    };
+    let stmts = Statements::new(table);
+    let mut tx = pool.begin().await.map_err(db)?;
+    sqlx::query(AssertSqlSafe(stmts.schema_lock.as_str()))
+        .bind(stmts.schema_lock_key())
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    for s in sql::ddl(table) {
+        sqlx::query(AssertSqlSafe(s))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+    }
+    tx.commit().await.map_err(db)
+}
+
+/// Writes events inside the caller's transaction (R12): pass `&mut *tx` of a sqlx
+/// `Transaction<'_, Postgres>` (or any `&mut PgConnection` inside a transaction). Never begins,
+/// commits or rolls back.
+#[derive(Debug, Clone)]
+pub struct PgOutboxWriter {
+    stmts: Arc<Statements>,
+}
+
+impl PgOutboxWriter {
+    /// A writer for `table`.
+    pub fn new(table: &TableName) -> Self {
+        Self {
+            stmts: Arc::new(Statements::new(table)),
+        }
+    }
+
+    /// The table it writes to.
+    pub fn table(&self) -> &TableName {
+        &self.stmts.table
+    }
+
+    /// Writes `events` in one insert statement: created_at is one `clock_timestamp()` for the
+    /// call (R73); a repeated idempotency key returns the row already there (R16, R17). Returns,
+    /// per event in order, the stored row and whether this call inserted it (R13).
+    pub async fn write(
+        &self,
+        conn: &mut PgConnection,
+        events: Vec<NewEvent>,
+    ) -> Result<Vec<WriteResult>, RepositoryError> {
+        let table = &self.stmts.table;
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let plan = sql::dedupe_write(&events);
+        let c = InsertColumns::new(plan.unique.iter().map(|&i| &events[i]));
+        let rows = sqlx::query(AssertSqlSafe(self.stmts.insert.as_str()))
+            .bind(c.id)
+            .bind(c.event_type)
+            .bind(c.payload)
+            .bind(c.headers)
+            .bind(c.trace_id)
+            .bind(c.idempotency_key)
+            .bind(c.correlation_id)
+            .bind(c.causation_id)
+            .bind(c.schema_version)
+            .bind(c.max_attempts)
+            .bind(c.scheduled_at)
+            .bind(c.delay_us)
+            .bind(c.aggregate_type)
+            .bind(c.aggregate_id)
+            .bind(c.topic)
+            .bind(c.partition_key)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| map_err(table, e))?;
+        let mut inserted: HashMap<Uuid, OutboxEvent> = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            let e = decoded(table, r)?;
+            inserted.insert(e.id, e);
+        }
+        // Events the insert skipped: read the rows already there.
+        let skipped: Vec<usize> = plan
+            .unique
+            .iter()
+            .copied()
+            .filter(|&i| !inserted.contains_key(&events[i].id()))
+            .collect();
+        let mut by_key: HashMap<String, OutboxEvent> = HashMap::new();
+        let mut by_id: HashMap<Uuid, OutboxEvent> = HashMap::new();
+        if !skipped.is_empty() {
+            let ids: Vec<Uuid> = skipped.iter().map(|&i| events[i].id()).collect();
+            let keys: Vec<String> = skipped
+                .iter()
+                .filter_map(|&i| events[i].idempotency_key().map(str::to_owned))
+                .collect();
+            let rows = sqlx::query(AssertSqlSafe(self.stmts.select_existing.as_str()))
+                .bind(ids)
+                .bind(keys)
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(|e| map_err(table, e))?;
+            for r in &rows {
+                let e = decoded(table, r)?;
+                if let Some(k) = &e.idempotency_key {
+                    by_key.insert(k.clone(), e.clone());
+                }
+                by_id.insert(e.id, e);
+            }
+        }
+        let mut firsts: HashMap<usize, WriteResult> = HashMap::new();
+        for &i in &plan.unique {
+            let ev = &events[i];
+            let res = if let Some(row) = inserted.get(&ev.id()) {
+                WriteResult {
+                    event: row.clone(),
+                    inserted: true,
+                }
+            } else {
+                let existing = ev
+                    .idempotency_key()
+                    .and_then(|k| by_key.get(k))
+                    .or_else(|| by_id.get(&ev.id()))
+                    .cloned()
+                    .ok_or_else(|| {
+                        RepositoryError::Other(format!(
+                            "event {} was neither inserted nor found (a conflicting row vanished meanwhile); retry the write",
+                            ev.id()
+                        ))
+                    })?;
+                WriteResult {
+                    event: existing,
+                    inserted: false,
+                }
+            };
+            firsts.insert(i, res);
+        }
+        Ok(plan
+            .first
+            .iter()
+            .enumerate()
+            .map(|(i, &f)| {
+                let r = &firsts[&f];
+                WriteResult {
+                    event: r.event.clone(),
+                    inserted: r.inserted && i == f,
+                }
+            })
+            .collect())
+    }
+}
+
+/// The sqlx repository (relay and operator side) on a pool.
+#[derive(Debug, Clone)]
+pub struct PgOutboxRepository {
+    pool: PgPool,
+    stmts: Arc<Statements>,
+    cfg: PgConfig,
+    fail_next_commit: Arc<AtomicBool>,
+}
+
+impl PgOutboxRepository {
+    /// A repository on `pool` with these settings. Create the schema first ([`create_schema`]).
+    pub fn new(pool: PgPool, cfg: PgConfig) -> Self {
+        Self {
+            pool,
+            stmts: Arc::new(Statements::new(&cfg.table)),
+            cfg,
+            fail_next_commit: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The writer for this repository's table.
+    pub fn writer(&self) -> PgOutboxWriter {
+        PgOutboxWriter {
+            stmts: self.stmts.clone(),
+        }
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The table.
+    pub fn table(&self) -> &TableName {
+        &self.cfg.table
+    }
+
+    /// The statements in use.
+    pub fn statements(&self) -> &Statements {
+        &self.stmts
+    }
+
+    /// Test hook: the next outcome transaction runs its statements and then rolls back, and
+    /// `write_outcomes` returns an error (R57; P-06).
+    #[doc(hidden)]
+    pub fn fail_next_outcome_commit(&self) {
+        self.fail_next_commit.store(true, Ordering::SeqCst);
+    }
+
+    fn err(&self, e: sqlx::Error) -> RepositoryError {
+        map_err(&self.cfg.table, e)
+    }
+
+    async fn exec_1(&self, sql: &str, id: Uuid, worker: &WorkerId) -> Result<u64, RepositoryError> {
+        Ok(sqlx::query(AssertSqlSafe(sql))
+            .bind(id)
+            .bind(worker.as_str())
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?
+            .rows_affected())
+    }
+}
+
+fn applied(rows: &[PgRow], out: &mut HashMap<Uuid, OutcomeResult>) -> Result<(), sqlx::Error> {
+    for r in rows {
+        let status: String = r.try_get(1)?;
+        let status = status
+            .parse::<Status>()
+            .map_err(|e| sqlx::Error::Decode(e.into()))?;
+        out.insert(
+            r.try_get(0)?,
+            OutcomeResult::Applied {
+                status,
+                attempts_made: r.try_get(2)?,
+                scheduled_at: r.try_get(3)?,
+            },
+        );
+    }
+    Ok(())
+}
+
+#[async_trait]
+impl OutboxRepository for PgOutboxRepository {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            name: "postgres-sqlx",
+            database_clock: true,
+            undecodable_rows: true,
+        }
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
+        sqlx::query_scalar(AssertSqlSafe(self.stmts.now.as_str()))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxEvent>, RepositoryError> {
+        let row = sqlx::query(AssertSqlSafe(self.stmts.get.as_str()))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        row.map(|r| decoded(&self.cfg.table, &r)).transpose()
+    }
+
+    async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError> {
+        req.validate()?;
+        let p = FetchParams::new(req);
+        let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
+        let rows = sqlx::query(AssertSqlSafe(self.stmts.fetch.as_str()))
+            .bind(req.worker.as_str())
+            .bind(p.limit)
+            .bind(p.lease_us)
+            .bind(p.max_per_key)
+            .bind(p.topics)
+            .bind(p.aggregate_types)
+            .bind(p.aggregate_ids)
+            .bind(p.scan_limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        tx.commit().await.map_err(|e| self.err(e))?;
+        rows.iter()
+            .map(|r| {
+                let raw = raw_row(r).map_err(|e| self.err(e))?;
+                Ok(match raw.decode() {
+                    Ok(e) => Fetched::Row(e),
+                    Err(u) => Fetched::Undecodable(u),
+                })
+            })
+            .collect()
+    }
+
+    async fn write_outcomes(
+        &self,
+        worker: &WorkerId,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        let max = self.cfg.error_max_length;
+        let mut done: Vec<Uuid> = Vec::new();
+        let mut released: Vec<Uuid> = Vec::new();
+        let (mut f_id, mut f_counted, mut f_err, mut f_after, mut f_at) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for o in outcomes {
+            let mut fail = |counted: bool, error: &str, retry: Retry| {
+                f_id.push(o.id);
+                f_counted.push(counted);
+                f_err.push(normalize_error(error, max));
+                let (after, at): (Option<i64>, Option<DateTime<Utc>>) = match retry {
+                    Retry::Keep => (None, None),
+                    Retry::After(d) => (Some(sql::micros(d)), None),
+                    Retry::At(t) => (None, Some(t)),
+                };
+                f_after.push(after);
+                f_at.push(at);
+            };
+            match &o.kind {
+                OutcomeKind::Completed => done.push(o.id),
+                OutcomeKind::Counted { error, retry } => fail(true, error, *retry),
+                OutcomeKind::Transient { error, retry } => fail(false, error, *retry),
+                OutcomeKind::Deferred { error } => fail(false, error, Retry::Keep),
+                OutcomeKind::Released => released.push(o.id),
+            }
+        }
+        let mut results: HashMap<Uuid, OutcomeResult> = HashMap::new();
+        let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
+        if !done.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(self.stmts.complete.as_str()))
+                .bind(&done)
+                .bind(worker.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+            applied(&rows, &mut results).map_err(|e| self.err(e))?;
+        }
+        if !f_id.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(self.stmts.fail.as_str()))
+                .bind(&f_id)
+                .bind(&f_counted)
+                .bind(&f_err)
+                .bind(&f_after)
+                .bind(&f_at)
+                .bind(worker.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+            applied(&rows, &mut results).map_err(|e| self.err(e))?;
+        }
+        if !released.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(self.stmts.release.as_str()))
+                .bind(&released)
+                .bind(worker.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| self.err(e))?;
+            applied(&rows, &mut results).map_err(|e| self.err(e))?;
+        }
+        if self.fail_next_commit.swap(false, Ordering::SeqCst) {
+            tx.rollback().await.map_err(|e| self.err(e))?;
+            return Err(RepositoryError::Other(
+                "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
+            ));
+        }
+        tx.commit().await.map_err(|e| self.err(e))?;
+        Ok(outcomes
+            .iter()
+            .map(|o| WrittenOutcome {
+                id: o.id,
+                result: results
+                    .get(&o.id)
+                    .cloned()
+                    .unwrap_or(OutcomeResult::LeaseLost),
+            })
+            .collect())
+    }
+
+    async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        Ok(self.exec_1(&self.stmts.refresh_lock, id, worker).await? == 1)
+    }
+
+    async fn release_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        Ok(self.exec_1(&self.stmts.release_lock, id, worker).await? == 1)
+    }
+
+    async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
+        let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
+        let n = sqlx::query(AssertSqlSafe(self.stmts.release_locks.as_str()))
+            .bind(ids)
+            .bind(worker.as_str())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?
+            .rows_affected();
+        if n != ids.len() as u64 {
+            tx.rollback().await.map_err(|e| self.err(e))?;
+            return Err(RepositoryError::ReleaseMismatch {
+                changed: n,
+                expected: ids.len() as u64,
+            });
+        }
+        tx.commit().await.map_err(|e| self.err(e))?;
+        Ok(n)
+    }
+
+    async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
+        args::stale_timeout(timeout)?;
+        let batch = self.cfg.batch_size as i64;
+        let mut total = 0;
+        for _ in 0..STALE_LOCK_MAX_BATCHES {
+            let n = sqlx::query(AssertSqlSafe(self.stmts.release_stale.as_str()))
+                .bind(sql::micros(timeout))
+                .bind(batch)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?
+                .rows_affected();
+            total += n;
+            if n < batch as u64 {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
+        Ok(sqlx::query(AssertSqlSafe(self.stmts.requeue.as_str()))
+            .bind(id)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?
+            .rows_affected()
+            == 1)
+    }
+
+    async fn delete_old_completed(
+        &self,
+        retention_days: u32,
+        batch_size: usize,
+    ) -> Result<u64, RepositoryError> {
+        args::cleanup(retention_days, batch_size)?;
+        Ok(
+            sqlx::query(AssertSqlSafe(self.stmts.delete_old_completed.as_str()))
+                .bind(i32::try_from(retention_days).unwrap_or(i32::MAX))
+                .bind(i64::try_from(batch_size).unwrap_or(i64::MAX))
+                .execute(&self.pool)
+                .await
+                .map_err(|e| self.err(e))?
+                .rows_affected(),
+        )
+    }
+
+    async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
+        let text = force_unlock_text(reason)?;
+        let n = sqlx::query(AssertSqlSafe(self.stmts.force_unlock.as_str()))
+            .bind(id)
+            .bind(text)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?
+            .rows_affected();
+        if n == 0 {
+            return Err(RepositoryError::NotLocked(id));
+        }
+        Ok(())
+    }
+
+    async fn blocked_keys(
+        &self,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<BlockedKey>, RepositoryError> {
+        let rows = sqlx::query(AssertSqlSafe(self.stmts.blocked_keys.as_str()))
+            .bind(sql::micros(lease_ttl))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        rows.iter()
+            .map(|r| {
+                Ok(BlockedKey {
+                    topic: r.try_get(0)?,
+                    partition_key: r.try_get(1)?,
+                    head_id: r.try_get(2)?,
+                    attempts_made: r.try_get(3)?,
+                    max_attempts: r.try_get(4)?,
+                    last_error: r.try_get(5)?,
+                    next_try: r.try_get(6)?,
+                    locked_by: r.try_get(7)?,
+                    locked_at: r.try_get(8)?,
+                    waiting: r.try_get(9)?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(|e| self.err(e))
+    }
+
+    async fn counts(&self) -> Result<Vec<StatusCount>, RepositoryError> {
+        let rows = sqlx::query(AssertSqlSafe(self.stmts.counts.as_str()))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        let mut out = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let status: String = r.try_get(1).map_err(|e| self.err(e))?;
+            let Ok(status) = status.parse::<Status>() else {
+                // A status this library never writes (R2); not countable as one of the three.
+                continue;
+            };
+            out.push(StatusCount {
+                topic: r.try_get(0).map_err(|e| self.err(e))?,
+                status,
+                count: r.try_get(2).map_err(|e| self.err(e))?,
+            });
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
+        let us: Option<i64> = sqlx::query_scalar(AssertSqlSafe(self.stmts.oldest_due_age.as_str()))
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.err(e))?;
+        Ok(us.map(|u| Duration::from_micros(u.max(0) as u64)))
+    }
+}

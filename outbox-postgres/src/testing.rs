@@ -1,0 +1,438 @@
+//! The conformance harness of the sqlx backend (feature `testing`): a fresh schema per trial,
+//! so trials run in parallel, and the fixtures of scenarios.md §1.
+//!
+//! * [`PgFactory`] makes a [`PgHarness`] per trial: a schema `obx_<random>`, the outbox table
+//!   in it (default name `outbox_events`, or another validated name), an `aggregates` table
+//!   for the writers' application lock, and a small pool whose sessions run with
+//!   `TimeZone = 'America/New_York'` (so the time-zone trap of R79 is exercised by every trial,
+//!   and PG-09 checks it). The schema is dropped when the harness is dropped.
+//! * `advance(d)` shifts every row's times back by d ([`crate::sql::Statements::shift_clock`]).
+//! * `sql` runs a statement on the harness's pool, `{table}` replaced by the quoted qualified
+//!   table name and `{schema}` by the quoted schema; statements that return rows (SELECT, WITH,
+//!   or with RETURNING) come back as JSON objects, others run as a simple query and return none.
+//! * To act as the *peer* backend of another harness (outbox-diesel's PG-06 and S-02), use
+//!   [`PgHarness::attach`] on that harness's schema and table, then
+//!   [`PgHarness::sqlx_repository`] and [`PgHarness::begin_tx`].
+//!
+//! The database URL comes from `DATABASE_URL` (default
+//! `postgres://postgres@127.0.0.1:5432/test`); an unreachable database fails the trial.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
+use outbox_core::error::RepositoryError;
+use outbox_core::event::NewEvent;
+use outbox_core::repository::{OutboxRepository, WriteResult};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use crate::backend::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
+use crate::sql::{self, Statements, TableName};
+
+/// The default database URL of the tests.
+pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// `DATABASE_URL` or the default.
+pub fn database_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
+}
+
+/// A fresh schema name `obx_<12 hex>`.
+pub fn fresh_schema_name() -> String {
+    format!("obx_{}", &Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// A small pool for one trial: at most `max` connections, sessions in `America/New_York`.
+pub async fn trial_pool(url: &str, max: u32) -> PgPool {
+    let opts: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .expect("DATABASE_URL is a valid postgres URL")
+        .options([("TimeZone", "America/New_York")]);
+    PgPoolOptions::new()
+        .max_connections(max)
+        .min_connections(0)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_with(opts)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
+}
+
+/// Makes a fresh [`PgHarness`] per trial.
+#[derive(Debug, Clone)]
+pub struct PgFactory {
+    url: String,
+    table: String,
+}
+
+impl Default for PgFactory {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl PgFactory {
+    /// The default table name on `DATABASE_URL`.
+    pub fn new() -> Self {
+        Self {
+            url: database_url(),
+            table: sql::DEFAULT_TABLE.to_owned(),
+        }
+    }
+
+    /// Another (bare) table name; it is placed in the trial's schema.
+    pub fn with_table(mut self, table: &str) -> Self {
+        self.table = table.to_owned();
+        self
+    }
+}
+
+#[async_trait]
+impl Factory for PgFactory {
+    async fn create(&self) -> Arc<dyn Harness> {
+        Arc::new(PgHarness::create(&self.url, &self.table).await)
+    }
+}
+
+/// One trial's store: a schema of its own with the outbox table.
+pub struct PgHarness {
+    url: String,
+    pool: PgPool,
+    schema: String,
+    table: TableName,
+    stmts: Arc<Statements>,
+    repo: Arc<PgOutboxRepository>,
+    owns_schema: bool,
+}
+
+impl std::fmt::Debug for PgHarness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgHarness")
+            .field("schema", &self.schema)
+            .field("table", &self.table)
+            .finish()
+    }
+}
+
+impl PgHarness {
+    /// A fresh schema with the outbox table `table` (bare name) and the `aggregates` table.
+    pub async fn create(url: &str, table: &str) -> Self {
+        let schema = fresh_schema_name();
+        let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
+        let pool = trial_pool(url, 8).await;
+        create_schema(&pool, &table).await.expect("schema creation");
+        sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
+            .execute(&pool)
+            .await
+            .expect("aggregates table");
+        Self::with_pool(url, pool, schema, table, true)
+    }
+
+    /// A harness on an existing table (created by someone else), for use as a peer backend.
+    /// It does not drop the schema.
+    pub async fn attach(url: &str, table: &TableName) -> Self {
+        let schema = table.schema().unwrap_or("public").to_owned();
+        let pool = trial_pool(url, 8).await;
+        sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
+            .execute(&pool)
+            .await
+            .expect("aggregates table");
+        Self::with_pool(url, pool, schema, table.clone(), false)
+    }
+
+    /// An empty schema without any table (for scenarios that create tables themselves).
+    /// Dropped with the harness.
+    fn with_pool(url: &str, pool: PgPool, schema: String, table: TableName, owns: bool) -> Self {
+        let repo = Arc::new(PgOutboxRepository::new(
+            pool.clone(),
+            PgConfig::default().table(table.clone()),
+        ));
+        Self {
+            url: url.to_owned(),
+            pool,
+            schema,
+            stmts: Arc::new(Statements::new(&table)),
+            table,
+            repo,
+            owns_schema: owns,
+        }
+    }
+
+    /// The sqlx repository of this trial.
+    pub fn sqlx_repository(&self) -> Arc<PgOutboxRepository> {
+        self.repo.clone()
+    }
+
+    /// The pool of this trial.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The trial's schema.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+
+    /// The trial's table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// Begins a writer transaction with the sqlx writer.
+    pub async fn begin_tx(&self) -> Box<dyn WriteTx> {
+        let tx = self.pool.begin().await.expect("begin");
+        Box::new(SqlxWriteTx {
+            tx: Some(tx),
+            writer: self.repo.writer(),
+            schema: self.schema.clone(),
+        })
+    }
+}
+
+impl Drop for PgHarness {
+    fn drop(&mut self) {
+        if !self.owns_schema {
+            return;
+        }
+        let url = self.url.clone();
+        let schema = self.schema.clone();
+        // Runs on a thread of its own with its own runtime: Drop cannot await.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                    let _ = sqlx::query(AssertSqlSafe(sql::fixtures::drop_schema(&schema)))
+                        .execute(&mut c)
+                        .await;
+                    let _ = c.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A writer transaction of the sqlx backend (the suite's [`WriteTx`]).
+pub struct SqlxWriteTx {
+    tx: Option<Transaction<'static, Postgres>>,
+    writer: PgOutboxWriter,
+    schema: String,
+}
+
+impl SqlxWriteTx {
+    /// Wraps an open transaction and a writer.
+    pub fn new(tx: Transaction<'static, Postgres>, writer: PgOutboxWriter, schema: &str) -> Self {
+        Self {
+            tx: Some(tx),
+            writer,
+            schema: schema.to_owned(),
+        }
+    }
+
+    fn tx(&mut self) -> &mut Transaction<'static, Postgres> {
+        self.tx.as_mut().expect("transaction open")
+    }
+}
+
+#[async_trait]
+impl WriteTx for SqlxWriteTx {
+    async fn write(&mut self, events: Vec<NewEvent>) -> Result<Vec<WriteResult>, RepositoryError> {
+        let writer = self.writer.clone();
+        writer.write(&mut **self.tx(), events).await
+    }
+
+    async fn lock_app(&mut self, name: &str) {
+        let ensure = sql::fixtures::ensure_aggregate(&self.schema);
+        let lock = sql::fixtures::lock_aggregate(&self.schema);
+        let tx = self.tx();
+        sqlx::query(AssertSqlSafe(ensure))
+            .bind(name)
+            .execute(&mut **tx)
+            .await
+            .expect("insert aggregate row");
+        sqlx::query(AssertSqlSafe(lock))
+            .bind(name)
+            .fetch_one(&mut **tx)
+            .await
+            .expect("lock aggregate row");
+    }
+
+    async fn touch(&mut self) {
+        sqlx::query("SELECT txid_current()")
+            .execute(&mut **self.tx())
+            .await
+            .expect("touch");
+    }
+
+    async fn commit(mut self: Box<Self>) -> Result<(), RepositoryError> {
+        let table = self.writer_table();
+        self.tx
+            .take()
+            .expect("open")
+            .commit()
+            .await
+            .map_err(|e| crate::backend::map_err(&table, e))
+    }
+
+    async fn rollback(mut self: Box<Self>) -> Result<(), RepositoryError> {
+        let table = self.writer_table();
+        self.tx
+            .take()
+            .expect("open")
+            .rollback()
+            .await
+            .map_err(|e| crate::backend::map_err(&table, e))
+    }
+}
+
+impl SqlxWriteTx {
+    fn writer_table(&self) -> TableName {
+        self.writer.table().clone()
+    }
+}
+
+fn returns_rows(statement: &str) -> bool {
+    let s = statement.trim_start().to_ascii_lowercase();
+    s.starts_with("select")
+        || s.starts_with("with")
+        || s.starts_with("values")
+        || s.starts_with("table")
+        || s.contains(" returning ")
+        || s.contains("\nreturning ")
+}
+
+#[async_trait]
+impl Harness for PgHarness {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Postgres
+    }
+
+    fn repository(&self) -> Arc<dyn OutboxRepository> {
+        self.repo.clone()
+    }
+
+    async fn begin(&self) -> Box<dyn WriteTx> {
+        self.begin_tx().await
+    }
+
+    async fn advance(&self, d: Duration) {
+        sqlx::query(AssertSqlSafe(self.stmts.shift_clock.as_str()))
+            .bind(sql::micros(d))
+            .execute(&self.pool)
+            .await
+            .expect("advance: shift the table's times");
+    }
+
+    async fn set(&self, id: Uuid, p: RowPatch) {
+        let mut sets: Vec<String> = Vec::new();
+        let mut n = 1;
+        let mut next = |col: &str, cast: &str, sets: &mut Vec<String>| {
+            n += 1;
+            sets.push(format!("{col} = ${n}::{cast}"));
+        };
+        // Bind order follows the order of `next` calls below.
+        if p.status.is_some() {
+            next("status", "text", &mut sets);
+        }
+        if p.attempts_made.is_some() {
+            next("attempts_made", "int4", &mut sets);
+        }
+        if p.max_attempts.is_some() {
+            next("max_attempts", "int4", &mut sets);
+        }
+        if p.last_error.is_some() {
+            next("last_error", "text", &mut sets);
+        }
+        if p.scheduled_at.is_some() {
+            next("scheduled_at", "timestamptz", &mut sets);
+        }
+        if p.completed_at.is_some() {
+            next("completed_at", "timestamptz", &mut sets);
+        }
+        if p.lock.is_some() {
+            next("locked_by", "text", &mut sets);
+            next("locked_at", "timestamptz", &mut sets);
+        }
+        if sets.is_empty() {
+            return;
+        }
+        let text = format!(
+            "UPDATE {} SET {} WHERE id = $1::uuid",
+            self.table.qualified(),
+            sets.join(", ")
+        );
+        let mut q = sqlx::query(AssertSqlSafe(text)).bind(id);
+        if let Some(v) = p.status {
+            q = q.bind(v.as_str());
+        }
+        if let Some(v) = p.attempts_made {
+            q = q.bind(v);
+        }
+        if let Some(v) = p.max_attempts {
+            q = q.bind(v);
+        }
+        if let Some(v) = p.last_error {
+            q = q.bind(v);
+        }
+        if let Some(v) = p.scheduled_at {
+            q = q.bind(v);
+        }
+        if let Some(v) = p.completed_at {
+            q = q.bind(v);
+        }
+        if let Some(v) = p.lock {
+            q = q.bind(v.as_ref().map(|(w, _)| w.clone()));
+            q = q.bind(v.map(|(_, t)| t));
+        }
+        let n = q.execute(&self.pool).await.expect("set").rows_affected();
+        assert_eq!(n, 1, "set: no row {id}");
+    }
+
+    fn fail_next_outcome_commit(&self) {
+        self.repo.fail_next_outcome_commit();
+    }
+
+    fn try_configure(
+        &self,
+        batch_size: usize,
+        error_max_length: usize,
+    ) -> Option<Result<(), String>> {
+        Some(
+            PgConfig::default()
+                .batch_size(batch_size)
+                .and_then(|c| c.error_max_length(error_max_length))
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        )
+    }
+
+    async fn sql(&self, statement: &str) -> Result<Vec<serde_json::Value>, String> {
+        let text = statement
+            .replace("{table}", &self.table.qualified())
+            .replace("{schema}", &format!("\"{}\"", self.schema));
+        if returns_rows(&text) {
+            let wrapped = format!("WITH q__ AS ({text}) SELECT to_jsonb(q__) FROM q__");
+            let rows = sqlx::query(AssertSqlSafe(wrapped))
+                .fetch_all(&self.pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            rows.iter()
+                .map(|r| {
+                    r.try_get::<serde_json::Value, _>(0)
+                        .map_err(|e| e.to_string())
+                })
+                .collect()
+        } else {
+            sqlx::raw_sql(AssertSqlSafe(text))
+                .execute(&self.pool)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(Vec::new())
+        }
+    }
+}
