@@ -1,0 +1,259 @@
+//! L: leases, crash and shutdown (scenarios.md §11).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::CancellationToken;
+use outbox_core::event::{Status, WorkerId};
+use outbox_core::relay::{CycleReport, Relay};
+use outbox_core::repository::{FetchRequest, Fetched, Outcome, OutcomeKind, OutcomeResult};
+use outbox_core::scripted::{Action, Gate};
+
+use crate::ctx::{Cfg, Ctx};
+use crate::harness::{Factory, RowPatch};
+
+fn w(id: &str) -> WorkerId {
+    WorkerId::new(id).unwrap()
+}
+
+/// L-01 Stale-lock release.
+pub async fn l_01(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let ids = c.puts(&["k1", "k2", "k3"]).await;
+    let now = c.now().await;
+    c.set(
+        ids[0],
+        RowPatch::held("dead", now - chrono::Duration::seconds(120)),
+    )
+    .await;
+    c.set(
+        ids[1],
+        RowPatch::held("dead", now - chrono::Duration::seconds(120)),
+    )
+    .await;
+    c.set(
+        ids[2],
+        RowPatch::held("live", now - chrono::Duration::seconds(10)),
+    )
+    .await;
+    assert_eq!(
+        c.repo()
+            .release_stale_locks(Duration::from_secs(60))
+            .await
+            .unwrap(),
+        2
+    );
+    let mut holders = vec![];
+    for id in ids {
+        holders.push(c.get(id).await.locked_by);
+    }
+    assert_eq!(holders, vec![None, None, Some("live".to_string())]);
+}
+
+/// L-02 Stale-lock validation.
+pub async fn l_02(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let a = c.put(c.ev("k")).await;
+    let now = c.now().await;
+    c.set(
+        a,
+        RowPatch::held("dead", now - chrono::Duration::seconds(120)),
+    )
+    .await;
+    let before = c.get(a).await;
+    assert!(c.repo().release_stale_locks(Duration::ZERO).await.is_err());
+    assert_eq!(c.get(a).await, before);
+}
+
+/// L-03 A lost lease is reported, not written.
+pub async fn l_03(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["ka", "kb"]).await;
+    let (a, b) = (e[0], e[1]);
+    assert_eq!(c.fetch("w1", 100, 1).await, vec![a, b]);
+    c.advance(Duration::from_secs(301)).await;
+    assert_eq!(c.fetch("w2", 1, 1).await, vec![a]);
+    let a_before = c.get(a).await;
+    let res = c
+        .repo()
+        .write_outcomes(
+            &w("w1"),
+            &[
+                Outcome {
+                    id: a,
+                    kind: OutcomeKind::Completed,
+                },
+                Outcome {
+                    id: b,
+                    kind: OutcomeKind::Completed,
+                },
+            ],
+        )
+        .await
+        .unwrap();
+    let ra = res.iter().find(|r| r.id == a).expect("A reported");
+    let rb = res.iter().find(|r| r.id == b).expect("B reported");
+    assert_eq!(ra.result, OutcomeResult::LeaseLost);
+    assert!(
+        matches!(
+            rb.result,
+            OutcomeResult::Applied {
+                status: Status::Completed,
+                ..
+            }
+        ),
+        "{rb:?}"
+    );
+    let a_now = c.get(a).await;
+    assert_eq!(a_now.locked_by.as_deref(), Some("w2"));
+    assert_eq!(a_now, a_before);
+    c.assert_state(b, Status::Completed, 0).await;
+}
+
+/// L-04 Shutdown in the middle of a batch releases what is left.
+pub async fn l_04(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let ids = c.puts(&["k1", "k2", "k3"]).await;
+    let mut before = vec![];
+    for id in &ids[1..] {
+        before.push(c.get(*id).await);
+    }
+    let stop = CancellationToken::new();
+    c.broker.on_ack({
+        let stop = stop.clone();
+        move |_| stop.cancel()
+    });
+    let relay = c.relay(&Cfg::default());
+    let r1 = relay.cycle(&stop).await.unwrap();
+    assert_eq!(r1.completed, vec![ids[0]]);
+    assert_eq!(r1.released, vec![ids[1], ids[2]]);
+    for b in &before {
+        c.assert_untouched(b).await;
+    }
+    assert_eq!(c.broker.called_ids(), vec![ids[0]]);
+    let c2 = c.cycle(&Cfg::default().worker("w2")).await;
+    assert_eq!(c2.sent, vec![ids[1], ids[2]]);
+}
+
+/// L-05 Shutdown before the fetch.
+pub async fn l_05(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let ids = c.puts(&["k1", "k2", "k3"]).await;
+    c.shutdown.cancel();
+    let cy = c.cycle1().await;
+    assert_eq!(cy.report, CycleReport::default());
+    for id in ids {
+        let r = c.get(id).await;
+        assert!(r.locked_at.is_none() && r.locked_by.is_none());
+    }
+    assert!(c.broker.calls().is_empty());
+}
+
+/// L-06 Lock helpers and force unlock.
+pub async fn l_06(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["ka", "kb"]).await;
+    let (a, b) = (e[0], e[1]);
+    let now = c.now().await;
+    c.set(a, RowPatch::held("w1", now)).await;
+    let repo = c.repo();
+    assert!(!repo.refresh_lock(a, &w("w2")).await.unwrap());
+    assert!(!repo.release_lock(a, &w("w2")).await.unwrap());
+    assert_eq!(c.get(a).await.locked_by.as_deref(), Some("w1"));
+    assert!(repo.force_unlock(b, "ops").await.is_err());
+    assert!(repo.force_unlock(a, "").await.is_err());
+    assert!(repo.force_unlock(a, &"a".repeat(256)).await.is_err());
+    assert_eq!(c.get(a).await.locked_by.as_deref(), Some("w1"));
+    repo.force_unlock(a, "  ops ").await.unwrap();
+    let r = c.get(a).await;
+    assert!(r.locked_at.is_none() && r.locked_by.is_none());
+    assert_eq!(r.last_error.as_deref(), Some("Force unlock: ops"));
+}
+
+/// L-07 A crashed relay's rows come back after the lease, in order.
+pub async fn l_07(f: &dyn Factory) {
+    for per_key in [3, 1] {
+        let c = Ctx::new(f).await;
+        let e = c.puts(&["k", "k", "k", "j"]).await;
+        let req = FetchRequest::new(w("w1"), 100).max_per_key(3);
+        let got: Vec<_> = c
+            .repo()
+            .fetch_and_lock(&req)
+            .await
+            .unwrap()
+            .iter()
+            .map(Fetched::id)
+            .collect();
+        assert_eq!(got, e);
+        let w2 = Cfg::default().worker("w2");
+        assert!(c.cycle(&w2).await.report.fetched.is_empty());
+        c.advance(Duration::from_secs(299)).await;
+        assert!(c.cycle(&w2).await.report.fetched.is_empty());
+        c.advance(Duration::from_secs(2)).await;
+        let w2 = w2.per_key(per_key);
+        if per_key == 3 {
+            let cy = c.cycle(&w2).await;
+            assert_eq!(cy.report.fetched, e);
+            assert_eq!(cy.sent, e);
+        } else {
+            assert_eq!(c.cycle(&w2).await.sent, vec![e[0], e[3]]);
+            assert_eq!(c.cycle(&w2).await.sent, vec![e[1]]);
+            assert_eq!(c.cycle(&w2).await.sent, vec![e[2]]);
+        }
+    }
+}
+
+/// L-08 A publish in flight finishes on shutdown.
+pub async fn l_08(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let ids = c.puts(&["k1", "k2", "k3"]).await;
+    let gate = Gate::new();
+    c.broker.script(ids[0], [Action::Gate(gate.clone())]);
+    let mut before = vec![];
+    for id in &ids[1..] {
+        before.push(c.get(*id).await);
+    }
+    let drive = async {
+        c.broker.wait_for_calls(|calls| !calls.is_empty()).await;
+        c.shutdown.cancel();
+        gate.open();
+    };
+    let (cy, ()) = tokio::join!(c.cycle1(), drive);
+    assert_eq!(cy.report.completed, vec![ids[0]]);
+    c.assert_state(ids[0], Status::Completed, 0).await;
+    assert_eq!(cy.report.released, vec![ids[1], ids[2]]);
+    for b in &before {
+        c.assert_untouched(b).await;
+    }
+    assert_eq!(c.broker.called_ids(), vec![ids[0]]);
+}
+
+/// L-09 The lease margin (paused clock).
+pub async fn l_09(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let ids = c.puts(&["k", "k", "k"]).await;
+    for id in &ids {
+        c.broker
+            .script(*id, [Action::Delay(Duration::from_millis(800))]);
+    }
+    let third = c.get(ids[2]).await;
+    let cfg = Cfg {
+        lease: Duration::from_secs(2),
+        ..Cfg::default().timeout(Duration::from_secs(1)).per_key(3)
+    };
+    let cy = c.cycle(&cfg).await;
+    assert_eq!(cy.report.fetched, ids);
+    assert_eq!(cy.report.completed, vec![ids[0], ids[1]]);
+    assert_eq!(cy.report.released, vec![ids[2]]);
+    assert_eq!(c.broker.called_ids(), vec![ids[0], ids[1]]);
+    c.assert_untouched(&third).await;
+    let built = Relay::builder(c.repo(), Arc::new(c.broker.clone()))
+        .worker_id("w1")
+        .lease_ttl(Duration::from_secs(1))
+        .publish_timeout(Duration::from_secs(1))
+        .build();
+    assert!(
+        built.is_err(),
+        "lease TTL 1 s with publish timeout 1 s was accepted"
+    );
+}
