@@ -100,6 +100,13 @@ pub trait Harness: Send + Sync {
     fn try_configure(&self, _batch_size: usize, _error_max_length: usize) -> Option<Result<(), String>> {
         None
     }
+    /// For [pg] scenarios PG-03 and PG-10: validates `table` as the backend's table-name setting
+    /// (`table` or `schema.table`) and, when valid, runs the backend's schema creation for it.
+    /// `None`: the backend has no such setting; `Some(Err(text))`: the name was rejected or the
+    /// creation failed.
+    async fn create_schema_for(&self, _table: &str) -> Option<Result<(), String>> {
+        None
+    }
     /// For [pg] scenarios: runs SQL on a connection of its own and returns the rows as JSON
     /// objects. `{table}` in the text is replaced by the qualified table name.
     async fn sql(&self, _statement: &str) -> Result<Vec<serde_json::Value>, String> {

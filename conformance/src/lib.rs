@@ -18,7 +18,7 @@ pub use harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
 macro_rules! suite {
     (memory: $f:expr) => {
         $crate::suite!(@all $f);
-        // PAUSED-LIST
+        $crate::suite!(@paused $f; outage::t_11, lease::l_09);
     };
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
@@ -35,7 +35,21 @@ macro_rules! suite {
             writing::w_01, writing::w_02, writing::w_03, writing::w_04, writing::w_05,
             writing::i_01, writing::i_02, writing::i_03, writing::i_04,
             validation::v_01_to_v_12, validation::v_13, validation::v_14, validation::v_14_stored,
-            validation::v_16, validation::v_17
+            validation::v_16, validation::v_17,
+            backoff::b_01, backoff::b_02, backoff::b_03, backoff::b_04, backoff::b_05, backoff::b_06,
+            backoff::b_07, backoff::b_08, backoff::b_10, backoff::b_12, backoff::b_13, backoff::b_14,
+            backoff::h_01, backoff::h_05, backoff::h_06, backoff::h_08, backoff::h_09, backoff::h_10,
+            backoff::h_11, backoff::h_12, backoff::h_13, backoff::h_14,
+            outage::t_01, outage::t_02, outage::t_03, outage::t_04, outage::t_05, outage::t_06,
+            outage::t_07, outage::t_08, outage::t_10,
+            lease::l_01, lease::l_02, lease::l_03, lease::l_04, lease::l_05, lease::l_06,
+            lease::l_07, lease::l_08,
+            maint::r_01, maint::r_02, maint::c_01, maint::c_02,
+            runs::q_01, runs::q_02, runs::q_03, runs::q_04, runs::q_05, runs::q_06, runs::q_07,
+            runs::q_08, runs::q_09, runs::x_01, runs::x_02, runs::x_03, runs::x_04,
+            pipeline::p_02, pipeline::p_03, pipeline::p_06, pipeline::p_07,
+            pipeline::m_01, pipeline::m_02, pipeline::m_03,
+            stand::s_01, stand::s_02
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

@@ -3,6 +3,13 @@
 //! Each function takes a [`Factory`](crate::Factory), makes the fresh stores it needs, and
 //! panics (through `assert!`) when the backend breaks the contract.
 
+pub mod backoff;
+pub mod lease;
+pub mod maint;
 pub mod order;
+pub mod pipeline;
+pub mod outage;
+pub mod runs;
+pub mod stand;
 pub mod validation;
 pub mod writing;

@@ -1,0 +1,330 @@
+//! P: pipeline stop, circuit breaker, terminal failures, commit failure; M: operator visibility
+//! and hooks (scenarios.md §12 and §14).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::error::StepError;
+use outbox_core::event::{OutboxEvent, Status};
+use outbox_core::relay::{BreakerConfig, RowOutcome};
+use outbox_core::repository::OutboxRepository;
+use outbox_core::scripted::Action;
+use outbox_core::step::{ObservedOutcome, PipelineStep, StepDecision};
+use uuid::Uuid;
+
+use crate::ctx::{Cfg, Ctx};
+use crate::harness::{Factory, RowPatch};
+
+/// Records what the relay's observers were called with.
+#[derive(Default)]
+struct Recorder {
+    fetches: Mutex<Vec<usize>>,
+    outcomes: Mutex<Vec<(Uuid, RowOutcome, Option<Duration>, Option<OutboxEvent>)>>,
+    terminal: Mutex<Vec<(OutboxEvent, String, Option<OutboxEvent>)>>,
+    repo: Mutex<Option<Arc<dyn OutboxRepository>>>,
+    panic_first_completion: Mutex<bool>,
+}
+
+#[async_trait]
+impl PipelineStep for Recorder {
+    async fn on_fetch(&self, rows: usize) {
+        self.fetches.lock().unwrap().push(rows);
+    }
+    async fn on_outcome(&self, o: &ObservedOutcome<'_>) {
+        let repo = self.repo.lock().unwrap().clone();
+        let stored = match repo {
+            Some(r) => r.get(o.event.id).await.unwrap(),
+            None => None,
+        };
+        self.outcomes.lock().unwrap().push((o.event.id, o.outcome.clone(), o.duration, stored));
+        if matches!(o.outcome, RowOutcome::Completed { .. }) {
+            let mut p = self.panic_first_completion.lock().unwrap();
+            if *p {
+                *p = false;
+                drop(p);
+                panic!("observer panics on purpose (M-03)");
+            }
+        }
+    }
+    async fn on_terminal_failure(&self, e: &OutboxEvent, error: &str) {
+        let repo = self.repo.lock().unwrap().clone();
+        let stored = match repo {
+            Some(r) => r.get(e.id).await.unwrap(),
+            None => None,
+        };
+        self.terminal.lock().unwrap().push((e.clone(), error.to_owned(), stored));
+    }
+}
+
+/// P-02 The circuit breaker releases, then stops fetching.
+pub async fn p_02(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"]).await;
+    c.broker.set_default(Action::Reject("no".into()));
+    let rec = Arc::new(Recorder::default());
+    let mut cfg = Cfg::default().step(rec.clone());
+    cfg.breaker = Some(BreakerConfig::new(3, 60.0).unwrap());
+    let relay = c.relay(&cfg);
+    let before: Vec<OutboxEvent> = futures::future::join_all(e[3..].iter().map(|id| c.get(*id))).await;
+    let c1 = c.run(&relay).await;
+    assert_eq!(c1.report.counted.len(), 3);
+    assert_eq!(c1.report.released.len(), 5);
+    for b in &before {
+        c.assert_untouched(b).await;
+    }
+    let calls = c.broker.calls().len();
+    let c2 = c.run(&relay).await;
+    assert!(c2.report.fetched.is_empty());
+    assert_eq!(*rec.fetches.lock().unwrap(), vec![8], "the fetch hook ran while the breaker was open");
+    assert_eq!(c.broker.calls().len(), calls);
+    c.advance(Duration::from_secs(61)).await;
+    let c3 = c.run(&relay).await;
+    assert_eq!(c3.report.fetched.len(), 8);
+    assert_eq!(c.broker.calls().len(), calls + 1);
+    assert_eq!(c3.report.counted.len(), 1);
+    assert_eq!(c3.report.released.len(), 7);
+    assert!(c3.report.breaker_open);
+    assert!(BreakerConfig::new(0, 60.0).is_err());
+    assert!(BreakerConfig::new(3, -1.0).is_err());
+}
+
+/// P-03 A terminal failure is reported after the commit.
+pub async fn p_03(f: &dyn Factory) {
+    for fail_commit in [false, true] {
+        let c = Ctx::new(f).await;
+        let d1 = c.put(c.ev("k1").max_attempts(2)).await;
+        let d2 = c.put(c.ev("k2").max_attempts(2)).await;
+        c.set(d1, RowPatch { attempts_made: Some(1), ..RowPatch::default() }).await;
+        c.broker.set_default(Action::Reject("x".into()));
+        let rec = Arc::new(Recorder::default());
+        *rec.repo.lock().unwrap() = Some(c.repo());
+        if fail_commit {
+            c.h.fail_next_outcome_commit();
+        }
+        c.cycle(&Cfg::default().base(0.0).step(rec.clone())).await;
+        let t = rec.terminal.lock().unwrap().clone();
+        if fail_commit {
+            assert!(t.is_empty(), "terminal hook ran although the commit failed");
+            continue;
+        }
+        assert_eq!(t.len(), 1);
+        let (before, error, stored) = &t[0];
+        assert_eq!((before.id, before.attempts_made), (d1, 1));
+        assert_eq!(error, "x");
+        let stored = stored.as_ref().unwrap();
+        assert_eq!((stored.status, stored.attempts_made), (Status::Failed, 2));
+        c.assert_state(d2, Status::Pending, 1).await;
+    }
+}
+
+/// P-06 Commit failure.
+pub async fn p_06(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2", "k3"]).await;
+    c.h.fail_next_outcome_commit();
+    let c1 = c.cycle1().await;
+    assert!(c1.report.commit_failed);
+    assert_eq!(c1.report.completed.len(), 3);
+    for id in &e {
+        let r = c.get(*id).await;
+        assert_eq!((r.status, r.attempts_made), (Status::Pending, 0));
+        assert_eq!(r.locked_by.as_deref(), Some("w1"));
+    }
+    c.advance(Duration::from_secs(301)).await;
+    let c2 = c.cycle1().await;
+    assert_eq!(c2.sent, e);
+}
+
+struct StopAt(Uuid);
+
+#[async_trait]
+impl PipelineStep for StopAt {
+    async fn before_publish(&self, e: &OutboxEvent) -> Result<StepDecision, StepError> {
+        Ok(if e.id == self.0 { StepDecision::StopCycle } else { StepDecision::Continue })
+    }
+}
+
+/// P-07 A step that stops the cycle.
+pub async fn p_07(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2", "k3"]).await;
+    let before = [c.get(e[1]).await, c.get(e[2]).await];
+    let c1 = c.cycle(&Cfg::default().step(Arc::new(StopAt(e[1])))).await;
+    assert_eq!(c1.sent, vec![e[0]]);
+    c.assert_state(e[0], Status::Completed, 0).await;
+    for b in &before {
+        c.assert_untouched(b).await;
+    }
+}
+
+/// M-01 Blocked keys.
+pub async fn m_01(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let a = c.puts(&["k1", "k1", "k1"]).await;
+    let b = c.puts(&["k2", "k2"]).await;
+    c.puts(&["k3"]).await;
+    c.put(c.ev("k4").delay(Duration::from_secs(3600))).await;
+    c.puts(&["k4"]).await;
+    let e1 = c.put(c.ev("k5")).await;
+    let now = c.now().await;
+    let a1_next = now + chrono::Duration::seconds(8);
+    c.set(
+        a[0],
+        RowPatch {
+            attempts_made: Some(1),
+            last_error: Some(Some("bad".into())),
+            scheduled_at: Some(a1_next),
+            ..RowPatch::default()
+        },
+    )
+    .await;
+    c.set(b[0], RowPatch::held("w2", now)).await;
+    c.set(e1, RowPatch::held("w9", now - chrono::Duration::seconds(301))).await;
+    let bk = c.repo().blocked_keys(Duration::from_secs(300), 100).await.unwrap();
+    assert_eq!(bk.len(), 2, "{bk:?}");
+    let k1 = &bk[0];
+    assert_eq!((k1.partition_key.as_str(), k1.head_id), ("k1", a[0]));
+    assert_eq!((k1.attempts_made, k1.max_attempts), (1, 6));
+    assert_eq!(k1.last_error.as_deref(), Some("bad"));
+    assert_eq!(k1.next_try, c.get(a[0]).await.scheduled_at);
+    assert!(k1.locked_by.is_none());
+    assert_eq!(k1.waiting, 2);
+    let k2 = &bk[1];
+    assert_eq!((k2.partition_key.as_str(), k2.head_id, k2.attempts_made), ("k2", b[0], 0));
+    assert!(k2.last_error.is_none());
+    assert_eq!(k2.locked_by.as_deref(), Some("w2"));
+    assert_eq!(k2.locked_at, c.get(b[0]).await.locked_at);
+    assert_eq!(k2.waiting, 1);
+}
+
+/// M-02 Counts and the oldest due row.
+pub async fn m_02(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    c.put(c.ev("p1").topic("t1")).await;
+    c.put(c.ev("p2").topic("t1")).await;
+    let c1 = c.put(c.ev("c1").topic("t1")).await;
+    let f1 = c.put(c.ev("f1").topic("t2")).await;
+    c.put(c.ev("d1").topic("t2").delay(Duration::from_secs(3600))).await;
+    let now = c.now().await;
+    c.set(c1, RowPatch { status: Some(Status::Completed), completed_at: Some(Some(now)), ..RowPatch::default() })
+        .await;
+    c.set(f1, RowPatch { status: Some(Status::Failed), attempts_made: Some(6), ..RowPatch::default() }).await;
+    c.advance(Duration::from_secs(30)).await;
+    let counts: Vec<(String, Status, i64)> =
+        c.repo().counts().await.unwrap().into_iter().map(|s| (s.topic, s.status, s.count)).collect();
+    for want in [
+        ("t1".to_string(), Status::Pending, 2),
+        ("t1".to_string(), Status::Completed, 1),
+        ("t2".to_string(), Status::Failed, 1),
+        ("t2".to_string(), Status::Pending, 1),
+    ] {
+        assert!(counts.contains(&want), "{want:?} not in {counts:?}");
+    }
+    assert_eq!(counts.len(), 4);
+    let age = c.repo().oldest_due_age().await.unwrap().expect("a due row");
+    let tol = if c.kind() == crate::BackendKind::Memory { 0.001 } else { 2.0 };
+    assert!((age.as_secs_f64() - 30.0).abs() <= tol, "age {age:?}");
+    let fresh = Ctx::new(f).await;
+    fresh.put(fresh.ev("d1").delay(Duration::from_secs(3600))).await;
+    assert_eq!(fresh.repo().oldest_due_age().await.unwrap(), None);
+}
+
+mod spans {
+    use std::sync::{Arc, Mutex};
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing_subscriber::layer::{Context, Layer};
+
+    #[derive(Debug, Clone, Default)]
+    pub struct Span {
+        pub name: String,
+        pub fields: Vec<(String, String)>,
+    }
+
+    impl Span {
+        pub fn get(&self, k: &str) -> Option<&str> {
+            self.fields.iter().rev().find(|(n, _)| n == k).map(|(_, v)| v.as_str())
+        }
+    }
+
+    struct V<'a>(&'a mut Vec<(String, String)>);
+    impl Visit for V<'_> {
+        fn record_debug(&mut self, f: &Field, v: &dyn std::fmt::Debug) {
+            self.0.push((f.name().to_owned(), format!("{v:?}")));
+        }
+        fn record_str(&mut self, f: &Field, v: &str) {
+            self.0.push((f.name().to_owned(), v.to_owned()));
+        }
+        fn record_bool(&mut self, f: &Field, v: bool) {
+            self.0.push((f.name().to_owned(), v.to_string()));
+        }
+    }
+
+    #[derive(Clone, Default)]
+    pub struct Capture(pub Arc<Mutex<Vec<(u64, Span)>>>);
+
+    impl<S: tracing::Subscriber> Layer<S> for Capture {
+        fn on_new_span(&self, a: &Attributes<'_>, id: &Id, _: Context<'_, S>) {
+            let mut s = Span { name: a.metadata().name().to_owned(), fields: vec![] };
+            a.record(&mut V(&mut s.fields));
+            self.0.lock().unwrap().push((id.into_u64(), s));
+        }
+        fn on_record(&self, id: &Id, r: &Record<'_>, _: Context<'_, S>) {
+            let mut g = self.0.lock().unwrap();
+            if let Some((_, s)) = g.iter_mut().rev().find(|(i, _)| *i == id.into_u64()) {
+                r.record(&mut V(&mut s.fields));
+            }
+        }
+    }
+}
+
+/// M-03 Hooks and spans.
+pub async fn m_03(f: &dyn Factory) {
+    use tracing_subscriber::layer::SubscriberExt;
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2", "k3"]).await;
+    c.broker.script(e[1], [Action::Reject("no".into())]);
+    let rec = Arc::new(Recorder::default());
+    *rec.repo.lock().unwrap() = Some(c.repo());
+    *rec.panic_first_completion.lock().unwrap() = true;
+    let capture = spans::Capture::default();
+    let subscriber = tracing_subscriber::registry().with(capture.clone());
+    let guard = tracing::subscriber::set_default(subscriber);
+    let relay = c.relay(&Cfg::default().step(rec.clone()));
+    let c1 = c.run(&relay).await;
+    let c2 = c.run(&relay).await;
+    drop(guard);
+    assert_eq!(*rec.fetches.lock().unwrap(), vec![3, 0]);
+    let outs = rec.outcomes.lock().unwrap().clone();
+    let completions: Vec<_> = outs.iter().filter(|o| matches!(o.1, RowOutcome::Completed { .. })).collect();
+    assert_eq!(completions.len(), 2);
+    assert!(completions.iter().all(|o| o.2.is_some()), "a completion without a duration");
+    assert_eq!(outs.iter().filter(|o| matches!(o.1, RowOutcome::Counted { .. })).count(), 1);
+    for (id, o, _, stored) in &outs {
+        let s = stored.as_ref().unwrap();
+        match o {
+            RowOutcome::Completed { .. } => assert_eq!(s.status, Status::Completed, "{id}"),
+            RowOutcome::Counted { .. } => assert_eq!(s.attempts_made, 1, "{id}"),
+            other => panic!("unexpected outcome {other:?}"),
+        }
+    }
+    // The panic changed neither the report nor the rows.
+    assert_eq!(c1.report.completed.len(), 2);
+    assert_eq!(c1.report.counted.len(), 1);
+    assert!(c2.report.fetched.is_empty());
+    c.assert_state(e[0], Status::Completed, 0).await;
+    c.assert_state(e[2], Status::Completed, 0).await;
+    let spans: Vec<spans::Span> =
+        capture.0.lock().unwrap().iter().map(|(_, s)| s.clone()).filter(|s| s.name == "process").collect();
+    assert_eq!(spans.len(), 3, "{spans:?}");
+    for (s, id) in spans.iter().zip(&e) {
+        assert_eq!(s.get("otel.name"), Some("process test.event"));
+        assert_eq!(s.get("event.id"), Some(id.to_string().as_str()));
+        assert_eq!(s.get("event.type"), Some("test.event"));
+        assert_eq!(s.get("worker.id"), Some("w1"));
+        assert!(s.get("event.trace_id").is_some());
+    }
+    assert_eq!(spans[1].get("error"), Some("true"));
+    assert_eq!(spans[0].get("error"), None);
+}
