@@ -1,0 +1,352 @@
+//! The conformance harness of the diesel backend: a fresh schema per trial, created with this
+//! crate's diesel migrations; the sqlx backend of outbox-postgres attached to the same table as
+//! the peer (PG-06, S-02).
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use diesel::sql_types::{BigInt, Int4, Nullable, Text, Timestamptz};
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl,
+    SimpleAsyncConnection, TransactionManager,
+};
+use outbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
+use outbox_core::error::RepositoryError;
+use outbox_core::event::NewEvent;
+use outbox_core::repository::{OutboxRepository, WriteResult};
+use outbox_diesel::error::map_diesel;
+use outbox_diesel::{
+    DieselConfig, DieselOutboxRepository, DieselOutboxWriter, PgPool, PoolSettings,
+    PooledConnection, TableName, build_pool, run_migrations,
+};
+use outbox_postgres::sql::{self, Statements};
+use outbox_postgres::testing::{PgHarness, database_url, fresh_schema_name};
+use uuid::Uuid;
+
+/// `url` with every session in `America/New_York`, so the time-zone trap of R79 is exercised by
+/// every trial (PG-09), as in the sqlx harness.
+pub fn url_in_new_york(url: &str) -> String {
+    let sep = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{sep}options=-c%20TimeZone%3DAmerica%2FNew_York")
+}
+
+/// Makes a fresh [`DieselHarness`] per trial.
+#[derive(Debug, Clone)]
+pub struct DieselFactory {
+    url: String,
+}
+
+impl DieselFactory {
+    /// On `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
+    pub fn new() -> Self {
+        Self { url: database_url() }
+    }
+}
+
+#[async_trait]
+impl Factory for DieselFactory {
+    async fn create(&self) -> Arc<dyn Harness> {
+        Arc::new(DieselHarness::create(&self.url).await)
+    }
+}
+
+/// One trial: schema `obx_<random>` with `outbox_events` (created by `run_migrations`) and
+/// `aggregates`; a diesel pool; the sqlx backend attached as the peer. Dropping it drops the
+/// schema.
+pub struct DieselHarness {
+    url: String,
+    schema: String,
+    table: TableName,
+    stmts: Arc<Statements>,
+    pool: PgPool,
+    repo: Arc<DieselOutboxRepository>,
+    peer: PgHarness,
+}
+
+impl DieselHarness {
+    /// A fresh trial on `url`.
+    pub async fn create(url: &str) -> Self {
+        let schema = fresh_schema_name();
+        let table = TableName::new(&format!("{schema}.{}", sql::DEFAULT_TABLE)).expect("valid");
+        let conn = AsyncPgConnection::establish(url)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"));
+        let mut conn = run_migrations(conn, &table).await.expect("diesel migrations");
+        conn.batch_execute(&sql::fixtures::create_aggregates(&schema))
+            .await
+            .expect("aggregates table");
+        drop(conn);
+        let pool = build_pool(
+            &url_in_new_york(url),
+            &PoolSettings::default().max_size(8).expect("size"),
+        )
+        .expect("pool");
+        let repo = Arc::new(DieselOutboxRepository::new(
+            pool.clone(),
+            DieselConfig::default().table(table.clone()),
+        ));
+        let peer = PgHarness::attach(url, &table).await;
+        Self {
+            url: url.to_owned(),
+            schema,
+            stmts: Arc::new(Statements::new(&table)),
+            table,
+            pool,
+            repo,
+            peer,
+        }
+    }
+
+    /// The diesel repository.
+    pub fn diesel_repository(&self) -> Arc<DieselOutboxRepository> {
+        self.repo.clone()
+    }
+
+    /// The table.
+    pub fn table(&self) -> &TableName {
+        &self.table
+    }
+
+    /// The diesel pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The sqlx peer harness on the same table.
+    pub fn peer(&self) -> &PgHarness {
+        &self.peer
+    }
+
+    /// Begins a diesel writer transaction.
+    pub async fn begin_diesel(&self) -> DieselWriteTx {
+        let mut conn = self.pool.get().await.expect("pooled connection");
+        AnsiTransactionManager::begin_transaction(&mut *conn)
+            .await
+            .expect("begin");
+        DieselWriteTx {
+            conn: Some(conn),
+            writer: self.repo.writer(),
+            schema: self.schema.clone(),
+        }
+    }
+}
+
+impl Drop for DieselHarness {
+    fn drop(&mut self) {
+        let url = self.url.clone();
+        let drop_sql = sql::fixtures::drop_schema(&self.schema);
+        // Drop cannot await: a thread of its own with its own runtime.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                if let Ok(mut c) = AsyncPgConnection::establish(&url).await {
+                    let _ = c.batch_execute(&drop_sql).await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// A writer transaction on a pooled diesel connection. The suite needs begin and commit as
+/// separate calls, so it drives diesel-async's transaction manager directly; applications use
+/// `conn.transaction(async |conn| …)`, which does the same.
+pub struct DieselWriteTx {
+    conn: Option<PooledConnection>,
+    writer: DieselOutboxWriter,
+    schema: String,
+}
+
+impl DieselWriteTx {
+    fn conn(&mut self) -> &mut AsyncPgConnection {
+        self.conn.as_mut().expect("transaction open")
+    }
+}
+
+impl Drop for DieselWriteTx {
+    fn drop(&mut self) {
+        // Left open (a panicking test): never hand a connection inside a transaction back to
+        // the pool; detach and close it, which rolls the transaction back.
+        if let Some(c) = self.conn.take() {
+            drop(diesel_async::pooled_connection::deadpool::Object::take(c));
+        }
+    }
+}
+
+#[async_trait]
+impl WriteTx for DieselWriteTx {
+    async fn write(&mut self, events: Vec<NewEvent>) -> Result<Vec<WriteResult>, RepositoryError> {
+        let writer = self.writer.clone();
+        writer.write(self.conn(), events).await
+    }
+
+    async fn lock_app(&mut self, name: &str) {
+        let ensure = sql::fixtures::ensure_aggregate(&self.schema);
+        let lock = sql::fixtures::lock_aggregate(&self.schema);
+        let c = self.conn();
+        diesel::sql_query(ensure)
+            .bind::<Text, _>(name)
+            .execute(c)
+            .await
+            .expect("insert aggregate row");
+        let n = diesel::sql_query(lock)
+            .bind::<Text, _>(name)
+            .execute(c)
+            .await
+            .expect("lock aggregate row");
+        assert_eq!(n, 1, "aggregate row {name} locked");
+    }
+
+    async fn touch(&mut self) {
+        self.conn()
+            .batch_execute("SELECT txid_current()")
+            .await
+            .expect("touch");
+    }
+
+    async fn commit(mut self: Box<Self>) -> Result<(), RepositoryError> {
+        let table = self.writer.table().clone();
+        let mut conn = self.conn.take().expect("open");
+        AnsiTransactionManager::commit_transaction(&mut *conn)
+            .await
+            .map_err(|e| map_diesel(&table, e))
+    }
+
+    async fn rollback(mut self: Box<Self>) -> Result<(), RepositoryError> {
+        let table = self.writer.table().clone();
+        let mut conn = self.conn.take().expect("open");
+        AnsiTransactionManager::rollback_transaction(&mut *conn)
+            .await
+            .map_err(|e| map_diesel(&table, e))
+    }
+}
+
+#[async_trait]
+impl Harness for DieselHarness {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Postgres
+    }
+
+    fn repository(&self) -> Arc<dyn OutboxRepository> {
+        self.repo.clone()
+    }
+
+    fn peer_repository(&self) -> Arc<dyn OutboxRepository> {
+        self.peer.sqlx_repository()
+    }
+
+    async fn begin(&self) -> Box<dyn WriteTx> {
+        Box::new(self.begin_diesel().await)
+    }
+
+    async fn begin_peer(&self) -> Box<dyn WriteTx> {
+        self.peer.begin_tx().await
+    }
+
+    async fn advance(&self, d: Duration) {
+        let mut conn = self.pool.get().await.expect("pooled connection");
+        diesel::sql_query(self.stmts.shift_clock.as_str())
+            .bind::<BigInt, _>(sql::micros(d))
+            .execute(&mut conn)
+            .await
+            .expect("advance: shift the table's times");
+    }
+
+    async fn set(&self, id: Uuid, p: RowPatch) {
+        let mut sets: Vec<String> = Vec::new();
+        let mut n = 1;
+        let mut col = |name: &str, cast: &str| {
+            n += 1;
+            sets.push(format!("{name} = ${n}::{cast}"));
+        };
+        // Binds below follow this order.
+        if p.status.is_some() {
+            col("status", "text");
+        }
+        if p.attempts_made.is_some() {
+            col("attempts_made", "int4");
+        }
+        if p.max_attempts.is_some() {
+            col("max_attempts", "int4");
+        }
+        if p.last_error.is_some() {
+            col("last_error", "text");
+        }
+        if p.scheduled_at.is_some() {
+            col("scheduled_at", "timestamptz");
+        }
+        if p.completed_at.is_some() {
+            col("completed_at", "timestamptz");
+        }
+        if p.lock.is_some() {
+            col("locked_by", "text");
+            col("locked_at", "timestamptz");
+        }
+        if sets.is_empty() {
+            return;
+        }
+        let text = format!(
+            "UPDATE {} SET {} WHERE id = $1::uuid",
+            self.table.qualified(),
+            sets.join(", ")
+        );
+        let mut q = diesel::sql_query(text)
+            .into_boxed()
+            .bind::<diesel::sql_types::Uuid, _>(id);
+        if let Some(v) = p.status {
+            q = q.bind::<Text, _>(v.as_str());
+        }
+        if let Some(v) = p.attempts_made {
+            q = q.bind::<Int4, _>(v);
+        }
+        if let Some(v) = p.max_attempts {
+            q = q.bind::<Int4, _>(v);
+        }
+        if let Some(v) = p.last_error {
+            q = q.bind::<Nullable<Text>, _>(v);
+        }
+        if let Some(v) = p.scheduled_at {
+            q = q.bind::<Timestamptz, _>(v);
+        }
+        if let Some(v) = p.completed_at {
+            q = q.bind::<Nullable<Timestamptz>, _>(v);
+        }
+        if let Some(v) = p.lock {
+            q = q.bind::<Nullable<Text>, _>(v.as_ref().map(|(w, _)| w.clone()));
+            q = q.bind::<Nullable<Timestamptz>, _>(v.map(|(_, t)| t));
+        }
+        let mut conn = self.pool.get().await.expect("pooled connection");
+        let n = q.execute(&mut conn).await.expect("set");
+        assert_eq!(n, 1, "set: no row {id}");
+    }
+
+    fn fail_next_outcome_commit(&self) {
+        self.repo.fail_next_outcome_commit();
+    }
+
+    fn try_configure(
+        &self,
+        batch_size: usize,
+        error_max_length: usize,
+    ) -> Option<Result<(), String>> {
+        Some(
+            DieselConfig::default()
+                .batch_size(batch_size)
+                .and_then(|c| c.error_max_length(error_max_length))
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        )
+    }
+
+    async fn sql(&self, statement: &str) -> Result<Vec<serde_json::Value>, String> {
+        // Arbitrary statements returning arbitrary rows as JSON: the attached sqlx harness does
+        // that on its own pool, on the same schema and table.
+        self.peer.sql(statement).await
+    }
+}
