@@ -243,6 +243,15 @@ async fn busy_relay(c: &Ctx, base: f64) -> (Uuid, Vec<Cycle>) {
     (p, cycles)
 }
 
+async fn completed_rows(c: &Ctx) -> i64 {
+    let counts = c.repo().counts().await.unwrap();
+    counts
+        .iter()
+        .filter(|s| s.status == Status::Completed)
+        .map(|s| s.count)
+        .sum()
+}
+
 /// B-12 Ancestor issue #61: a busy relay, default backoff.
 pub async fn b_12(f: &dyn Factory) {
     let c = Ctx::new(f).await;
@@ -256,6 +265,7 @@ pub async fn b_12(f: &dyn Factory) {
     );
     let per_cycle: Vec<usize> = cycles.iter().map(|cy| cy.report.completed.len()).collect();
     assert_eq!(per_cycle, vec![49, 50, 50, 50, 50, 50]);
+    assert_eq!(completed_rows(&c).await, 299);
     assert!(cycles.iter().all(|cy| !cy.report.completed.contains(&p)));
 }
 
@@ -266,6 +276,7 @@ pub async fn b_13(f: &dyn Factory) {
     c.assert_state(p, Status::Failed, 6).await;
     let per_cycle: Vec<usize> = cycles.iter().map(|cy| cy.report.completed.len()).collect();
     assert_eq!(per_cycle, vec![49; 6]);
+    assert_eq!(completed_rows(&c).await, 294);
 }
 
 /// B-14 A failure written without a time keeps the schedule.
