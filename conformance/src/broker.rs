@@ -143,7 +143,10 @@ async fn get(repo: &InMemoryRepository, id: Uuid) -> OutboxEvent {
 }
 
 async fn cycle(relay: &Relay) -> CycleReport {
-    relay.cycle(&CancellationToken::new()).await.expect("fetch succeeds on the in-memory backend")
+    relay
+        .cycle(&CancellationToken::new())
+        .await
+        .expect("fetch succeeds on the in-memory backend")
 }
 
 fn repo() -> (InMemoryRepository, ManualClock) {
@@ -172,18 +175,34 @@ pub async fn k_01(b: &dyn BrokerUnderTest) {
     let got = t.read("orders").await;
     assert_eq!(got.len(), 1, "K-01: one message: {got:?}");
     let m = &got[0];
-    assert_eq!(m.json(), json!({"n": 1, "text": "héllo"}), "K-01: the body equals the payload");
+    assert_eq!(
+        m.json(),
+        json!({"n": 1, "text": "héllo"}),
+        "K-01: the body equals the payload"
+    );
     let id = row.id.hyphenated().to_string();
-    assert_eq!(m.attr("event_id"), Some(id.as_str()), "K-01: event_id is the row's id, not the header");
+    assert_eq!(
+        m.attr("event_id"),
+        Some(id.as_str()),
+        "K-01: event_id is the row's id, not the header"
+    );
     assert_eq!(m.attr("event_type"), Some("test.happened"));
     assert_eq!(m.attr("topic"), Some("orders"));
     assert_eq!(m.attr("partition_key"), Some("acct-1"));
     assert_eq!(m.attr("tenant"), Some("acme"));
     assert_eq!(m.attr("trace_id"), Some("tr-1"));
     assert_eq!(m.attr("schema_version"), Some("1.0.0"));
-    assert_eq!(m.destination, t.destination("orders"), "K-01: prefix + topic");
+    assert_eq!(
+        m.destination,
+        t.destination("orders"),
+        "K-01: prefix + topic"
+    );
     match b.kind() {
-        BrokerKind::Nats => assert_eq!(m.message_id.as_deref(), Some(id.as_str()), "K-01: Nats-Msg-Id"),
+        BrokerKind::Nats => assert_eq!(
+            m.message_id.as_deref(),
+            Some(id.as_str()),
+            "K-01: Nats-Msg-Id"
+        ),
         BrokerKind::Redis => assert_eq!(m.message_id, None),
     }
     t.cleanup().await;
@@ -200,7 +219,9 @@ pub async fn k_02(b: &dyn BrokerUnderTest) {
             let key = format!("key-{k}");
             let row = write_one(
                 &repo,
-                event("orders", &key, json!({"key": key, "seq": seq})).build().expect("valid"),
+                event("orders", &key, json!({"key": key, "seq": seq}))
+                    .build()
+                    .expect("valid"),
             )
             .await;
             written.entry(key).or_default().push(row.id);
@@ -214,12 +235,18 @@ pub async fn k_02(b: &dyn BrokerUnderTest) {
     let mut cycles = 0;
     loop {
         let r = cycle(&relay).await;
-        assert!(r.counted.is_empty() && r.transient.is_empty(), "K-02: no failure: {r:?}");
+        assert!(
+            r.counted.is_empty() && r.transient.is_empty(),
+            "K-02: no failure: {r:?}"
+        );
         if r.fetched.is_empty() {
             break;
         }
         cycles += 1;
-        assert!(cycles <= 100, "K-02: the drain did not end within 100 cycles");
+        assert!(
+            cycles <= 100,
+            "K-02: the drain did not end within 100 cycles"
+        );
     }
     let got = t.read("orders").await;
     assert_eq!(got.len(), 200, "K-02: 200 messages");
@@ -229,7 +256,10 @@ pub async fn k_02(b: &dyn BrokerUnderTest) {
         let id = Uuid::parse_str(m.attr("event_id").expect("event_id")).expect("uuid");
         seen.entry(key).or_default().push(id);
     }
-    assert_eq!(seen, written, "K-02: per key, the messages are in write order");
+    assert_eq!(
+        seen, written,
+        "K-02: per key, the messages are in write order"
+    );
     t.cleanup().await;
 }
 
@@ -239,7 +269,13 @@ pub async fn k_03(b: &dyn BrokerUnderTest) {
     let addr = closed_port().await;
     let broker = b.unreachable(addr, Duration::from_millis(1500)).await;
     let (repo, clock) = repo();
-    let row = write_one(&repo, event("orders", "k", json!({"n": 1})).build().expect("valid")).await;
+    let row = write_one(
+        &repo,
+        event("orders", "k", json!({"n": 1}))
+            .build()
+            .expect("valid"),
+    )
+    .await;
     let relay = relay_for(&repo, broker)
         .publish_timeout(Duration::from_secs(2))
         .build()
@@ -248,7 +284,10 @@ pub async fn k_03(b: &dyn BrokerUnderTest) {
     let r = cycle(&relay).await;
     let took = started.elapsed();
     eprintln!("K-03: {took:?}: {:?}", r.transient);
-    assert!(took <= Duration::from_secs(2), "K-03: reported within 2 s, took {took:?}");
+    assert!(
+        took <= Duration::from_secs(2),
+        "K-03: reported within 2 s, took {took:?}"
+    );
     assert!(r.counted.is_empty(), "K-03: no counted failure: {r:?}");
     assert_eq!(r.transient.len(), 1, "K-03: one transient failure: {r:?}");
     let now = clock.now();
@@ -269,10 +308,19 @@ pub async fn k_04(b: &dyn BrokerUnderTest) {
     let expected = t.prepare_refusal("orders").await;
     let (repo, _clock) = repo();
     let big = "x".repeat(2048);
-    let row = write_one(&repo, event("orders", "k", json!({"blob": big})).build().expect("valid")).await;
+    let row = write_one(
+        &repo,
+        event("orders", "k", json!({"blob": big}))
+            .build()
+            .expect("valid"),
+    )
+    .await;
     let relay = relay_for(&repo, t.broker()).build().expect("relay");
     let r = cycle(&relay).await;
-    assert!(r.transient.is_empty() && r.completed.is_empty(), "K-04: {r:?}");
+    assert!(
+        r.transient.is_empty() && r.completed.is_empty(),
+        "K-04: {r:?}"
+    );
     assert_eq!(r.counted.len(), 1, "K-04: one counted failure: {r:?}");
     let stored = get(&repo, row.id).await;
     assert_eq!(stored.attempts_made, 1, "K-04: attempts_made 1");
@@ -288,25 +336,39 @@ pub async fn k_04(b: &dyn BrokerUnderTest) {
 /// K-05 A republished event id.
 pub async fn k_05(b: &dyn BrokerUnderTest) {
     let t = b.trial(TrialOptions::default()).await;
-    let e = event("orders", "k", json!({"n": 5})).build().expect("valid");
+    let e = event("orders", "k", json!({"n": 5}))
+        .build()
+        .expect("valid");
     let row = e.clone().into_row(chrono::Utc::now());
     let m = Message::from_event(&row);
     let broker = t.broker();
-    let first = broker.publish(&m).await.expect("K-05: first publish succeeds");
-    let second = broker.publish(&m).await.expect("K-05: second publish succeeds");
+    let first = broker
+        .publish(&m)
+        .await
+        .expect("K-05: first publish succeeds");
+    let second = broker
+        .publish(&m)
+        .await
+        .expect("K-05: second publish succeeds");
     let got = t.read("orders").await;
     let id = row.id.hyphenated().to_string();
     match b.kind() {
         BrokerKind::Nats => {
             assert!(!first.duplicate, "K-05: the first is no duplicate");
-            assert!(second.duplicate, "K-05: the second acknowledgement is marked duplicate");
+            assert!(
+                second.duplicate,
+                "K-05: the second acknowledgement is marked duplicate"
+            );
             assert_eq!(got.len(), 1, "K-05: the stream holds one message");
         }
         BrokerKind::Redis => {
             assert_eq!(got.len(), 2, "K-05: Redis stores two entries");
         }
     }
-    assert!(got.iter().all(|m| m.attr("event_id") == Some(id.as_str())), "K-05: same event_id");
+    assert!(
+        got.iter().all(|m| m.attr("event_id") == Some(id.as_str())),
+        "K-05: same event_id"
+    );
     t.cleanup().await;
 }
 
@@ -314,7 +376,13 @@ pub async fn k_05(b: &dyn BrokerUnderTest) {
 pub async fn k_06(b: &dyn BrokerUnderTest) {
     let t = b.trial(TrialOptions::default()).await;
     let (repo, _clock) = repo();
-    let row = write_one(&repo, event("orders", "k", json!({"n": 6})).build().expect("valid")).await;
+    let row = write_one(
+        &repo,
+        event("orders", "k", json!({"n": 6}))
+            .build()
+            .expect("valid"),
+    )
+    .await;
     let relay = relay_for(&repo, t.broker()).build().expect("relay");
     let r = cycle(&relay).await;
     assert_eq!(r.completed, vec![row.id], "K-06: completed: {r:?}");
@@ -344,7 +412,9 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
             let key = format!("key-{k}");
             let row = write_one(
                 &repo,
-                event("orders", &key, json!({"key": key, "seq": seq})).build().expect("valid"),
+                event("orders", &key, json!({"key": key, "seq": seq}))
+                    .build()
+                    .expect("valid"),
             )
             .await;
             written.entry(key).or_default().push(row.id);
@@ -361,28 +431,55 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
 
     // Up: one cycle drains part of the backlog.
     let r = cycle(&relay).await;
-    assert_eq!(r.completed.len(), 6, "outage: the first cycle publishes 6 rows: {r:?}");
+    assert_eq!(
+        r.completed.len(),
+        6,
+        "outage: the first cycle publishes 6 rows: {r:?}"
+    );
 
     // Down.
     proxy.close().await;
-    let before: HashMap<Uuid, OutboxEvent> =
-        repo.rows().into_iter().map(|e| (e.id, e)).collect();
+    let before: HashMap<Uuid, OutboxEvent> = repo.rows().into_iter().map(|e| (e.id, e)).collect();
     for i in 0..3 {
         clock.advance(Duration::from_secs(1));
         let r = cycle(&relay).await;
-        assert!(r.completed.is_empty(), "outage: nothing completes while down (cycle {i}): {r:?}");
-        assert!(r.counted.is_empty(), "outage: no counted failure while down (cycle {i}): {r:?}");
-        assert!(r.broker_unreachable, "outage: the cycle finds the broker unreachable: {r:?}");
-        assert!(!r.transient.is_empty(), "outage: a transient failure: {r:?}");
+        assert!(
+            r.completed.is_empty(),
+            "outage: nothing completes while down (cycle {i}): {r:?}"
+        );
+        assert!(
+            r.counted.is_empty(),
+            "outage: no counted failure while down (cycle {i}): {r:?}"
+        );
+        assert!(
+            r.broker_unreachable,
+            "outage: the cycle finds the broker unreachable: {r:?}"
+        );
+        assert!(
+            !r.transient.is_empty(),
+            "outage: a transient failure: {r:?}"
+        );
         eprintln!("outage: down cycle {i}: {:?}", r.transient[0].error);
     }
     for row in repo.rows() {
         let was = &before[&row.id];
-        assert_eq!(row.status, was.status, "outage: status unchanged for {}", row.id);
-        assert_eq!(row.attempts_made, 0, "outage: attempts unchanged for {}", row.id);
+        assert_eq!(
+            row.status, was.status,
+            "outage: status unchanged for {}",
+            row.id
+        );
+        assert_eq!(
+            row.attempts_made, 0,
+            "outage: attempts unchanged for {}",
+            row.id
+        );
         assert!(!row.is_held(), "outage: {} is released", row.id);
     }
-    let pending = repo.rows().iter().filter(|r| r.status == Status::Pending).count();
+    let pending = repo
+        .rows()
+        .iter()
+        .filter(|r| r.status == Status::Pending)
+        .count();
     assert_eq!(pending, 24, "outage: 24 rows still pending");
 
     // Back.
@@ -390,7 +487,10 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
     let mut cycles = 0;
     while repo.rows().iter().any(|r| r.status != Status::Completed) {
         cycles += 1;
-        assert!(cycles <= 60, "outage: the drain did not finish within 60 cycles after the broker came back");
+        assert!(
+            cycles <= 60,
+            "outage: the drain did not finish within 60 cycles after the broker came back"
+        );
         clock.advance(Duration::from_secs(1));
         let r = cycle(&relay).await;
         assert!(r.counted.is_empty(), "outage: no counted failure: {r:?}");
@@ -407,7 +507,11 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
         }
     }
     for row in repo.rows() {
-        assert_eq!(row.attempts_made, 0, "outage: no attempt spent on {}", row.id);
+        assert_eq!(
+            row.attempts_made, 0,
+            "outage: no attempt spent on {}",
+            row.id
+        );
     }
     let got = t.read("orders").await;
     let mut first: HashMap<String, Vec<Uuid>> = HashMap::new();
@@ -422,14 +526,19 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
         }
     }
     assert_eq!(seen.len(), ids.len(), "outage: every row arrived");
-    assert_eq!(first, written, "outage: per key, first deliveries in write order");
+    assert_eq!(
+        first, written,
+        "outage: per key, first deliveries in write order"
+    );
     t.cleanup().await;
     proxy.shutdown().await;
 }
 
 /// An address on 127.0.0.1 where nothing listens (a port bound and released).
 pub async fn closed_port() -> SocketAddr {
-    let l = TcpListener::bind("127.0.0.1:0").await.expect("bind a loopback port");
+    let l = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a loopback port");
     let addr = l.local_addr().expect("local addr");
     drop(l);
     addr

@@ -230,9 +230,15 @@ impl NatsBrokerConfig {
         }
         if let Some(s) = &self.ensure_stream {
             if s.name.is_empty()
-                || s.name
-                    .chars()
-                    .any(|c| c == '.' || c == '*' || c == '>' || c == '/' || c == '\\' || c.is_whitespace() || c.is_control())
+                || s.name.chars().any(|c| {
+                    c == '.'
+                        || c == '*'
+                        || c == '>'
+                        || c == '/'
+                        || c == '\\'
+                        || c.is_whitespace()
+                        || c.is_control()
+                })
             {
                 return bad(format!(
                     "stream name {:?} must be non-empty without '.', '*', '>', '/', '\\' or whitespace",
@@ -246,11 +252,13 @@ impl NatsBrokerConfig {
             }
             for subj in &s.subjects {
                 let bad_token = subj.is_empty()
-                    || subj.split('.').any(|t| {
-                        t != "*" && t != ">" && token_problem(t).is_some()
-                    });
+                    || subj
+                        .split('.')
+                        .any(|t| t != "*" && t != ">" && token_problem(t).is_some());
                 if bad_token {
-                    return bad(format!("stream subject {subj:?} is not a valid subject filter"));
+                    return bad(format!(
+                        "stream subject {subj:?} is not a valid subject filter"
+                    ));
                 }
             }
             if let Some(n) = s.max_message_size
@@ -284,8 +292,18 @@ mod tests {
         assert!(ok.clone().subject_prefix("outbox..").validate().is_err());
         assert!(ok.clone().subject_prefix("outbox.*.").validate().is_err());
         assert!(ok.clone().timeout(Duration::ZERO).validate().is_err());
-        assert!(ok.clone().ensure_stream(StreamSpec::new("OUT")).validate().is_ok());
-        assert!(ok.clone().ensure_stream(StreamSpec::new("a.b")).validate().is_err());
+        assert!(
+            ok.clone()
+                .ensure_stream(StreamSpec::new("OUT"))
+                .validate()
+                .is_ok()
+        );
+        assert!(
+            ok.clone()
+                .ensure_stream(StreamSpec::new("a.b"))
+                .validate()
+                .is_err()
+        );
         assert!(
             NatsBrokerConfig::new("nats://x")
                 .ensure_stream(StreamSpec::new("OUT"))
@@ -298,6 +316,10 @@ mod tests {
                 .validate()
                 .is_ok()
         );
-        assert!(ok.ensure_stream(StreamSpec::new("OUT").max_message_size(0)).validate().is_err());
+        assert!(
+            ok.ensure_stream(StreamSpec::new("OUT").max_message_size(0))
+                .validate()
+                .is_err()
+        );
     }
 }

@@ -194,7 +194,10 @@ impl NatsBroker {
         }
         match self.config.key_token {
             KeyToken::Off => Ok(base),
-            KeyToken::Sanitized => Ok(format!("{base}.{}", subject::sanitize_token(&m.partition_key))),
+            KeyToken::Sanitized => Ok(format!(
+                "{base}.{}",
+                subject::sanitize_token(&m.partition_key)
+            )),
             KeyToken::Validated => match subject::token_problem(&m.partition_key) {
                 None => Ok(format!("{base}.{}", m.partition_key)),
                 Some(p) => Err(BrokerError::rejected(format!(
@@ -220,7 +223,9 @@ impl NatsBroker {
                 ))
             })?;
             let value: HeaderValue = v.parse().map_err(|_| {
-                BrokerError::rejected(format!("NATS: the value of header {k:?} holds a line break"))
+                BrokerError::rejected(format!(
+                    "NATS: the value of header {k:?} holds a line break"
+                ))
             })?;
             h.insert(name, value);
         }
@@ -245,9 +250,11 @@ impl NatsBroker {
 
     async fn diagnose_no_responders(&self, subject: &str, deadline: Instant) -> BrokerError {
         match tokio::time::timeout_at(deadline, self.js.stream_by_subject(subject)).await {
-            Ok(Err(e)) if e.kind() == GetStreamByNameErrorKind::NotFound => BrokerError::rejected(format!(
-                "NATS: no JetStream stream covers subject {subject:?}; create a stream whose subjects include it (or configure ensure_stream)"
-            )),
+            Ok(Err(e)) if e.kind() == GetStreamByNameErrorKind::NotFound => {
+                BrokerError::rejected(format!(
+                    "NATS: no JetStream stream covers subject {subject:?}; create a stream whose subjects include it (or configure ensure_stream)"
+                ))
+            }
             Ok(Ok(stream)) => BrokerError::transient(format!(
                 "NATS: no responders for subject {subject:?} although stream {stream:?} covers it; JetStream may be restarting"
             )),
@@ -268,7 +275,9 @@ impl NatsBroker {
     ) -> BrokerError {
         use std::error::Error as _;
         match e.kind() {
-            PublishErrorKind::StreamNotFound => self.diagnose_no_responders(subject, deadline).await,
+            PublishErrorKind::StreamNotFound => {
+                self.diagnose_no_responders(subject, deadline).await
+            }
             PublishErrorKind::TimedOut => BrokerError::transient(format!(
                 "NATS: no JetStream acknowledgement for subject {subject:?} within {:?}",
                 self.config.timeout
@@ -283,7 +292,9 @@ impl NatsBroker {
                 "NATS: message for subject {subject:?} is larger than the server's max_payload: {e}"
             )),
             PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence => {
-                BrokerError::rejected(format!("NATS JetStream refused the message on {subject:?}: {e}"))
+                BrokerError::rejected(format!(
+                    "NATS JetStream refused the message on {subject:?}: {e}"
+                ))
             }
             _ => {
                 let api = e
@@ -296,7 +307,9 @@ impl NatsBroker {
                     Some(api) => BrokerError::rejected(format!(
                         "NATS JetStream refused the message on subject {subject:?}: {api}"
                     )),
-                    None => BrokerError::transient(format!("NATS: publish to {subject:?} failed: {e}")),
+                    None => {
+                        BrokerError::transient(format!("NATS: publish to {subject:?} failed: {e}"))
+                    }
                 }
             }
         }
@@ -378,7 +391,9 @@ impl Broker for NatsBroker {
                 if ack.duplicate {
                     tracing::debug!(event_id = %m.event_id, stream = %ack.stream, "JetStream dropped a duplicate");
                 }
-                Ok(Ack { duplicate: ack.duplicate })
+                Ok(Ack {
+                    duplicate: ack.duplicate,
+                })
             }
             Ok(Err(e)) => Err(self.map_error(e, &subject, deadline).await),
             Err(_) => Err(BrokerError::transient(format!(

@@ -4,16 +4,22 @@
 /// Why `token` cannot be one token of a subject, if it cannot.
 pub(crate) fn token_problem(token: &str) -> Option<String> {
     if token.is_empty() {
-        return Some("it has an empty token (two dots in a row, or a leading or trailing dot)".into());
+        return Some(
+            "it has an empty token (two dots in a row, or a leading or trailing dot)".into(),
+        );
     }
     if let Some(c) = token.chars().find(|c| c.is_whitespace() || c.is_control()) {
-        return Some(format!("it contains the whitespace or control character {c:?}"));
+        return Some(format!(
+            "it contains the whitespace or control character {c:?}"
+        ));
     }
     if token.contains('.') {
         return Some("it contains a dot, which separates tokens".into());
     }
     if token.contains(['*', '>']) {
-        return Some("it contains a wildcard (`*` or `>`), which a published subject cannot".into());
+        return Some(
+            "it contains a wildcard (`*` or `>`), which a published subject cannot".into(),
+        );
     }
     None
 }

@@ -84,7 +84,11 @@ impl BrokerUnderTest for Nats {
         let cfg = NatsBrokerConfig::new(format!("nats://{addr}"))
             .subject_prefix("outboxtest.unreachable.")
             .timeout(adapter_timeout);
-        Arc::new(NatsBroker::connect_lazy(cfg).await.expect("a lazy adapter needs no server"))
+        Arc::new(
+            NatsBroker::connect_lazy(cfg)
+                .await
+                .expect("a lazy adapter needs no server"),
+        )
     }
 }
 
@@ -100,22 +104,34 @@ impl BrokerTrial for NatsTrial {
 
     async fn read(&self, topic: &str) -> Vec<Received> {
         let subject = self.destination(topic);
-        let stream = self.admin.get_stream(&self.stream).await.expect("get the stream");
+        let stream = self
+            .admin
+            .get_stream(&self.stream)
+            .await
+            .expect("get the stream");
         let info = stream.get_info().await.expect("stream info");
         let mut out = Vec::new();
         if info.state.messages == 0 {
             return out;
         }
         for seq in info.state.first_sequence..=info.state.last_sequence {
-            let m = stream.get_raw_message(seq).await.expect("read a stored message");
-            if m.subject.as_str() != subject && !m.subject.as_str().starts_with(&format!("{subject}.")) {
+            let m = stream
+                .get_raw_message(seq)
+                .await
+                .expect("read a stored message");
+            if m.subject.as_str() != subject
+                && !m.subject.as_str().starts_with(&format!("{subject}."))
+            {
                 continue;
             }
             let mut attributes = BTreeMap::new();
             let mut message_id = None;
             for (name, values) in m.headers.iter() {
                 let name = name.to_string();
-                let value = values.last().map(|v| v.as_str().to_owned()).unwrap_or_default();
+                let value = values
+                    .last()
+                    .map(|v| v.as_str().to_owned())
+                    .unwrap_or_default();
                 if name.eq_ignore_ascii_case("Nats-Msg-Id") {
                     message_id = Some(value);
                 } else if !name.to_ascii_lowercase().starts_with("nats-") {
@@ -133,10 +149,17 @@ impl BrokerTrial for NatsTrial {
     }
 
     async fn prepare_refusal(&self, _topic: &str) -> String {
-        let mut stream = self.admin.get_stream(&self.stream).await.expect("get the stream");
+        let mut stream = self
+            .admin
+            .get_stream(&self.stream)
+            .await
+            .expect("get the stream");
         let mut cfg = stream.info().await.expect("stream info").config.clone();
         cfg.max_message_size = 1024;
-        self.admin.update_stream(cfg).await.expect("set max message size 1024");
+        self.admin
+            .update_stream(cfg)
+            .await
+            .expect("set max message size 1024");
         "message size exceeds maximum allowed".into()
     }
 
@@ -163,7 +186,9 @@ async fn ensure_stream_and_rejections() {
         .subject_prefix(&prefix)
         .timeout(Duration::from_secs(2))
         .ensure_stream(StreamSpec::new(&name).duplicate_window(Duration::from_secs(600)));
-    let broker = NatsBroker::connect(cfg).await.expect("connect and ensure the stream");
+    let broker = NatsBroker::connect(cfg)
+        .await
+        .expect("connect and ensure the stream");
     let admin = jetstream::new(async_nats::connect(url()).await.expect("admin connection"));
     let mut stream = admin.get_stream(&name).await.expect("the stream exists");
     let info = stream.info().await.expect("info");
@@ -199,7 +224,9 @@ async fn ensure_stream_and_rejections() {
     .await
     .expect("connect");
     match other.publish(&m).await {
-        Err(BrokerError::Rejected(t)) => assert!(t.contains("no JetStream stream covers subject"), "{t}"),
+        Err(BrokerError::Rejected(t)) => {
+            assert!(t.contains("no JetStream stream covers subject"), "{t}")
+        }
         other => panic!("expected a rejection, got {other:?}"),
     }
     admin.delete_stream(&name).await.expect("delete");

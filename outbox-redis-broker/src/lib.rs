@@ -40,7 +40,9 @@ pub enum RedisBrokerError {
     #[error("invalid Redis broker configuration: {0}")]
     Config(String),
     /// The URL could not be parsed, or the first connection failed.
-    #[error("could not connect to Redis at {url}: {message}; check the URL and that redis-server is running")]
+    #[error(
+        "could not connect to Redis at {url}: {message}; check the URL and that redis-server is running"
+    )]
     Connect {
         /// The URL given.
         url: String,
@@ -187,12 +189,11 @@ impl RedisBroker {
     pub fn connect_lazy(config: RedisBrokerConfig) -> Result<Self, RedisBrokerError> {
         config.validate()?;
         let client = client(&config)?;
-        let conn = ConnectionManager::new_lazy_with_config(client, manager_config(&config)).map_err(|e| {
-            RedisBrokerError::Connect {
+        let conn = ConnectionManager::new_lazy_with_config(client, manager_config(&config))
+            .map_err(|e| RedisBrokerError::Connect {
                 url: config.url.clone(),
                 message: e.to_string(),
-            }
-        })?;
+            })?;
         Ok(Self { conn, config })
     }
 
@@ -210,7 +211,11 @@ impl RedisBroker {
     pub async fn ping(&self) -> Result<(), BrokerError> {
         let mut conn = self.conn.clone();
         let key = "PING";
-        match tokio::time::timeout(self.config.timeout, redis::cmd("PING").query_async::<String>(&mut conn)).await
+        match tokio::time::timeout(
+            self.config.timeout,
+            redis::cmd("PING").query_async::<String>(&mut conn),
+        )
+        .await
         {
             Ok(Ok(_)) => Ok(()),
             Ok(Err(e)) => Err(map_error(&e, key)),
@@ -297,7 +302,11 @@ pub fn map_error(e: &RedisError, key: &str) -> BrokerError {
         | ErrorKind::UnexpectedReturnType => {
             BrokerError::transient(format!("Redis could not take XADD {key} now: {e}"))
         }
-        _ if matches!(code, "OOM" | "BUSY" | "NOAUTH" | "WRONGPASS" | "LOADING" | "MISCONF") => {
+        _ if matches!(
+            code,
+            "OOM" | "BUSY" | "NOAUTH" | "WRONGPASS" | "LOADING" | "MISCONF"
+        ) =>
+        {
             BrokerError::transient(format!("Redis could not take XADD {key} now: {e}"))
         }
         _ => BrokerError::rejected(format!("Redis refused XADD {key}: {e}")),
@@ -318,7 +327,8 @@ impl Broker for RedisBroker {
             cmd.arg(name).arg(value);
         }
         let mut conn = self.conn.clone();
-        match tokio::time::timeout(self.config.timeout, cmd.query_async::<String>(&mut conn)).await {
+        match tokio::time::timeout(self.config.timeout, cmd.query_async::<String>(&mut conn)).await
+        {
             Ok(Ok(_entry_id)) => Ok(Ack::default()),
             Ok(Err(e)) => Err(map_error(&e, &key)),
             Err(_) => Err(BrokerError::transient(format!(
@@ -344,6 +354,9 @@ mod tests {
         let p = ok.clone().key_pattern("{outbox}:{topic}:{partition_key}");
         assert!(p.validate().is_ok());
         assert_eq!(p.stream_key("orders", "k1"), "{outbox}:orders:k1");
-        assert_eq!(ok.key_prefix("app:").stream_key("orders", "k1"), "app:orders");
+        assert_eq!(
+            ok.key_prefix("app:").stream_key("orders", "k1"),
+            "app:orders"
+        );
     }
 }

@@ -43,8 +43,16 @@ impl BrokerUnderTest for Redis {
 
     fn server_addr(&self) -> SocketAddr {
         let u = url();
-        let hp = u.trim_start_matches("redis://").split('/').next().unwrap_or("").to_owned();
-        hp.to_socket_addrs().expect("REDIS_URL resolves").next().expect("an address")
+        let hp = u
+            .trim_start_matches("redis://")
+            .split('/')
+            .next()
+            .unwrap_or("")
+            .to_owned();
+        hp.to_socket_addrs()
+            .expect("REDIS_URL resolves")
+            .next()
+            .expect("an address")
     }
 
     async fn trial(&self, opts: TrialOptions) -> Box<dyn BrokerTrial> {
@@ -57,8 +65,14 @@ impl BrokerUnderTest for Redis {
         let cfg = RedisBrokerConfig::new(target)
             .key_prefix(&prefix)
             .timeout(opts.adapter_timeout);
-        let broker = RedisBroker::connect(cfg).await.expect("connect the adapter");
-        Box::new(RedisTrial { broker, admin, prefix })
+        let broker = RedisBroker::connect(cfg)
+            .await
+            .expect("connect the adapter");
+        Box::new(RedisTrial {
+            broker,
+            admin,
+            prefix,
+        })
     }
 
     async fn unreachable(&self, addr: SocketAddr, adapter_timeout: Duration) -> Arc<dyn Broker> {
@@ -95,7 +109,11 @@ impl BrokerTrial for RedisTrial {
     async fn read(&self, topic: &str) -> Vec<Received> {
         let key = self.destination(topic);
         let mut conn = self.admin.clone();
-        let exists: bool = redis::cmd("EXISTS").arg(&key).query_async(&mut conn).await.expect("EXISTS");
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("EXISTS");
         if !exists {
             return Vec::new();
         }
@@ -110,7 +128,8 @@ impl BrokerTrial for RedisTrial {
                     match k.as_str() {
                         "payload" => body = v.into_bytes(),
                         "headers" => {
-                            headers = serde_json::from_str(&v).expect("headers is a JSON object of strings")
+                            headers = serde_json::from_str(&v)
+                                .expect("headers is a JSON object of strings")
                         }
                         _ => {
                             attributes.insert(k, v);
@@ -182,10 +201,7 @@ fn message_with(topic: &str, key: &str, headers: bool) -> Message {
     if headers {
         b = b.header("tenant", "acme").header("topic", "spoofed");
     }
-    let row = b
-        .build()
-        .expect("valid")
-        .into_row(chrono::Utc::now());
+    let row = b.build().expect("valid").into_row(chrono::Utc::now());
     Message::from_event(&row)
 }
 
@@ -194,9 +210,13 @@ fn message_with(topic: &str, key: &str, headers: bool) -> Message {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fields_and_maxlen() {
     let prefix = format!("outboxtest:{}:", fresh_suffix());
-    let broker = RedisBroker::connect(RedisBrokerConfig::new(url()).key_prefix(&prefix).max_len(10))
-        .await
-        .expect("connect");
+    let broker = RedisBroker::connect(
+        RedisBrokerConfig::new(url())
+            .key_prefix(&prefix)
+            .max_len(10),
+    )
+    .await
+    .expect("connect");
     let m = message("orders", "k1");
     broker.publish(&m).await.expect("publish");
     let mut conn = admin().await;
@@ -225,17 +245,35 @@ async fn fields_and_maxlen() {
     assert_eq!(f["event_id"], m.event_id.hyphenated().to_string());
 
     // No headers: no headers field.
-    broker.publish(&message_with("orders", "k1", false)).await.expect("publish");
+    broker
+        .publish(&message_with("orders", "k1", false))
+        .await
+        .expect("publish");
     let entries = xrange(&mut conn, &key).await;
-    assert!(entries[1].1.iter().all(|(k, _)| k != "headers"), "{:?}", entries[1].1);
+    assert!(
+        entries[1].1.iter().all(|(k, _)| k != "headers"),
+        "{:?}",
+        entries[1].1
+    );
 
     // MAXLEN ~ 10: after 300 more entries, far fewer than 302 remain.
     for _ in 0..300 {
         broker.publish(&m).await.expect("publish");
     }
-    let len: usize = redis::cmd("XLEN").arg(&key).query_async(&mut conn).await.expect("XLEN");
-    assert!(len < 302 && len >= 10, "approximate trim keeps about 10 entries, has {len}");
-    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.expect("DEL");
+    let len: usize = redis::cmd("XLEN")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .expect("XLEN");
+    assert!(
+        (10..302).contains(&len),
+        "approximate trim keeps about 10 entries, has {len}"
+    );
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .expect("DEL");
 }
 
 /// The key pattern may hold the partition key: one stream per key.
@@ -247,11 +285,18 @@ async fn key_pattern_with_partition_key() {
     )
     .await
     .expect("connect");
-    broker.publish(&message("orders", "acct-7")).await.expect("publish");
+    broker
+        .publish(&message("orders", "acct-7"))
+        .await
+        .expect("publish");
     let mut conn = admin().await;
     let key = format!("{prefix}orders:acct-7");
     assert_eq!(xrange(&mut conn, &key).await.len(), 1);
-    let _: () = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.expect("DEL");
+    let _: () = redis::cmd("DEL")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .expect("DEL");
 }
 
 /// A connect to a closed port fails with a message that names the URL; publishing through a
@@ -260,7 +305,9 @@ async fn key_pattern_with_partition_key() {
 async fn closed_port_errors() {
     let addr = outbox_conformance::broker::closed_port().await;
     let cfg = RedisBrokerConfig::new(format!("redis://{addr}")).timeout(Duration::from_secs(1));
-    let err = RedisBroker::connect(cfg.clone()).await.expect_err("nothing listens");
+    let err = RedisBroker::connect(cfg.clone())
+        .await
+        .expect_err("nothing listens");
     assert!(err.to_string().contains(&addr.to_string()), "{err}");
     let lazy = RedisBroker::connect_lazy(cfg).expect("lazy");
     match lazy.publish(&message("orders", "k")).await {
