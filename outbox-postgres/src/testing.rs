@@ -49,9 +49,16 @@ pub fn fresh_schema_name() -> String {
 pub async fn trial_pool(url: &str, max: u32) -> PgPool {
     let opts: PgConnectOptions = url
         .parse::<PgConnectOptions>()
-        .expect("DATABASE_URL is a valid postgres URL")
-        .options([("TimeZone", "America/New_York")]);
+        .expect("DATABASE_URL is a valid postgres URL");
     PgPoolOptions::new()
+        .after_connect(|conn, _meta| {
+            Box::pin(async move {
+                sqlx::query("SET TIME ZONE 'America/New_York'")
+                    .execute(conn)
+                    .await
+                    .map(|_| ())
+            })
+        })
         .max_connections(max)
         .min_connections(0)
         .acquire_timeout(Duration::from_secs(30))
@@ -407,6 +414,18 @@ impl Harness for PgHarness {
                 .batch_size(batch_size)
                 .and_then(|c| c.error_max_length(error_max_length))
                 .map(|_| ())
+                .map_err(|e| e.to_string()),
+        )
+    }
+
+    async fn create_schema_for(&self, table: &str) -> Option<Result<(), String>> {
+        let t = match TableName::new(table) {
+            Ok(t) => t,
+            Err(e) => return Some(Err(e.to_string())),
+        };
+        Some(
+            create_schema(&self.pool, &t)
+                .await
                 .map_err(|e| e.to_string()),
         )
     }

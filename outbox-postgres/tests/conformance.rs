@@ -3,4 +3,4 @@
 
 use outbox_postgres::testing::PgFactory;
 
-outbox_conformance::suite!(@all PgFactory::new());
+outbox_conformance::suite!(postgres: PgFactory::new());
