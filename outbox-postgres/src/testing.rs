@@ -72,6 +72,7 @@ pub async fn trial_pool(url: &str, max: u32) -> PgPool {
 pub struct PgFactory {
     url: String,
     table: String,
+    ancestor: bool,
 }
 
 impl Default for PgFactory {
@@ -86,7 +87,16 @@ impl PgFactory {
         Self {
             url: database_url(),
             table: sql::DEFAULT_TABLE.to_owned(),
+            ancestor: false,
         }
+    }
+
+    /// Creates each trial's table with the ancestor's DDL exactly as contract.md Appendix A
+    /// writes it (`outbox_conformance::scenarios::pg::ANCESTOR_DDL`) instead of this crate's
+    /// schema creation.
+    pub fn ancestor_ddl(mut self) -> Self {
+        self.ancestor = true;
+        self
     }
 
     /// Another (bare) table name; it is placed in the trial's schema.
@@ -99,7 +109,11 @@ impl PgFactory {
 #[async_trait]
 impl Factory for PgFactory {
     async fn create(&self) -> Arc<dyn Harness> {
-        Arc::new(PgHarness::create(&self.url, &self.table).await)
+        if self.ancestor {
+            Arc::new(PgHarness::create_ancestor(&self.url, &self.table).await)
+        } else {
+            Arc::new(PgHarness::create(&self.url, &self.table).await)
+        }
     }
 }
 
@@ -130,6 +144,27 @@ impl PgHarness {
         let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
         let pool = trial_pool(url, 8).await;
         create_schema(&pool, &table).await.expect("schema creation");
+        sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
+            .execute(&pool)
+            .await
+            .expect("aggregates table");
+        Self::with_pool(url, pool, schema, table, true)
+    }
+
+    /// A fresh schema whose outbox table is created with the ancestor's exact DDL (Appendix A).
+    pub async fn create_ancestor(url: &str, table: &str) -> Self {
+        let schema = fresh_schema_name();
+        let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
+        let pool = trial_pool(url, 8).await;
+        sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
+            .execute(&pool)
+            .await
+            .expect("create schema");
+        let ddl = outbox_conformance::scenarios::pg::ancestor_ddl(&schema, table.table());
+        sqlx::raw_sql(AssertSqlSafe(ddl))
+            .execute(&pool)
+            .await
+            .expect("ancestor DDL");
         sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
             .execute(&pool)
             .await
