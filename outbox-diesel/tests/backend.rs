@@ -1,0 +1,275 @@
+//! The diesel backend's own checks: migrations, the checked-in `table!` schema against the
+//! database, the writer's transaction guard, and error mapping.
+
+mod common;
+
+use diesel::sql_types::Text;
+use diesel::{QueryDsl, QueryableByName};
+use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_core::event::NewEvent;
+use outbox_core::repository::OutboxRepository;
+use outbox_core::RepositoryError;
+use outbox_diesel::error::map_diesel;
+use outbox_diesel::schema::outbox_events;
+use outbox_diesel::{
+    DieselConfig, DieselOutboxRepository, OutboxMigrations, PoolSettings, TableName, WriteError,
+    build_pool, run_migrations,
+};
+use outbox_postgres::sql;
+use outbox_postgres::testing::{database_url, fresh_schema_name};
+use uuid::Uuid;
+
+#[derive(QueryableByName)]
+struct Name {
+    #[diesel(sql_type = Text)]
+    name: String,
+}
+
+async fn connect() -> AsyncPgConnection {
+    let url = database_url();
+    AsyncPgConnection::establish(&url)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
+}
+
+async fn drop_schema(schema: &str) {
+    connect()
+        .await
+        .batch_execute(&sql::fixtures::drop_schema(schema))
+        .await
+        .expect("drop schema");
+}
+
+fn event(key: &str) -> NewEvent {
+    NewEvent::builder()
+        .event_type("test.event")
+        .aggregate("agg", Uuid::new_v4())
+        .topic("t")
+        .partition_key(key)
+        .payload_json(serde_json::json!({"n": 1}))
+        .build()
+        .expect("valid")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_run_once_per_table_and_restore_search_path() {
+    let schema = fresh_schema_name();
+    let table = TableName::new(&format!("{schema}.outbox_events")).unwrap();
+    let other = TableName::new(&format!("{schema}.other_outbox")).unwrap();
+    let mut conn = connect().await;
+    let before: Name = diesel::sql_query("SELECT current_setting('search_path') AS name")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    let conn = run_migrations(conn, &table).await.expect("first run");
+    let conn = run_migrations(conn, &table).await.expect("second run is a no-op");
+    let mut conn = run_migrations(conn, &other).await.expect("another table");
+    let after: Name = diesel::sql_query("SELECT current_setting('search_path') AS name")
+        .get_result(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(after.name, before.name, "search_path restored");
+    let versions: Vec<Name> = diesel::sql_query(format!(
+        "SELECT version::text AS name FROM \"{schema}\".__diesel_schema_migrations ORDER BY version"
+    ))
+    .load(&mut conn)
+    .await
+    .unwrap();
+    let versions: Vec<String> = versions.into_iter().map(|v| v.name).collect();
+    assert_eq!(
+        versions,
+        vec![
+            OutboxMigrations::new(&other).version(),
+            OutboxMigrations::new(&table).version()
+        ]
+    );
+    // The indexes the shared DDL defines are all there, for both tables (R33, R78).
+    for t in [&table, &other] {
+        let found: Vec<Name> = diesel::sql_query(
+            "SELECT indexname::text AS name FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 ORDER BY 1",
+        )
+        .bind::<Text, _>(&schema)
+        .bind::<Text, _>(t.table())
+        .load(&mut conn)
+        .await
+        .unwrap();
+        let mut want: Vec<String> = sql::indexes(t).into_iter().map(|i| i.name).collect();
+        want.push(format!("{}_pkey", t.table()));
+        want.sort();
+        assert_eq!(found.into_iter().map(|n| n.name).collect::<Vec<_>>(), want);
+    }
+    drop(conn);
+    drop_schema(&schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_script_is_the_shared_ddl() {
+    let t = TableName::new("ops.my_outbox").unwrap();
+    let script = OutboxMigrations::new(&t).up_sql();
+    for stmt in sql::ddl(&t) {
+        assert!(script.contains(&stmt), "missing: {stmt}");
+    }
+    assert!(script.starts_with("SELECT pg_advisory_xact_lock(hashtext('outbox-schema:ops.my_outbox'::text))"));
+}
+
+/// The checked-in `table!` reads a row the shared insert wrote, column for column, with the
+/// catalog's column order equal to the shared column list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn table_schema_matches_the_database() {
+    let h = common::DieselHarness::create(&database_url()).await;
+    let schema = h.table().schema().unwrap().to_owned();
+    let mut conn = connect().await;
+    let cols: Vec<Name> = diesel::sql_query(
+        "SELECT column_name::text AS name FROM information_schema.columns
+          WHERE table_schema = $1 AND table_name = 'outbox_events' ORDER BY ordinal_position",
+    )
+    .bind::<Text, _>(&schema)
+    .load(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(cols.into_iter().map(|c| c.name).collect::<Vec<_>>(), sql::COLUMNS.to_vec());
+
+    let writer = h.diesel_repository().writer();
+    let e = event("k");
+    let id = e.id();
+    let mut pooled = h.pool().get().await.unwrap();
+    pooled
+        .transaction(async |c| {
+            writer.write(c, vec![e]).await?;
+            Ok::<_, WriteError>(())
+        })
+        .await
+        .expect("write in a transaction");
+    // diesel's typed DSL on the checked-in table, with search_path at the trial's schema.
+    conn.batch_execute(&format!("SET search_path TO \"{schema}\"")).await.unwrap();
+    let (got_id, status, attempts, max, topic): (Uuid, String, i32, i32, String) = outbox_events::table
+        .select((
+            outbox_events::id,
+            outbox_events::status,
+            outbox_events::attempts_made,
+            outbox_events::max_attempts,
+            outbox_events::topic,
+        ))
+        .first(&mut conn)
+        .await
+        .expect("typed select");
+    assert_eq!((got_id, status.as_str(), attempts, max, topic.as_str()), (id, "pending", 0, 6, "t"));
+    let all: Vec<(
+        (Uuid, String, serde_json::Value, Option<serde_json::Value>, Option<String>, Option<String>, Option<String>, Option<String>, Option<String>, String, i32, i32),
+        (Option<String>, chrono::DateTime<chrono::Utc>, Option<chrono::DateTime<chrono::Utc>>, Option<chrono::DateTime<chrono::Utc>>, Option<String>, chrono::DateTime<chrono::Utc>, Option<chrono::DateTime<chrono::Utc>>, String, Uuid, String, String),
+    )> = outbox_events::table
+        .select((
+            (
+                outbox_events::id,
+                outbox_events::event_type,
+                outbox_events::payload,
+                outbox_events::headers,
+                outbox_events::trace_id,
+                outbox_events::idempotency_key,
+                outbox_events::correlation_id,
+                outbox_events::causation_id,
+                outbox_events::schema_version,
+                outbox_events::status,
+                outbox_events::attempts_made,
+                outbox_events::max_attempts,
+            ),
+            (
+                outbox_events::last_error,
+                outbox_events::scheduled_at,
+                outbox_events::completed_at,
+                outbox_events::locked_at,
+                outbox_events::locked_by,
+                outbox_events::created_at,
+                outbox_events::updated_at,
+                outbox_events::aggregate_type,
+                outbox_events::aggregate_id,
+                outbox_events::topic,
+                outbox_events::partition_key,
+            ),
+        ))
+        .load(&mut conn)
+        .await
+        .expect("every column decodes with the table! types");
+    assert_eq!(all.len(), 1);
+    assert_eq!(all[0].0.2, serde_json::json!({"n": 1}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_refuses_to_write_outside_a_transaction() {
+    let h = common::DieselHarness::create(&database_url()).await;
+    let repo = h.diesel_repository();
+    let mut conn = h.pool().get().await.unwrap();
+    let err = repo.writer().write(&mut conn, vec![event("k")]).await.unwrap_err();
+    assert!(err.to_string().contains("open transaction"), "{err}");
+    assert!(repo.counts().await.unwrap().is_empty(), "nothing written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_diesel_transaction_writes_nothing() {
+    let h = common::DieselHarness::create(&database_url()).await;
+    let repo = h.diesel_repository();
+    let writer = repo.writer();
+    let e = event("k");
+    let id = e.id();
+    let mut conn = h.pool().get().await.unwrap();
+    let r: Result<(), WriteError> = conn
+        .transaction(async |c| {
+            let w = writer.write(c, vec![e]).await?;
+            assert!(w[0].inserted);
+            Err(WriteError::Diesel(diesel::result::Error::RollbackTransaction))
+        })
+        .await;
+    assert!(r.is_err());
+    assert!(repo.get(id).await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn constraint_violations_name_the_rule() {
+    let h = common::DieselHarness::create(&database_url()).await;
+    let repo = h.diesel_repository();
+    let e = event("k");
+    let id = e.id();
+    let mut conn = h.pool().get().await.unwrap();
+    conn.transaction(async |c| repo.writer().write(c, vec![e]).await.map_err(WriteError::from))
+        .await
+        .unwrap();
+    let err = diesel::sql_query(format!(
+        "UPDATE {} SET locked_by = 'w1' WHERE id = $1",
+        h.table().qualified()
+    ))
+    .bind::<diesel::sql_types::Uuid, _>(id)
+    .execute(&mut conn)
+    .await
+    .unwrap_err();
+    match map_diesel(h.table(), err) {
+        RepositoryError::Constraint { message } => {
+            assert!(message.contains("ck_outbox_events_lock_consistency"), "{message}");
+            assert!(message.contains("locked_at and locked_by are both set or both null"), "{message}");
+        }
+        other => panic!("expected a constraint error, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_is_transient_and_a_missing_table_is_a_schema_error() {
+    let pool = build_pool("postgres://postgres@127.0.0.1:1/test", &PoolSettings::default()).unwrap();
+    let repo = DieselOutboxRepository::new(pool, DieselConfig::default());
+    let err = repo.now().await.unwrap_err();
+    assert!(err.is_transient(), "{err:?}");
+
+    let pool = build_pool(&database_url(), &PoolSettings::default()).unwrap();
+    let missing = format!("{}.outbox_events", fresh_schema_name());
+    let repo = DieselOutboxRepository::new(pool, DieselConfig::default().table_name(&missing).unwrap());
+    match repo.get(Uuid::new_v4()).await.unwrap_err() {
+        RepositoryError::Schema(m) => assert!(m.contains("migrations"), "{m}"),
+        other => panic!("expected a schema error, got {other:?}"),
+    }
+}
+
+#[test]
+fn table_names_are_validated_before_sql() {
+    assert!(DieselConfig::default().table_name("ops.outbox_events").is_ok());
+    for bad in ["Outbox", "a-b", "x\"; drop table y; --", &"a".repeat(32)] {
+        assert!(DieselConfig::default().table_name(bad).is_err(), "{bad}");
+    }
+}
