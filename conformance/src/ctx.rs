@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use outbox_core::CancellationToken;
 use outbox_core::backoff::{Backoff, SeededRng};
 use outbox_core::clock::ManualRelayClock;
 use outbox_core::event::{EventBuilder, NewEvent, OutboxEvent, Status, WorkerId};
@@ -12,7 +13,6 @@ use outbox_core::relay::{BreakerConfig, CycleReport, Relay};
 use outbox_core::repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository, WriteResult};
 use outbox_core::scripted::ScriptedBroker;
 use outbox_core::step::PipelineStep;
-use outbox_core::CancellationToken;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -170,7 +170,9 @@ impl Ctx {
 
     /// Builds and writes one event in its own committed transaction; returns its id.
     pub async fn put(&self, b: EventBuilder) -> Uuid {
-        self.write(vec![b.build().expect("valid event")]).await[0].event.id
+        self.write(vec![b.build().expect("valid event")]).await[0]
+            .event
+            .id
     }
 
     /// Writes base events on these keys, each in its own committed transaction.
@@ -197,7 +199,11 @@ impl Ctx {
 
     /// A stored row.
     pub async fn get(&self, id: Uuid) -> OutboxEvent {
-        self.repo().get(id).await.expect("get").unwrap_or_else(|| panic!("no row {id}"))
+        self.repo()
+            .get(id)
+            .await
+            .expect("get")
+            .unwrap_or_else(|| panic!("no row {id}"))
     }
 
     /// The backend clock.
@@ -228,7 +234,11 @@ impl Ctx {
 
     /// Builds a relay with these settings.
     pub fn relay(&self, cfg: &Cfg) -> Relay {
-        let repo = if cfg.peer { self.h.peer_repository() } else { self.repo() };
+        let repo = if cfg.peer {
+            self.h.peer_repository()
+        } else {
+            self.repo()
+        };
         let mut b = Relay::builder(repo, Arc::new(self.broker.clone()))
             .worker_id(cfg.worker.clone())
             .batch_size(cfg.batch)
@@ -256,7 +266,12 @@ impl Ctx {
         let report = relay.cycle(&self.shutdown).await.expect("cycle");
         let t1 = self.now().await;
         let sent = self.broker.accepted_ids()[before..].to_vec();
-        Cycle { report, sent, t0, t1 }
+        Cycle {
+            report,
+            sent,
+            t0,
+            t1,
+        }
     }
 
     /// Builds a relay and runs one cycle.
@@ -272,14 +287,28 @@ impl Ctx {
 
     /// fetch_and_lock with a worker, batch and max_per_key; returns ids.
     pub async fn fetch(&self, worker: &str, batch: usize, per_key: usize) -> Vec<Uuid> {
-        let req = FetchRequest::new(WorkerId::new(worker).expect("worker"), batch).max_per_key(per_key);
-        self.repo().fetch_and_lock(&req).await.expect("fetch").iter().map(Fetched::id).collect()
+        let req =
+            FetchRequest::new(WorkerId::new(worker).expect("worker"), batch).max_per_key(per_key);
+        self.repo()
+            .fetch_and_lock(&req)
+            .await
+            .expect("fetch")
+            .iter()
+            .map(Fetched::id)
+            .collect()
     }
 
     /// Releases every held row (fixture).
     pub async fn release_all(&self, ids: &[Uuid]) {
         for id in ids {
-            self.set(*id, RowPatch { lock: Some(None), ..RowPatch::default() }).await;
+            self.set(
+                *id,
+                RowPatch {
+                    lock: Some(None),
+                    ..RowPatch::default()
+                },
+            )
+            .await;
         }
     }
 
@@ -288,7 +317,8 @@ impl Ctx {
         let lo = c.t0 + chrono::Duration::milliseconds((a * 1000.0) as i64);
         let hi = c.t1 + chrono::Duration::milliseconds((b * 1000.0) as i64);
         assert!(
-            next >= lo - chrono::Duration::milliseconds(1) && next <= hi + chrono::Duration::milliseconds(1),
+            next >= lo - chrono::Duration::milliseconds(1)
+                && next <= hi + chrono::Duration::milliseconds(1),
             "next try {next} not within [{lo}, {hi}] ([{a}, {b}] s after the cycle)"
         );
     }
@@ -303,15 +333,35 @@ impl Ctx {
     pub async fn assert_untouched(&self, before: &OutboxEvent) {
         let now = self.get(before.id).await;
         assert_eq!(now.status, before.status, "status of {}", before.id);
-        assert_eq!(now.attempts_made, before.attempts_made, "attempts of {}", before.id);
-        assert_eq!(now.scheduled_at, before.scheduled_at, "scheduled_at of {}", before.id);
-        assert_eq!(now.last_error, before.last_error, "last_error of {}", before.id);
-        assert!(now.locked_at.is_none() && now.locked_by.is_none(), "{} still held", before.id);
+        assert_eq!(
+            now.attempts_made, before.attempts_made,
+            "attempts of {}",
+            before.id
+        );
+        assert_eq!(
+            now.scheduled_at, before.scheduled_at,
+            "scheduled_at of {}",
+            before.id
+        );
+        assert_eq!(
+            now.last_error, before.last_error,
+            "last_error of {}",
+            before.id
+        );
+        assert!(
+            now.locked_at.is_none() && now.locked_by.is_none(),
+            "{} still held",
+            before.id
+        );
     }
 
     /// Asserts a row's status and attempts.
     pub async fn assert_state(&self, id: Uuid, status: Status, attempts: i32) {
         let r = self.get(id).await;
-        assert_eq!((r.status, r.attempts_made), (status, attempts), "state of {id}");
+        assert_eq!(
+            (r.status, r.attempts_made),
+            (status, attempts),
+            "state of {id}"
+        );
     }
 }

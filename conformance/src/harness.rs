@@ -97,7 +97,11 @@ pub trait Harness: Send + Sync {
     /// Builds this backend's repository with these settings, as a user would configure it, and
     /// reports whether they were accepted (V-17: maintenance batch size 1 to 10,000;
     /// error_max_length > 15). The default says the backend has no such settings.
-    fn try_configure(&self, _batch_size: usize, _error_max_length: usize) -> Option<Result<(), String>> {
+    fn try_configure(
+        &self,
+        _batch_size: usize,
+        _error_max_length: usize,
+    ) -> Option<Result<(), String>> {
         None
     }
     /// For [pg] scenarios PG-03 and PG-10: validates `table` as the backend's table-name setting

@@ -55,7 +55,13 @@ impl WriteTx for MemTx {
         self.tx.as_mut().expect("open").write(events).await
     }
     async fn lock_app(&mut self, name: &str) {
-        let m = self.locks.lock().expect("poisoned").entry(name.to_owned()).or_default().clone();
+        let m = self
+            .locks
+            .lock()
+            .expect("poisoned")
+            .entry(name.to_owned())
+            .or_default()
+            .clone();
         self.held.push(m.lock_owned().await);
     }
     async fn touch(&mut self) {}
@@ -90,7 +96,8 @@ impl Harness for MemHarness {
         // The backend's now may stand a few µs past the clock (created_at is raised 1 µs per
         // write call, R73); advance from there, so "d passes" for every stored time.
         let now = self.repo.now().await.expect("memory now");
-        self.clock.set(now + chrono::Duration::from_std(d).expect("duration"));
+        self.clock
+            .set(now + chrono::Duration::from_std(d).expect("duration"));
     }
     async fn set(&self, id: Uuid, p: RowPatch) {
         let found = self.repo.set(id, |r| {
@@ -122,7 +129,11 @@ impl Harness for MemHarness {
     fn fail_next_outcome_commit(&self) {
         self.repo.fail_next_outcome_commit();
     }
-    fn try_configure(&self, batch_size: usize, error_max_length: usize) -> Option<Result<(), String>> {
+    fn try_configure(
+        &self,
+        batch_size: usize,
+        error_max_length: usize,
+    ) -> Option<Result<(), String>> {
         Some(
             outbox_core::memory::MemoryConfig::default()
                 .batch_size(batch_size)

@@ -99,12 +99,12 @@ impl Backoff {
     /// Validated settings with equal jitter. base < 0 and cap ≤ 0 are errors with the
     /// ancestor's texts.
     pub fn new(base_seconds: f64, cap_seconds: f64) -> Result<Self, ConfigError> {
-        if !(base_seconds >= 0.0) || !base_seconds.is_finite() {
+        if !base_seconds.is_finite() || base_seconds < 0.0 {
             return Err(ConfigError::new(format!(
                 "retry_backoff_base_seconds must be >= 0, got {base_seconds}"
             )));
         }
-        if !(cap_seconds > 0.0) || !cap_seconds.is_finite() {
+        if !cap_seconds.is_finite() || cap_seconds <= 0.0 {
             return Err(ConfigError::new(format!(
                 "retry_backoff_cap_seconds must be > 0, got {cap_seconds}"
             )));
@@ -199,8 +199,16 @@ mod tests {
     fn equal_jitter_matches_the_contract_table() {
         let b = Backoff::default();
         for (a, lo, hi) in TABLE {
-            assert_eq!(b.delay(a, &mut Fixed(0.0)).unwrap().as_secs_f64(), lo, "a={a}");
-            assert_eq!(b.delay(a, &mut Fixed(1.0)).unwrap().as_secs_f64(), hi, "a={a}");
+            assert_eq!(
+                b.delay(a, &mut Fixed(0.0)).unwrap().as_secs_f64(),
+                lo,
+                "a={a}"
+            );
+            assert_eq!(
+                b.delay(a, &mut Fixed(1.0)).unwrap().as_secs_f64(),
+                hi,
+                "a={a}"
+            );
         }
         for a in 9..=12 {
             assert_eq!(b.window(a), (1800.0, 3600.0));
@@ -229,7 +237,10 @@ mod tests {
         assert_eq!(window(10.0, 3600.0, 3, Jitter::Full), (0.0, 80.0));
         assert_eq!(window(10.0, 3600.0, 0, Jitter::Decorrelated), (10.0, 30.0));
         assert_eq!(window(10.0, 3600.0, 2, Jitter::Decorrelated), (10.0, 60.0));
-        assert_eq!(window(10.0, 3600.0, 20, Jitter::Decorrelated), (10.0, 3600.0));
+        assert_eq!(
+            window(10.0, 3600.0, 20, Jitter::Decorrelated),
+            (10.0, 3600.0)
+        );
     }
 
     #[test]
@@ -251,9 +262,15 @@ mod tests {
     #[test]
     fn parameter_errors_use_the_ancestor_texts() {
         let e = Backoff::new(-1.0, 3600.0).unwrap_err();
-        assert_eq!(e.to_string(), "retry_backoff_base_seconds must be >= 0, got -1");
+        assert_eq!(
+            e.to_string(),
+            "retry_backoff_base_seconds must be >= 0, got -1"
+        );
         let e = Backoff::new(10.0, 0.0).unwrap_err();
-        assert_eq!(e.to_string(), "retry_backoff_cap_seconds must be > 0, got 0");
+        assert_eq!(
+            e.to_string(),
+            "retry_backoff_cap_seconds must be > 0, got 0"
+        );
         assert!(Backoff::new(f64::NAN, 1.0).is_err());
     }
 
@@ -262,7 +279,9 @@ mod tests {
         let b = Backoff::default();
         let draw = |seed| {
             let mut r = SeededRng::new(seed);
-            (0..10).map(|a| b.delay(a, &mut r).unwrap()).collect::<Vec<_>>()
+            (0..10)
+                .map(|a| b.delay(a, &mut r).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(draw(42), draw(42));
         assert_ne!(draw(42), draw(43));

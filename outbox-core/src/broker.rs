@@ -39,7 +39,10 @@ impl Message {
         attributes.insert("topic".into(), e.topic.clone());
         attributes.insert("partition_key".into(), e.partition_key.clone());
         attributes.insert("aggregate_type".into(), e.aggregate_type.clone());
-        attributes.insert("aggregate_id".into(), e.aggregate_id.hyphenated().to_string());
+        attributes.insert(
+            "aggregate_id".into(),
+            e.aggregate_id.hyphenated().to_string(),
+        );
         for (k, v) in [
             ("schema_version", &e.schema_version),
             ("trace_id", &e.trace_id),

@@ -151,7 +151,9 @@ pub enum RepositoryError {
         message: String,
     },
     /// The bulk lock release changed another number of rows than it was given ids (R24).
-    #[error("release changed {changed} rows, expected {expected}: some rows were not held by this worker")]
+    #[error(
+        "release changed {changed} rows, expected {expected}: some rows were not held by this worker"
+    )]
     ReleaseMismatch {
         /// Rows changed.
         changed: u64,

@@ -61,7 +61,9 @@ pub mod limits {
 }
 
 /// The status of a row (R2), stored as lowercase text.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Status {
     /// Waiting to be published.
@@ -211,7 +213,7 @@ impl NewEvent {
     }
     /// The payload as compact JSON, as it will be stored.
     pub fn payload_json(&self) -> &str {
-        &*self.payload_json
+        &self.payload_json
     }
     /// Headers (none when empty).
     pub fn headers(&self) -> Option<&BTreeMap<String, String>> {
@@ -515,20 +517,33 @@ impl EventBuilder {
     /// Validates every field (R5 to R8) and assigns a UUIDv7 id.
     pub fn build_with(self, settings: &BuildSettings) -> Result<NewEvent, ValidationError> {
         let event_type = required("event_type", self.event_type, limits::EVENT_TYPE_MAX)?;
-        let aggregate_type =
-            required("aggregate_type", self.aggregate_type, limits::AGGREGATE_TYPE_MAX)?;
-        let aggregate_id = self
-            .aggregate_id
-            .ok_or(ValidationError::Missing { field: "aggregate_id" })?;
+        let aggregate_type = required(
+            "aggregate_type",
+            self.aggregate_type,
+            limits::AGGREGATE_TYPE_MAX,
+        )?;
+        let aggregate_id = self.aggregate_id.ok_or(ValidationError::Missing {
+            field: "aggregate_id",
+        })?;
         let topic = required("topic", self.topic, limits::TOPIC_MAX)?;
-        let partition_key = required("partition_key", self.partition_key, limits::PARTITION_KEY_MAX)?;
+        let partition_key = required(
+            "partition_key",
+            self.partition_key,
+            limits::PARTITION_KEY_MAX,
+        )?;
         let trace_id = optional("trace_id", self.trace_id, limits::TRACE_ID_MAX)?;
         let correlation_id = optional("correlation_id", self.correlation_id, limits::TRACE_ID_MAX)?;
         let causation_id = optional("causation_id", self.causation_id, limits::TRACE_ID_MAX)?;
-        let schema_version =
-            optional("schema_version", self.schema_version, limits::SCHEMA_VERSION_MAX)?;
-        let idempotency_key =
-            optional("idempotency_key", self.idempotency_key, limits::IDEMPOTENCY_KEY_MAX)?;
+        let schema_version = optional(
+            "schema_version",
+            self.schema_version,
+            limits::SCHEMA_VERSION_MAX,
+        )?;
+        let idempotency_key = optional(
+            "idempotency_key",
+            self.idempotency_key,
+            limits::IDEMPOTENCY_KEY_MAX,
+        )?;
         let (payload, payload_json) = validate_payload(self.payload)?;
         let headers = validate_headers(self.headers)?;
         let max_attempts = match self.max_attempts {
@@ -538,7 +553,9 @@ impl EventBuilder {
         };
         let schedule = match (self.schedule, self.delay_secs) {
             (_, Some(secs)) => {
-                if !(secs.is_finite() && (0.0..=limits::SCHEDULE_MAX_AHEAD_SECS as f64).contains(&secs)) {
+                if !(secs.is_finite()
+                    && (0.0..=limits::SCHEDULE_MAX_AHEAD_SECS as f64).contains(&secs))
+                {
                     return Err(ValidationError::DelayOutOfRange { seconds: secs });
                 }
                 Schedule::Delay(Duration::from_secs_f64(secs))
@@ -626,7 +643,9 @@ fn optional(
     }
 }
 
-fn validate_payload(p: Option<PayloadInput>) -> Result<(Map<String, Value>, Arc<str>), ValidationError> {
+fn validate_payload(
+    p: Option<PayloadInput>,
+) -> Result<(Map<String, Value>, Arc<str>), ValidationError> {
     let v = match p {
         None => return Err(ValidationError::Missing { field: "payload" }),
         Some(PayloadInput::Error(e)) => return Err(e),
@@ -690,7 +709,10 @@ pub fn validate_headers(
         if kn > limits::HEADER_KEY_MAX {
             return Err(header_err(
                 k,
-                format!("key is {kn} characters long; the limit is {}", limits::HEADER_KEY_MAX),
+                format!(
+                    "key is {kn} characters long; the limit is {}",
+                    limits::HEADER_KEY_MAX
+                ),
             ));
         }
         if k.chars().any(|c| (c as u32) < 32 || c as u32 == 127) {
@@ -703,14 +725,25 @@ pub fn validate_headers(
         if vn > limits::HEADER_VALUE_MAX {
             return Err(header_err(
                 k,
-                format!("value is {vn} characters long; the limit is {}", limits::HEADER_VALUE_MAX),
+                format!(
+                    "value is {vn} characters long; the limit is {}",
+                    limits::HEADER_VALUE_MAX
+                ),
             ));
         }
-        if v.chars().any(|c| ((c as u32) < 32 && c != '\t') || c as u32 == 127) {
-            return Err(header_err(k, "value contains a control character (only TAB is allowed)"));
+        if v.chars()
+            .any(|c| ((c as u32) < 32 && c != '\t') || c as u32 == 127)
+        {
+            return Err(header_err(
+                k,
+                "value contains a control character (only TAB is allowed)",
+            ));
         }
         if !folded.insert(k.to_lowercase()) {
-            return Err(header_err(k, "duplicate key (keys must differ after trimming and ignoring case)"));
+            return Err(header_err(
+                k,
+                "duplicate key (keys must differ after trimming and ignoring case)",
+            ));
         }
         out.insert(k.to_owned(), v.to_owned());
     }
@@ -816,4 +849,252 @@ pub fn force_unlock_text(reason: &str) -> Result<String, ValidationError> {
         )));
     }
     Ok(format!("Force unlock: {r}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn base() -> EventBuilder {
+        NewEvent::builder()
+            .event_type("order.created")
+            .aggregate("order", Uuid::new_v4())
+            .topic("orders")
+            .partition_key("k")
+            .payload_json(json!({"n": 1}))
+    }
+
+    #[test]
+    fn string_limits_at_and_past_the_edge() {
+        type Set = fn(EventBuilder, String) -> EventBuilder;
+        let cases: [(&str, usize, Set); 9] = [
+            ("event_type", limits::EVENT_TYPE_MAX, |b, v| b.event_type(v)),
+            ("aggregate_type", limits::AGGREGATE_TYPE_MAX, |b, v| {
+                b.aggregate(v, Uuid::nil())
+            }),
+            ("topic", limits::TOPIC_MAX, |b, v| b.topic(v)),
+            ("partition_key", limits::PARTITION_KEY_MAX, |b, v| {
+                b.partition_key(v)
+            }),
+            ("idempotency_key", limits::IDEMPOTENCY_KEY_MAX, |b, v| {
+                b.idempotency_key(v)
+            }),
+            ("trace_id", limits::TRACE_ID_MAX, |b, v| b.trace_id(v)),
+            ("correlation_id", limits::TRACE_ID_MAX, |b, v| {
+                b.correlation_id(v)
+            }),
+            ("causation_id", limits::TRACE_ID_MAX, |b, v| {
+                b.causation_id(v)
+            }),
+            ("schema_version", limits::SCHEMA_VERSION_MAX, |b, v| {
+                b.schema_version(v)
+            }),
+        ];
+        for (field, max, set) in cases {
+            // Characters, not bytes: a two-byte character counts once.
+            assert!(
+                set(base(), "ü".repeat(max)).build().is_ok(),
+                "{field} at {max}"
+            );
+            assert_eq!(
+                set(base(), "ü".repeat(max + 1)).build().unwrap_err(),
+                ValidationError::TooLong {
+                    field,
+                    max,
+                    actual: max + 1
+                }
+            );
+            assert_eq!(
+                set(base(), "  ".into()).build().unwrap_err(),
+                ValidationError::Empty { field }
+            );
+            // Trimmed before counting.
+            assert!(
+                set(base(), format!(" {} ", "a".repeat(max)))
+                    .build()
+                    .is_ok()
+            );
+        }
+    }
+
+    #[test]
+    fn payload_limits() {
+        let at = json!({ "x": "a".repeat(999_992) });
+        assert!(base().payload_json(at).build().is_ok());
+        let past = json!({ "x": "a".repeat(999_993) });
+        assert_eq!(
+            base().payload_json(past).build().unwrap_err(),
+            ValidationError::PayloadTooLarge {
+                bytes: 1_000_001,
+                max: 1_000_000
+            }
+        );
+        assert_eq!(
+            base().payload_json(json!({})).build().unwrap_err(),
+            ValidationError::PayloadEmpty
+        );
+        assert_eq!(
+            base().payload_json(json!([1])).build().unwrap_err(),
+            ValidationError::PayloadNotObject { kind: "array" }
+        );
+        #[derive(serde::Serialize)]
+        struct P {
+            v: Vec<f64>,
+        }
+        let e = base()
+            .payload(&P {
+                v: vec![1.0, f64::NEG_INFINITY],
+            })
+            .build()
+            .unwrap_err();
+        assert!(matches!(e, ValidationError::PayloadNotFinite { .. }), "{e}");
+        assert!(base().payload(&P { v: vec![1.5] }).build().is_ok());
+    }
+
+    #[test]
+    fn header_limits() {
+        let n = |n: usize| {
+            (0..n)
+                .map(|i| (format!("h{i}"), "v".to_string()))
+                .collect::<Vec<_>>()
+        };
+        assert!(base().headers(n(100)).build().is_ok());
+        assert_eq!(
+            base().headers(n(101)).build().unwrap_err(),
+            ValidationError::TooManyHeaders {
+                count: 101,
+                max: 100
+            }
+        );
+        assert!(base().header("k".repeat(64), "v").build().is_ok());
+        assert!(matches!(
+            base().header("k".repeat(65), "v").build(),
+            Err(ValidationError::Header { .. })
+        ));
+        assert!(base().header("k", "v".repeat(512)).build().is_ok());
+        assert!(matches!(
+            base().header("k", "v".repeat(513)).build(),
+            Err(ValidationError::Header { .. })
+        ));
+        assert!(base().header("k", "a\tb").build().is_ok());
+        for (k, v) in [
+            ("k", "a\nb"),
+            ("k\u{7f}", "v"),
+            ("k\u{1}", "v"),
+            ("k", "  "),
+        ] {
+            assert!(
+                matches!(
+                    base().header(k, v).build(),
+                    Err(ValidationError::Header { .. })
+                ),
+                "{k:?}={v:?}"
+            );
+        }
+        assert!(base().header("A", "1").header("a", "2").build().is_err());
+        let e = base().header(" k ", " v ").build().unwrap();
+        assert_eq!(e.headers().unwrap().get("k").map(String::as_str), Some("v"));
+        assert!(
+            base()
+                .headers(Vec::<(String, String)>::new())
+                .build()
+                .unwrap()
+                .headers()
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn schedule_window() {
+        use crate::clock::ManualClock;
+        let t = Utc::now();
+        let s = BuildSettings::new().with_clock(Arc::new(ManualClock::new(t)));
+        let at = |secs: i64| {
+            base()
+                .scheduled_at(t + chrono::Duration::seconds(secs))
+                .build_with(&s)
+        };
+        assert!(at(-60).is_ok());
+        assert!(matches!(
+            at(-61),
+            Err(ValidationError::ScheduleOutOfWindow { .. })
+        ));
+        assert!(at(31_536_000).is_ok());
+        assert!(matches!(
+            at(31_536_001),
+            Err(ValidationError::ScheduleOutOfWindow { .. })
+        ));
+        assert!(
+            base()
+                .delay(Duration::from_secs(31_536_000))
+                .build()
+                .is_ok()
+        );
+        assert!(matches!(
+            base().delay(Duration::from_secs(31_536_001)).build(),
+            Err(ValidationError::DelayOutOfRange { .. })
+        ));
+        assert!(matches!(
+            base().delay_seconds(-1.0).build(),
+            Err(ValidationError::DelayOutOfRange { .. })
+        ));
+        let s0 = BuildSettings::new()
+            .with_clock(Arc::new(ManualClock::new(t)))
+            .with_skew_seconds(0)
+            .unwrap();
+        assert!(
+            base()
+                .scheduled_at(t - chrono::Duration::seconds(1))
+                .build_with(&s0)
+                .is_err()
+        );
+        assert!(BuildSettings::new().with_skew_seconds(-1).is_err());
+    }
+
+    #[test]
+    fn max_attempts_and_missing_fields() {
+        assert_eq!(base().max_attempts(0).build().unwrap().max_attempts(), 6);
+        assert_eq!(base().build().unwrap().max_attempts(), 6);
+        assert_eq!(base().max_attempts(1).build().unwrap().max_attempts(), 1);
+        assert_eq!(
+            base().max_attempts(-1).build().unwrap_err(),
+            ValidationError::MaxAttempts(-1)
+        );
+        let e = NewEvent::builder().topic("t").build().unwrap_err();
+        assert!(matches!(e, ValidationError::Missing { .. }));
+    }
+
+    #[test]
+    fn worker_ids() {
+        assert_eq!(
+            WorkerId::new("worker_1").unwrap_err().to_string(),
+            "Invalid worker_id format: 'worker_1'"
+        );
+        assert!(WorkerId::new("").is_err());
+        assert!(WorkerId::new("a".repeat(255)).is_ok());
+        assert!(WorkerId::new("a".repeat(256)).is_err());
+        assert_eq!(
+            WorkerId::new(" relay-1:host/a.b ").unwrap().as_str(),
+            "relay-1:host/a.b"
+        );
+        let g = WorkerId::generate();
+        assert!(WorkerId::new(g.as_str()).is_ok());
+        assert_ne!(g, WorkerId::generate());
+    }
+
+    #[test]
+    fn error_text_normalization() {
+        let x = normalize_error(&"x".repeat(3000), 2000);
+        assert_eq!(x.len(), 2000);
+        assert!(x.ends_with(limits::TRUNCATED_SUFFIX));
+        assert_eq!(normalize_error(&"é".repeat(1001), 2000).len(), 1999);
+        assert_eq!(normalize_error(" ", 2000), "Unknown error");
+        assert!(check_error_max_length(15).is_err());
+        assert!(check_error_max_length(16).is_ok());
+        assert_eq!(force_unlock_text("  ops ").unwrap(), "Force unlock: ops");
+        assert!(force_unlock_text("").is_err());
+        assert!(force_unlock_text(&"a".repeat(256)).is_err());
+        assert!(force_unlock_text(&"a".repeat(255)).is_ok());
+    }
 }

@@ -86,7 +86,11 @@ impl ser::Serializer for Finite {
     fn serialize_unit_variant(self, _: &'static str, _: u32, _: &'static str) -> Result<(), Error> {
         Ok(())
     }
-    fn serialize_newtype_struct<T: Serialize + ?Sized>(self, _: &'static str, v: &T) -> Result<(), Error> {
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        v: &T,
+    ) -> Result<(), Error> {
         v.serialize(self)
     }
     fn serialize_newtype_variant<T: Serialize + ?Sized>(
@@ -107,7 +111,13 @@ impl ser::Serializer for Finite {
     fn serialize_tuple_struct(self, _: &'static str, _: usize) -> Result<Self, Error> {
         Ok(self)
     }
-    fn serialize_tuple_variant(self, _: &'static str, _: u32, _: &'static str, _: usize) -> Result<Self, Error> {
+    fn serialize_tuple_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self, Error> {
         Ok(self)
     }
     fn serialize_map(self, _: Option<usize>) -> Result<Self, Error> {
@@ -116,7 +126,13 @@ impl ser::Serializer for Finite {
     fn serialize_struct(self, _: &'static str, _: usize) -> Result<Self, Error> {
         Ok(self)
     }
-    fn serialize_struct_variant(self, _: &'static str, _: u32, _: &'static str, _: usize) -> Result<Self, Error> {
+    fn serialize_struct_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self, Error> {
         Ok(self)
     }
 }
@@ -157,7 +173,11 @@ impl ser::SerializeMap for Finite {
 impl ser::SerializeStruct for Finite {
     type Ok = ();
     type Error = Error;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, v: &T) -> Result<(), Error> {
+    fn serialize_field<T: Serialize + ?Sized>(
+        &mut self,
+        _: &'static str,
+        v: &T,
+    ) -> Result<(), Error> {
         v.serialize(Finite)
     }
     fn end(self) -> Result<(), Error> {
@@ -168,7 +188,11 @@ impl ser::SerializeStruct for Finite {
 impl ser::SerializeStructVariant for Finite {
     type Ok = ();
     type Error = Error;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, _: &'static str, v: &T) -> Result<(), Error> {
+    fn serialize_field<T: Serialize + ?Sized>(
+        &mut self,
+        _: &'static str,
+        v: &T,
+    ) -> Result<(), Error> {
         v.serialize(Finite)
     }
     fn end(self) -> Result<(), Error> {

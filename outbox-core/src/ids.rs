@@ -35,8 +35,7 @@ fn bump_v7(v: u128) -> u128 {
     }
     // Overflow of the random part: bump the timestamp by one millisecond instead.
     let ms = (v >> 80) + 1;
-    let rebuilt = (ms << 80) | (0x7u128 << 76) | (0x2u128 << 62);
-    rebuilt
+    (ms << 80) | (0x7u128 << 76) | (0x2u128 << 62)
 }
 
 #[cfg(test)]

@@ -193,7 +193,10 @@ pub struct MemTransaction {
 impl MemTransaction {
     /// Writes events (R13 to R17). created_at is the clock's now, raised to 1 µs after the
     /// previous write call's value; the call's events share it.
-    pub async fn write(&mut self, events: Vec<NewEvent>) -> Result<Vec<WriteResult>, RepositoryError> {
+    pub async fn write(
+        &mut self,
+        events: Vec<NewEvent>,
+    ) -> Result<Vec<WriteResult>, RepositoryError> {
         // Wait until no other open transaction claims one of our idempotency keys (R17).
         loop {
             let inner = self.repo.inner.clone();
@@ -223,23 +226,43 @@ impl MemTransaction {
         for e in events {
             if let Some(k) = e.idempotency_key() {
                 if let Some(id) = st.idem.get(k) {
-                    out.push(WriteResult { event: st.rows[id].clone(), inserted: false });
+                    out.push(WriteResult {
+                        event: st.rows[id].clone(),
+                        inserted: false,
+                    });
                     continue;
                 }
-                if let Some(r) = self.rows.iter().find(|r| r.idempotency_key.as_deref() == Some(k)) {
-                    out.push(WriteResult { event: r.clone(), inserted: false });
+                if let Some(r) = self
+                    .rows
+                    .iter()
+                    .find(|r| r.idempotency_key.as_deref() == Some(k))
+                {
+                    out.push(WriteResult {
+                        event: r.clone(),
+                        inserted: false,
+                    });
                     continue;
                 }
                 st.claims.insert(k.to_owned(), self.id);
                 self.claims.insert(k.to_owned());
             }
-            if let Some(existing) = st.rows.get(&e.id()).or_else(|| self.rows.iter().find(|r| r.id == e.id())) {
-                out.push(WriteResult { event: existing.clone(), inserted: false });
+            if let Some(existing) = st
+                .rows
+                .get(&e.id())
+                .or_else(|| self.rows.iter().find(|r| r.id == e.id()))
+            {
+                out.push(WriteResult {
+                    event: existing.clone(),
+                    inserted: false,
+                });
                 continue;
             }
             let row = e.into_row(created);
             self.rows.push(row.clone());
-            out.push(WriteResult { event: row, inserted: true });
+            out.push(WriteResult {
+                event: row,
+                inserted: true,
+            });
         }
         out
     }
@@ -352,7 +375,10 @@ impl OutboxRepository for InMemoryRepository {
         let mut out = Vec::with_capacity(outcomes.len());
         for o in outcomes {
             let Some(row) = st.rows.get_mut(&o.id).filter(|r| Self::held_by(r, worker)) else {
-                out.push(WrittenOutcome { id: o.id, result: OutcomeResult::LeaseLost });
+                out.push(WrittenOutcome {
+                    id: o.id,
+                    result: OutcomeResult::LeaseLost,
+                });
                 continue;
             };
             let apply_retry = |row: &mut OutboxEvent, retry: Retry| {
@@ -400,26 +426,30 @@ impl OutboxRepository for InMemoryRepository {
     async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
         let now = self.now_sync();
         let mut st = self.lock();
-        Ok(match st.rows.get_mut(&id).filter(|r| Self::held_by(r, worker)) {
-            Some(r) => {
-                r.locked_at = Some(now);
-                r.updated_at = Some(now);
-                true
-            }
-            None => false,
-        })
+        Ok(
+            match st.rows.get_mut(&id).filter(|r| Self::held_by(r, worker)) {
+                Some(r) => {
+                    r.locked_at = Some(now);
+                    r.updated_at = Some(now);
+                    true
+                }
+                None => false,
+            },
+        )
     }
 
     async fn release_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
         let now = self.now_sync();
         let mut st = self.lock();
-        Ok(match st.rows.get_mut(&id).filter(|r| Self::held_by(r, worker)) {
-            Some(r) => {
-                Self::release(r, now);
-                true
-            }
-            None => false,
-        })
+        Ok(
+            match st.rows.get_mut(&id).filter(|r| Self::held_by(r, worker)) {
+                Some(r) => {
+                    Self::release(r, now);
+                    true
+                }
+                None => false,
+            },
+        )
     }
 
     async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
@@ -431,7 +461,10 @@ impl OutboxRepository for InMemoryRepository {
             .filter(|id| st.rows.get(id).is_some_and(|r| Self::held_by(r, worker)))
             .count() as u64;
         if held != ids.len() as u64 {
-            return Err(RepositoryError::ReleaseMismatch { changed: held, expected: ids.len() as u64 });
+            return Err(RepositoryError::ReleaseMismatch {
+                changed: held,
+                expected: ids.len() as u64,
+            });
         }
         for id in unique {
             Self::release(st.rows.get_mut(&id).expect("checked"), now);
@@ -461,19 +494,21 @@ impl OutboxRepository for InMemoryRepository {
     async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
         let now = self.now_sync();
         let mut st = self.lock();
-        Ok(match st.rows.get_mut(&id).filter(|r| r.status == Status::Failed) {
-            Some(r) => {
-                r.status = Status::Pending;
-                r.attempts_made = 0;
-                r.last_error = None;
-                r.scheduled_at = now;
-                r.locked_at = None;
-                r.locked_by = None;
-                r.updated_at = Some(now);
-                true
-            }
-            None => false,
-        })
+        Ok(
+            match st.rows.get_mut(&id).filter(|r| r.status == Status::Failed) {
+                Some(r) => {
+                    r.status = Status::Pending;
+                    r.attempts_made = 0;
+                    r.last_error = None;
+                    r.scheduled_at = now;
+                    r.locked_at = None;
+                    r.locked_by = None;
+                    r.updated_at = Some(now);
+                    true
+                }
+                None => false,
+            },
+        )
     }
 
     async fn delete_old_completed(
@@ -515,7 +550,11 @@ impl OutboxRepository for InMemoryRepository {
         }
     }
 
-    async fn blocked_keys(&self, lease_ttl: Duration, limit: usize) -> Result<Vec<BlockedKey>, RepositoryError> {
+    async fn blocked_keys(
+        &self,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<BlockedKey>, RepositoryError> {
         let now = self.now_sync();
         let st = self.lock();
         let lines = ordering::lines(st.rows.values(), now);
@@ -563,7 +602,11 @@ impl OutboxRepository for InMemoryRepository {
             *m.entry((r.topic.clone(), r.status)).or_default() += 1;
         }
         Ok(m.into_iter()
-            .map(|((topic, status), count)| StatusCount { topic, status, count })
+            .map(|((topic, status), count)| StatusCount {
+                topic,
+                status,
+                count,
+            })
             .collect())
     }
 

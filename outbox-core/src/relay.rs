@@ -68,7 +68,7 @@ impl BreakerConfig {
                 "failure_threshold must be >= 1, got {failure_threshold}"
             )));
         }
-        if !(recovery_timeout_seconds >= 0.0) || !recovery_timeout_seconds.is_finite() {
+        if !recovery_timeout_seconds.is_finite() || recovery_timeout_seconds < 0.0 {
             return Err(ConfigError::new(format!(
                 "recovery_timeout must be >= 0, got {recovery_timeout_seconds}"
             )));
@@ -274,7 +274,10 @@ impl RelayBuilder {
                 filter: self.filter,
                 breaker: self.breaker,
             },
-            rng: Mutex::new(self.rng.unwrap_or_else(|| Box::new(SeededRng::from_entropy()))),
+            rng: Mutex::new(
+                self.rng
+                    .unwrap_or_else(|| Box::new(SeededRng::from_entropy())),
+            ),
             clock: self.clock,
             breaker: Mutex::new(BreakerState::default()),
             wake: Arc::new(Notify::new()),
@@ -375,7 +378,9 @@ pub struct Relay {
 
 impl std::fmt::Debug for Relay {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Relay").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("Relay")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -431,19 +436,30 @@ impl Relay {
         self.wake.clone()
     }
 
-    fn retry_for_counted(&self, row_created: Option<DateTime<Utc>>, attempts: i32, explicit: Option<DateTime<Utc>>) -> Retry {
+    fn retry_for_counted(
+        &self,
+        row_created: Option<DateTime<Utc>>,
+        attempts: i32,
+        explicit: Option<DateTime<Utc>>,
+    ) -> Retry {
         if let Some(t) = explicit.and_then(|t| valid_explicit(t, row_created)) {
             return Retry::At(t);
         }
         let mut rng = self.rng.lock().expect("rng poisoned");
-        match self.config.backoff.delay(attempts.max(0) as u32, rng.as_mut()) {
+        match self
+            .config
+            .backoff
+            .delay(attempts.max(0) as u32, rng.as_mut())
+        {
             Some(d) => Retry::After(d),
             None => Retry::Keep,
         }
     }
 
     fn breaker_allows_fetch(&self) -> bool {
-        let Some(cfg) = self.config.breaker else { return true };
+        let Some(cfg) = self.config.breaker else {
+            return true;
+        };
         let st = self.breaker.lock().expect("breaker poisoned");
         match st.opened_at {
             None => true,
@@ -453,7 +469,9 @@ impl Relay {
 
     /// Records a publish result in the breaker; true when it (re)opened.
     fn breaker_record(&self, success: bool) -> bool {
-        let Some(cfg) = self.config.breaker else { return false };
+        let Some(cfg) = self.config.breaker else {
+            return false;
+        };
         let mut st = self.breaker.lock().expect("breaker poisoned");
         if success {
             st.failures = 0;
@@ -472,11 +490,19 @@ impl Relay {
 
     fn breaker_is_open(&self) -> bool {
         self.config.breaker.is_some()
-            && self.breaker.lock().expect("breaker poisoned").opened_at.is_some()
+            && self
+                .breaker
+                .lock()
+                .expect("breaker poisoned")
+                .opened_at
+                .is_some()
     }
 
     /// Runs one cycle (see the module docs). An error means the fetch failed; nothing is held.
-    pub async fn cycle(&self, shutdown: &CancellationToken) -> Result<CycleReport, RepositoryError> {
+    pub async fn cycle(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<CycleReport, RepositoryError> {
         let mut report = CycleReport::default();
         if shutdown.is_cancelled() {
             return Ok(report);
@@ -525,7 +551,8 @@ impl Relay {
                 let (permits, state) = (&permits, &state);
                 async move {
                     let _permit = permits.acquire().await.expect("semaphore never closed");
-                    self.publish_run(key, run, shutdown, lease_deadline, state).await;
+                    self.publish_run(key, run, shutdown, lease_deadline, state)
+                        .await;
                 }
             })
             .collect::<futures::stream::FuturesUnordered<_>>()
@@ -548,9 +575,12 @@ impl Relay {
                 }
                 None => match &state.stop {
                     Some(Stop::Unreachable(text))
-                        if !state.failed_keys.contains(&r.key()) && deferred_keys.insert(r.key()) =>
+                        if !state.failed_keys.contains(&r.key())
+                            && deferred_keys.insert(r.key()) =>
                     {
-                        OutcomeKind::Deferred { error: text.clone() }
+                        OutcomeKind::Deferred {
+                            error: text.clone(),
+                        }
                     }
                     _ => OutcomeKind::Released,
                 },
@@ -559,7 +589,10 @@ impl Relay {
         }
         report.broker_unreachable = matches!(state.stop, Some(Stop::Unreachable(_)));
 
-        let written = self.repo.write_outcomes(&self.config.worker_id, &outcomes).await;
+        let written = self
+            .repo
+            .write_outcomes(&self.config.worker_id, &outcomes)
+            .await;
         let written: HashMap<Uuid, OutcomeResult> = match written {
             Ok(w) => w.into_iter().map(|w| (w.id, w.result)).collect(),
             Err(e) => {
@@ -573,7 +606,11 @@ impl Relay {
         let by_id: HashMap<Uuid, &Fetched> = rows.iter().map(|r| (r.id(), r)).collect();
         let mut order: Vec<Uuid> = state.completion_order.clone();
         let completed_set: HashSet<Uuid> = order.iter().copied().collect();
-        order.extend(rows.iter().map(Fetched::id).filter(|id| !completed_set.contains(id)));
+        order.extend(
+            rows.iter()
+                .map(Fetched::id)
+                .filter(|id| !completed_set.contains(id)),
+        );
         let mut terminal: Vec<(Uuid, String)> = Vec::new();
         let mut row_outcomes: HashMap<Uuid, RowOutcome> = HashMap::new();
         for o in &outcomes {
@@ -591,20 +628,47 @@ impl Relay {
                         duration: durations.get(&o.id).copied().unwrap_or_default(),
                     },
                     OutcomeKind::Counted { error, .. } => {
-                        let is_terminal = matches!(res, Some(OutcomeResult::Applied { status: Status::Failed, .. }));
+                        let is_terminal = matches!(
+                            res,
+                            Some(OutcomeResult::Applied {
+                                status: Status::Failed,
+                                ..
+                            })
+                        );
                         if is_terminal {
                             terminal.push((o.id, error.clone()));
                         }
-                        report.counted.push(FailureReport { id: o.id, error: error.clone(), next_try });
-                        RowOutcome::Counted { error: error.clone(), next_try, terminal: is_terminal }
+                        report.counted.push(FailureReport {
+                            id: o.id,
+                            error: error.clone(),
+                            next_try,
+                        });
+                        RowOutcome::Counted {
+                            error: error.clone(),
+                            next_try,
+                            terminal: is_terminal,
+                        }
                     }
                     OutcomeKind::Transient { error, .. } => {
-                        report.transient.push(FailureReport { id: o.id, error: error.clone(), next_try });
-                        RowOutcome::Transient { error: error.clone(), next_try }
+                        report.transient.push(FailureReport {
+                            id: o.id,
+                            error: error.clone(),
+                            next_try,
+                        });
+                        RowOutcome::Transient {
+                            error: error.clone(),
+                            next_try,
+                        }
                     }
                     OutcomeKind::Deferred { error } => {
-                        report.deferred.push(FailureReport { id: o.id, error: error.clone(), next_try: None });
-                        RowOutcome::Deferred { error: error.clone() }
+                        report.deferred.push(FailureReport {
+                            id: o.id,
+                            error: error.clone(),
+                            next_try: None,
+                        });
+                        RowOutcome::Deferred {
+                            error: error.clone(),
+                        }
                     }
                     OutcomeKind::Released => {
                         report.released.push(o.id);
@@ -621,18 +685,29 @@ impl Relay {
             .collect();
         report.outcomes = rows
             .iter()
-            .map(|r| (r.id(), row_outcomes.remove(&r.id()).unwrap_or(RowOutcome::Released)))
+            .map(|r| {
+                (
+                    r.id(),
+                    row_outcomes.remove(&r.id()).unwrap_or(RowOutcome::Released),
+                )
+            })
             .collect();
         report.breaker_open = self.breaker_is_open();
 
         if !report.commit_failed {
             for (id, ro) in &report.outcomes {
-                let Some(event) = by_id.get(id).and_then(|f| f.row()) else { continue };
+                let Some(event) = by_id.get(id).and_then(|f| f.row()) else {
+                    continue;
+                };
                 let duration = match ro {
                     RowOutcome::Completed { duration } => Some(*duration),
                     _ => None,
                 };
-                let observed = ObservedOutcome { event, outcome: ro, duration };
+                let observed = ObservedOutcome {
+                    event,
+                    outcome: ro,
+                    duration,
+                };
                 for s in &self.steps {
                     guard_hook("on_outcome", s.on_outcome(&observed)).await;
                 }
@@ -640,7 +715,8 @@ impl Relay {
             for (id, error) in &terminal {
                 if let Some(event) = by_id.get(id).and_then(|f| f.row()) {
                     for s in &self.steps {
-                        guard_hook("on_terminal_failure", s.on_terminal_failure(event, error)).await;
+                        guard_hook("on_terminal_failure", s.on_terminal_failure(event, error))
+                            .await;
                     }
                 }
             }
@@ -670,12 +746,15 @@ impl Relay {
         };
         let stop = |s: Stop| {
             let mut st = state.lock().expect("cycle state poisoned");
-            if st.stop.is_none() || matches!(s, Stop::Unreachable(_)) && st.stop == Some(Stop::Other) {
+            if st.stop.is_none()
+                || matches!(s, Stop::Unreachable(_)) && st.stop == Some(Stop::Other)
+            {
                 st.stop = Some(s);
             }
         };
         for fetched in run {
-            if state.lock().expect("cycle state poisoned").stop.is_some() || shutdown.is_cancelled() {
+            if state.lock().expect("cycle state poisoned").stop.is_some() || shutdown.is_cancelled()
+            {
                 return;
             }
             let now = self.clock.now();
@@ -686,7 +765,14 @@ impl Relay {
             let row = match fetched {
                 Fetched::Undecodable(u) => {
                     let retry = self.retry_for_counted(None, u.attempts_made, None);
-                    decide(u.id, OutcomeKind::Counted { error: format!("undecodable row: {}", u.reason), retry }, None);
+                    decide(
+                        u.id,
+                        OutcomeKind::Counted {
+                            error: format!("undecodable row: {}", u.reason),
+                            retry,
+                        },
+                        None,
+                    );
                     return;
                 }
                 Fetched::Row(e) => e,
@@ -705,12 +791,21 @@ impl Relay {
                     stop(Stop::Other);
                     return;
                 }
-                Ok(StepDecision::Fail { error, counted: true, retry_at }) => {
-                    let retry = self.retry_for_counted(Some(row.created_at), row.attempts_made, retry_at);
+                Ok(StepDecision::Fail {
+                    error,
+                    counted: true,
+                    retry_at,
+                }) => {
+                    let retry =
+                        self.retry_for_counted(Some(row.created_at), row.attempts_made, retry_at);
                     decide(row.id, OutcomeKind::Counted { error, retry }, None);
                     return;
                 }
-                Ok(StepDecision::Fail { error, counted: false, retry_at }) => {
+                Ok(StepDecision::Fail {
+                    error,
+                    counted: false,
+                    retry_at,
+                }) => {
                     let retry = retry_at
                         .and_then(|t| valid_explicit(t, Some(row.created_at)))
                         .map_or(Retry::Keep, Retry::At);
@@ -718,13 +813,28 @@ impl Relay {
                     return;
                 }
                 Err(e) if e.transient => {
-                    decide(row.id, OutcomeKind::Transient { error: e.message.clone(), retry: Retry::After(TRANSIENT_RETRY) }, None);
+                    decide(
+                        row.id,
+                        OutcomeKind::Transient {
+                            error: e.message.clone(),
+                            retry: Retry::After(TRANSIENT_RETRY),
+                        },
+                        None,
+                    );
                     stop(Stop::Unreachable(e.message));
                     return;
                 }
                 Err(e) => {
-                    let retry = self.retry_for_counted(Some(row.created_at), row.attempts_made, None);
-                    decide(row.id, OutcomeKind::Counted { error: e.to_string(), retry }, None);
+                    let retry =
+                        self.retry_for_counted(Some(row.created_at), row.attempts_made, None);
+                    decide(
+                        row.id,
+                        OutcomeKind::Counted {
+                            error: e.to_string(),
+                            retry,
+                        },
+                        None,
+                    );
                     return;
                 }
             }
@@ -740,9 +850,10 @@ impl Relay {
                 error = tracing::field::Empty,
             );
             let started = self.clock.now();
-            let result = tokio::time::timeout(self.config.publish_timeout, self.broker.publish(&msg))
-                .instrument(span.clone())
-                .await;
+            let result =
+                tokio::time::timeout(self.config.publish_timeout, self.broker.publish(&msg))
+                    .instrument(span.clone())
+                    .await;
             let elapsed = self.clock.now().saturating_duration_since(started);
             let text = match result {
                 Ok(Ok(_ack)) => {
@@ -753,7 +864,8 @@ impl Relay {
                 Ok(Err(BrokerError::Rejected(text))) => {
                     span.record("error", true);
                     tracing::warn!(parent: &span, error = %text, "publish rejected (counted)");
-                    let retry = self.retry_for_counted(Some(row.created_at), row.attempts_made, None);
+                    let retry =
+                        self.retry_for_counted(Some(row.created_at), row.attempts_made, None);
                     decide(row.id, OutcomeKind::Counted { error: text, retry }, None);
                     if self.breaker_record(false) {
                         stop(Stop::Other);
@@ -765,7 +877,14 @@ impl Relay {
             };
             span.record("error", true);
             tracing::warn!(parent: &span, error = %text, "broker unreachable (not counted)");
-            decide(row.id, OutcomeKind::Transient { error: text.clone(), retry: Retry::After(TRANSIENT_RETRY) }, None);
+            decide(
+                row.id,
+                OutcomeKind::Transient {
+                    error: text.clone(),
+                    retry: Retry::After(TRANSIENT_RETRY),
+                },
+                None,
+            );
             stop(Stop::Unreachable(text));
             if self.breaker_record(false) {
                 stop(Stop::Other);
@@ -812,7 +931,10 @@ fn valid_explicit(t: DateTime<Utc>, created: Option<DateTime<Utc>>) -> Option<Da
 
 async fn guard_hook(name: &'static str, f: impl std::future::Future<Output = ()>) {
     if AssertUnwindSafe(f).catch_unwind().await.is_err() {
-        tracing::error!(hook = name, "a pipeline step panicked in an observer; ignored");
+        tracing::error!(
+            hook = name,
+            "a pipeline step panicked in an observer; ignored"
+        );
     }
 }
 
@@ -822,4 +944,3 @@ impl From<ValidationError> for ConfigError {
         ConfigError(e.to_string())
     }
 }
-

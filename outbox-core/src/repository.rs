@@ -163,6 +163,8 @@ pub struct UndecodableRow {
 }
 
 /// A row handed out by a fetch.
+// Almost every fetched row decodes; boxing it would cost an allocation per row.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Fetched {
     /// A decoded row, locked for the worker.
@@ -444,7 +446,9 @@ pub trait OutboxRepository: Send + Sync {
         args::cleanup(retention_days, batch_size)?;
         let mut total = 0;
         for _ in 0..max_iterations {
-            let n = self.delete_old_completed(retention_days, batch_size).await?;
+            let n = self
+                .delete_old_completed(retention_days, batch_size)
+                .await?;
             total += n;
             if n == 0 {
                 return Ok(total);

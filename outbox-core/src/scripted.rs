@@ -121,7 +121,13 @@ impl ScriptedBroker {
 
     /// Appends actions to an event's script.
     pub fn script(&self, id: Uuid, actions: impl IntoIterator<Item = Action>) {
-        self.state.lock().expect("broker poisoned").scripts.entry(id).or_default().extend(actions);
+        self.state
+            .lock()
+            .expect("broker poisoned")
+            .scripts
+            .entry(id)
+            .or_default()
+            .extend(actions);
     }
 
     /// Sets the action used when a script is empty.

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
+use outbox_core::event::{NewEvent, Status};
 use outbox_core::repository::FetchFilter;
 use outbox_core::scripted::Action;
-use outbox_core::event::{NewEvent, Status};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -50,7 +50,11 @@ async fn o_02_steps(c: &Ctx) -> (Uuid, Uuid, Uuid) {
     assert!(!c1.report.fetched.contains(&b));
     c.assert_untouched(&b_before).await;
     let c2 = c.cycle1().await;
-    assert!(c2.report.fetched.is_empty(), "cycle 2 fetched {:?}", c2.report.fetched);
+    assert!(
+        c2.report.fetched.is_empty(),
+        "cycle 2 fetched {:?}",
+        c2.report.fetched
+    );
     (a, b, cc)
 }
 
@@ -100,7 +104,10 @@ pub async fn o_06(f: &dyn Factory) {
     let c1 = c.cycle1().await;
     assert!(c1.sent.is_empty());
     let ra = c.get(a).await;
-    assert_eq!((ra.attempts_made, ra.last_error.as_deref()), (0, Some("down")));
+    assert_eq!(
+        (ra.attempts_made, ra.last_error.as_deref()),
+        (0, Some("down"))
+    );
     c.assert_next_try_after(&c1, ra.scheduled_at, 1.0);
     for b0 in &before {
         let r = c.get(b0.id).await;
@@ -149,10 +156,19 @@ pub async fn o_08(f: &dyn Factory) {
     let w1 = outbox_core::WorkerId::new("w1").unwrap();
     let res = c
         .repo()
-        .write_outcomes(&w1, &[outbox_core::repository::Outcome { id: a, kind: outbox_core::repository::OutcomeKind::Completed }])
+        .write_outcomes(
+            &w1,
+            &[outbox_core::repository::Outcome {
+                id: a,
+                kind: outbox_core::repository::OutcomeKind::Completed,
+            }],
+        )
         .await
         .unwrap();
-    assert_eq!(res[0].result, outbox_core::repository::OutcomeResult::LeaseLost);
+    assert_eq!(
+        res[0].result,
+        outbox_core::repository::OutcomeResult::LeaseLost
+    );
     assert_eq!(c.get(a).await, before);
 }
 
@@ -292,7 +308,8 @@ async fn three_steps(c: &Ctx) -> [Uuid; 3] {
 pub async fn o_17(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let ids = three_steps(&c).await;
-    c.broker.script(ids[0], [Action::Transient("broker unreachable".into())]);
+    c.broker
+        .script(ids[0], [Action::Transient("broker unreachable".into())]);
     let start = c.now().await;
     let mut sent_at = vec![];
     for n in 1..=40 {
@@ -308,9 +325,16 @@ pub async fn o_17(f: &dyn Factory) {
     let order: Vec<Uuid> = sent_at.iter().map(|s| s.0).collect();
     assert_eq!(order, ids.to_vec());
     let first = sent_at[0].2;
-    assert!(first - start >= chrono::Duration::milliseconds(1000), "sent after {}", first - start);
+    assert!(
+        first - start >= chrono::Duration::milliseconds(1000),
+        "sent after {}",
+        first - start
+    );
     if c.kind() == crate::BackendKind::Memory {
-        assert_eq!(sent_at.iter().map(|s| s.1).collect::<Vec<_>>(), vec![5, 6, 7]);
+        assert_eq!(
+            sent_at.iter().map(|s| s.1).collect::<Vec<_>>(),
+            vec![5, 6, 7]
+        );
     } else {
         assert_eq!(sent_at[1].1, sent_at[0].1 + 1);
         assert_eq!(sent_at[2].1, sent_at[1].1 + 1);
@@ -342,9 +366,16 @@ pub async fn o_18(f: &dyn Factory) {
     }
     let order: Vec<Uuid> = sent_at.iter().map(|s| s.0).collect();
     assert_eq!(order, ids.to_vec());
-    assert!(sent_at[0].2 >= next_try.unwrap(), "created went out before its next try");
+    assert!(
+        sent_at[0].2 >= next_try.unwrap(),
+        "created went out before its next try"
+    );
     if c.kind() == crate::BackendKind::Memory {
-        assert!((21..=41).contains(&sent_at[0].1), "created went out in cycle {}", sent_at[0].1);
+        assert!(
+            (21..=41).contains(&sent_at[0].1),
+            "created went out in cycle {}",
+            sent_at[0].1
+        );
     }
     let r = c.get(ids[0]).await;
     assert_eq!(r.attempts_made, 1);

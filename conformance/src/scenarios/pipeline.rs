@@ -16,11 +16,14 @@ use uuid::Uuid;
 use crate::ctx::{Cfg, Ctx};
 use crate::harness::{Factory, RowPatch};
 
+/// One observed outcome: id, outcome, publish duration, the row as stored when observed.
+type Seen = (Uuid, RowOutcome, Option<Duration>, Option<OutboxEvent>);
+
 /// Records what the relay's observers were called with.
 #[derive(Default)]
 struct Recorder {
     fetches: Mutex<Vec<usize>>,
-    outcomes: Mutex<Vec<(Uuid, RowOutcome, Option<Duration>, Option<OutboxEvent>)>>,
+    outcomes: Mutex<Vec<Seen>>,
     terminal: Mutex<Vec<(OutboxEvent, String, Option<OutboxEvent>)>>,
     repo: Mutex<Option<Arc<dyn OutboxRepository>>>,
     panic_first_completion: Mutex<bool>,
@@ -37,7 +40,10 @@ impl PipelineStep for Recorder {
             Some(r) => r.get(o.event.id).await.unwrap(),
             None => None,
         };
-        self.outcomes.lock().unwrap().push((o.event.id, o.outcome.clone(), o.duration, stored));
+        self.outcomes
+            .lock()
+            .unwrap()
+            .push((o.event.id, o.outcome.clone(), o.duration, stored));
         if matches!(o.outcome, RowOutcome::Completed { .. }) {
             let mut p = self.panic_first_completion.lock().unwrap();
             if *p {
@@ -53,20 +59,26 @@ impl PipelineStep for Recorder {
             Some(r) => r.get(e.id).await.unwrap(),
             None => None,
         };
-        self.terminal.lock().unwrap().push((e.clone(), error.to_owned(), stored));
+        self.terminal
+            .lock()
+            .unwrap()
+            .push((e.clone(), error.to_owned(), stored));
     }
 }
 
 /// P-02 The circuit breaker releases, then stops fetching.
 pub async fn p_02(f: &dyn Factory) {
     let c = Ctx::new(f).await;
-    let e = c.puts(&["k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"]).await;
+    let e = c
+        .puts(&["k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"])
+        .await;
     c.broker.set_default(Action::Reject("no".into()));
     let rec = Arc::new(Recorder::default());
     let mut cfg = Cfg::default().step(rec.clone());
     cfg.breaker = Some(BreakerConfig::new(3, 60.0).unwrap());
     let relay = c.relay(&cfg);
-    let before: Vec<OutboxEvent> = futures::future::join_all(e[3..].iter().map(|id| c.get(*id))).await;
+    let before: Vec<OutboxEvent> =
+        futures::future::join_all(e[3..].iter().map(|id| c.get(*id))).await;
     let c1 = c.run(&relay).await;
     assert_eq!(c1.report.counted.len(), 3);
     assert_eq!(c1.report.released.len(), 5);
@@ -76,7 +88,11 @@ pub async fn p_02(f: &dyn Factory) {
     let calls = c.broker.calls().len();
     let c2 = c.run(&relay).await;
     assert!(c2.report.fetched.is_empty());
-    assert_eq!(*rec.fetches.lock().unwrap(), vec![8], "the fetch hook ran while the breaker was open");
+    assert_eq!(
+        *rec.fetches.lock().unwrap(),
+        vec![8],
+        "the fetch hook ran while the breaker was open"
+    );
     assert_eq!(c.broker.calls().len(), calls);
     c.advance(Duration::from_secs(61)).await;
     let c3 = c.run(&relay).await;
@@ -95,7 +111,14 @@ pub async fn p_03(f: &dyn Factory) {
         let c = Ctx::new(f).await;
         let d1 = c.put(c.ev("k1").max_attempts(2)).await;
         let d2 = c.put(c.ev("k2").max_attempts(2)).await;
-        c.set(d1, RowPatch { attempts_made: Some(1), ..RowPatch::default() }).await;
+        c.set(
+            d1,
+            RowPatch {
+                attempts_made: Some(1),
+                ..RowPatch::default()
+            },
+        )
+        .await;
         c.broker.set_default(Action::Reject("x".into()));
         let rec = Arc::new(Recorder::default());
         *rec.repo.lock().unwrap() = Some(c.repo());
@@ -141,7 +164,11 @@ struct StopAt(Uuid);
 #[async_trait]
 impl PipelineStep for StopAt {
     async fn before_publish(&self, e: &OutboxEvent) -> Result<StepDecision, StepError> {
-        Ok(if e.id == self.0 { StepDecision::StopCycle } else { StepDecision::Continue })
+        Ok(if e.id == self.0 {
+            StepDecision::StopCycle
+        } else {
+            StepDecision::Continue
+        })
     }
 }
 
@@ -180,8 +207,16 @@ pub async fn m_01(f: &dyn Factory) {
     )
     .await;
     c.set(b[0], RowPatch::held("w2", now)).await;
-    c.set(e1, RowPatch::held("w9", now - chrono::Duration::seconds(301))).await;
-    let bk = c.repo().blocked_keys(Duration::from_secs(300), 100).await.unwrap();
+    c.set(
+        e1,
+        RowPatch::held("w9", now - chrono::Duration::seconds(301)),
+    )
+    .await;
+    let bk = c
+        .repo()
+        .blocked_keys(Duration::from_secs(300), 100)
+        .await
+        .unwrap();
     assert_eq!(bk.len(), 2, "{bk:?}");
     let k1 = &bk[0];
     assert_eq!((k1.partition_key.as_str(), k1.head_id), ("k1", a[0]));
@@ -191,7 +226,10 @@ pub async fn m_01(f: &dyn Factory) {
     assert!(k1.locked_by.is_none());
     assert_eq!(k1.waiting, 2);
     let k2 = &bk[1];
-    assert_eq!((k2.partition_key.as_str(), k2.head_id, k2.attempts_made), ("k2", b[0], 0));
+    assert_eq!(
+        (k2.partition_key.as_str(), k2.head_id, k2.attempts_made),
+        ("k2", b[0], 0)
+    );
     assert!(k2.last_error.is_none());
     assert_eq!(k2.locked_by.as_deref(), Some("w2"));
     assert_eq!(k2.locked_at, c.get(b[0]).await.locked_at);
@@ -205,14 +243,36 @@ pub async fn m_02(f: &dyn Factory) {
     c.put(c.ev("p2").topic("t1")).await;
     let c1 = c.put(c.ev("c1").topic("t1")).await;
     let f1 = c.put(c.ev("f1").topic("t2")).await;
-    c.put(c.ev("d1").topic("t2").delay(Duration::from_secs(3600))).await;
-    let now = c.now().await;
-    c.set(c1, RowPatch { status: Some(Status::Completed), completed_at: Some(Some(now)), ..RowPatch::default() })
+    c.put(c.ev("d1").topic("t2").delay(Duration::from_secs(3600)))
         .await;
-    c.set(f1, RowPatch { status: Some(Status::Failed), attempts_made: Some(6), ..RowPatch::default() }).await;
+    let now = c.now().await;
+    c.set(
+        c1,
+        RowPatch {
+            status: Some(Status::Completed),
+            completed_at: Some(Some(now)),
+            ..RowPatch::default()
+        },
+    )
+    .await;
+    c.set(
+        f1,
+        RowPatch {
+            status: Some(Status::Failed),
+            attempts_made: Some(6),
+            ..RowPatch::default()
+        },
+    )
+    .await;
     c.advance(Duration::from_secs(30)).await;
-    let counts: Vec<(String, Status, i64)> =
-        c.repo().counts().await.unwrap().into_iter().map(|s| (s.topic, s.status, s.count)).collect();
+    let counts: Vec<(String, Status, i64)> = c
+        .repo()
+        .counts()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.topic, s.status, s.count))
+        .collect();
     for want in [
         ("t1".to_string(), Status::Pending, 2),
         ("t1".to_string(), Status::Completed, 1),
@@ -223,10 +283,16 @@ pub async fn m_02(f: &dyn Factory) {
     }
     assert_eq!(counts.len(), 4);
     let age = c.repo().oldest_due_age().await.unwrap().expect("a due row");
-    let tol = if c.kind() == crate::BackendKind::Memory { 0.001 } else { 2.0 };
+    let tol = if c.kind() == crate::BackendKind::Memory {
+        0.001
+    } else {
+        2.0
+    };
     assert!((age.as_secs_f64() - 30.0).abs() <= tol, "age {age:?}");
     let fresh = Ctx::new(f).await;
-    fresh.put(fresh.ev("d1").delay(Duration::from_secs(3600))).await;
+    fresh
+        .put(fresh.ev("d1").delay(Duration::from_secs(3600)))
+        .await;
     assert_eq!(fresh.repo().oldest_due_age().await.unwrap(), None);
 }
 
@@ -244,7 +310,11 @@ mod spans {
 
     impl Span {
         pub fn get(&self, k: &str) -> Option<&str> {
-            self.fields.iter().rev().find(|(n, _)| n == k).map(|(_, v)| v.as_str())
+            self.fields
+                .iter()
+                .rev()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
         }
     }
 
@@ -266,7 +336,10 @@ mod spans {
 
     impl<S: tracing::Subscriber> Layer<S> for Capture {
         fn on_new_span(&self, a: &Attributes<'_>, id: &Id, _: Context<'_, S>) {
-            let mut s = Span { name: a.metadata().name().to_owned(), fields: vec![] };
+            let mut s = Span {
+                name: a.metadata().name().to_owned(),
+                fields: vec![],
+            };
             a.record(&mut V(&mut s.fields));
             self.0.lock().unwrap().push((id.into_u64(), s));
         }
@@ -297,10 +370,21 @@ pub async fn m_03(f: &dyn Factory) {
     drop(guard);
     assert_eq!(*rec.fetches.lock().unwrap(), vec![3, 0]);
     let outs = rec.outcomes.lock().unwrap().clone();
-    let completions: Vec<_> = outs.iter().filter(|o| matches!(o.1, RowOutcome::Completed { .. })).collect();
+    let completions: Vec<_> = outs
+        .iter()
+        .filter(|o| matches!(o.1, RowOutcome::Completed { .. }))
+        .collect();
     assert_eq!(completions.len(), 2);
-    assert!(completions.iter().all(|o| o.2.is_some()), "a completion without a duration");
-    assert_eq!(outs.iter().filter(|o| matches!(o.1, RowOutcome::Counted { .. })).count(), 1);
+    assert!(
+        completions.iter().all(|o| o.2.is_some()),
+        "a completion without a duration"
+    );
+    assert_eq!(
+        outs.iter()
+            .filter(|o| matches!(o.1, RowOutcome::Counted { .. }))
+            .count(),
+        1
+    );
     for (id, o, _, stored) in &outs {
         let s = stored.as_ref().unwrap();
         match o {
@@ -315,8 +399,14 @@ pub async fn m_03(f: &dyn Factory) {
     assert!(c2.report.fetched.is_empty());
     c.assert_state(e[0], Status::Completed, 0).await;
     c.assert_state(e[2], Status::Completed, 0).await;
-    let spans: Vec<spans::Span> =
-        capture.0.lock().unwrap().iter().map(|(_, s)| s.clone()).filter(|s| s.name == "process").collect();
+    let spans: Vec<spans::Span> = capture
+        .0
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, s)| s.clone())
+        .filter(|s| s.name == "process")
+        .collect();
     assert_eq!(spans.len(), 3, "{spans:?}");
     for (s, id) in spans.iter().zip(&e) {
         assert_eq!(s.get("otel.name"), Some("process test.event"));

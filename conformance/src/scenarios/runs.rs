@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
+use outbox_core::WorkerId;
 use outbox_core::event::{NewEvent, Status};
 use outbox_core::repository::{Outcome, OutcomeKind};
 use outbox_core::scripted::{Action, Gate};
-use outbox_core::WorkerId;
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx};
@@ -39,13 +39,23 @@ pub async fn q_01(f: &dyn Factory) {
             if cy.report.fetched.is_empty() {
                 break;
             }
-            assert_eq!(cy.sent.len(), m.min(left), "m={m}: cycle {} sent {}", sending + 1, cy.sent.len());
+            assert_eq!(
+                cy.sent.len(),
+                m.min(left),
+                "m={m}: cycle {} sent {}",
+                sending + 1,
+                cy.sent.len()
+            );
             left -= cy.sent.len();
             sending += 1;
             assert!(sending <= expected, "m={m}: more than {expected} cycles");
         }
         assert_eq!(sending, expected, "m={m}");
-        assert_eq!(c.broker.accepted_ids(), ids, "m={m}: accepted order is not write order");
+        assert_eq!(
+            c.broker.accepted_ids(),
+            ids,
+            "m={m}: accepted order is not write order"
+        );
     }
 }
 
@@ -109,7 +119,10 @@ pub async fn q_04(f: &dyn Factory) {
     let c1 = c.cycle(&cfg).await;
     assert_eq!(c1.sent, vec![e[0], e[1]]);
     let r = c.get(e[2]).await;
-    assert_eq!(r.last_error.as_deref(), Some("Publish timed out after 0.05s"));
+    assert_eq!(
+        r.last_error.as_deref(),
+        Some("Publish timed out after 0.05s")
+    );
     assert_eq!(r.attempts_made, 0);
     c.assert_next_try_after(&c1, r.scheduled_at, 1.0);
     c.assert_untouched(&b3).await;
@@ -141,12 +154,18 @@ pub async fn q_05(f: &dyn Factory) {
             assert_eq!(fetched_all[0][0], h);
         }
         if batch == 1 {
-            assert_eq!(sends[1..].to_vec(), vec![vec![j[0]], vec![j[1]], vec![j[2]]]);
+            assert_eq!(
+                sends[1..].to_vec(),
+                vec![vec![j[0]], vec![j[1]], vec![j[2]]]
+            );
         } else {
             assert_eq!(sends[1..].to_vec(), vec![j.to_vec()]);
         }
         for f in &fetched_all[1..] {
-            assert!(s.iter().all(|x| !f.contains(x)), "an s-row was fetched while h was pending");
+            assert!(
+                s.iter().all(|x| !f.contains(x)),
+                "an s-row was fetched while h was pending"
+            );
             if batch == 1 {
                 assert_eq!(f.len(), 1);
             }
@@ -208,7 +227,13 @@ pub async fn q_08(f: &dyn Factory) {
     let w2 = Cfg::default().worker("w2").per_key(4);
     assert!(c.cycle(&w2).await.report.fetched.is_empty());
     let w1 = WorkerId::new("w1").unwrap();
-    let outs: Vec<Outcome> = got.iter().map(|id| Outcome { id: *id, kind: OutcomeKind::Completed }).collect();
+    let outs: Vec<Outcome> = got
+        .iter()
+        .map(|id| Outcome {
+            id: *id,
+            kind: OutcomeKind::Completed,
+        })
+        .collect();
     c.repo().write_outcomes(&w1, &outs).await.unwrap();
     assert_eq!(c.cycle(&w2).await.sent, vec![e[2], e[3]]);
 }
@@ -222,7 +247,10 @@ pub async fn q_09(f: &dyn Factory) {
         .max_per_key(0)
         .build();
     assert!(r.is_err());
-    assert_eq!(c.cycle(&Cfg::default().batch(3).per_key(10)).await.sent, e[..3].to_vec());
+    assert_eq!(
+        c.cycle(&Cfg::default().batch(3).per_key(10)).await.sent,
+        e[..3].to_vec()
+    );
 }
 
 /// X-01 Never two rows of one key at once.
@@ -236,7 +264,8 @@ pub async fn x_01(f: &dyn Factory) {
             order.entry(k.clone()).or_default().push(id);
         }
     }
-    c.broker.set_default(Action::Delay(Duration::from_millis(2)));
+    c.broker
+        .set_default(Action::Delay(Duration::from_millis(2)));
     let cfg = Cfg::default().batch(100).per_key(5).concurrency(8);
     let relay = c.relay(&cfg);
     loop {
@@ -249,9 +278,16 @@ pub async fn x_01(f: &dyn Factory) {
     for (k, ids) in &order {
         let mut kc: Vec<_> = calls.iter().filter(|x| &x.partition_key == k).collect();
         kc.sort_by_key(|x| x.start);
-        assert_eq!(kc.iter().map(|x| x.event_id).collect::<Vec<_>>(), *ids, "{k}: starts not in write order");
+        assert_eq!(
+            kc.iter().map(|x| x.event_id).collect::<Vec<_>>(),
+            *ids,
+            "{k}: starts not in write order"
+        );
         for w in kc.windows(2) {
-            assert!(w[0].end.unwrap() <= w[1].start, "{k}: overlapping publishes");
+            assert!(
+                w[0].end.unwrap() <= w[1].start,
+                "{k}: overlapping publishes"
+            );
         }
         for id in ids {
             assert_eq!(c.get(*id).await.status, Status::Completed);
@@ -260,10 +296,16 @@ pub async fn x_01(f: &dyn Factory) {
     // Concurrency across keys: at most 8, and at some moment at least 2.
     let mut max_in_flight = 0;
     for x in &calls {
-        let n = calls.iter().filter(|y| y.start <= x.start && y.end.unwrap() > x.start).count();
+        let n = calls
+            .iter()
+            .filter(|y| y.start <= x.start && y.end.unwrap() > x.start)
+            .count();
         max_in_flight = max_in_flight.max(n);
     }
-    assert!(max_in_flight >= 2 && max_in_flight <= 8, "max in flight {max_in_flight}");
+    assert!(
+        (2..=8).contains(&max_in_flight),
+        "max in flight {max_in_flight}"
+    );
 }
 
 /// X-02 A transient failure stops new publishes.
@@ -308,7 +350,9 @@ pub async fn x_02(f: &dyn Factory) {
 /// X-03 A counted failure does not stop other keys.
 pub async fn x_03(f: &dyn Factory) {
     let c = Ctx::new(f).await;
-    let e = c.puts(&["k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"]).await;
+    let e = c
+        .puts(&["k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"])
+        .await;
     c.broker.script(e[1], [rej("no")]);
     let cy = c.cycle(&Cfg::default().concurrency(4)).await;
     assert_eq!(cy.report.completed.len(), 7);

@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use outbox_core::CancellationToken;
 use outbox_core::backoff::{RandomSource, SeededRng};
 use outbox_core::broker::{Ack, Broker, Message};
 use outbox_core::error::BrokerError;
 use outbox_core::event::{NewEvent, Status};
 use outbox_core::relay::Relay;
-use outbox_core::CancellationToken;
 use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
 use serde_json::json;
@@ -62,7 +62,10 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
     let c = Ctx::new(f).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let keys: Vec<String> = (0..25).map(|i| format!("acct-{i:02}")).collect();
-    let mut plan: Vec<(String, usize)> = keys.iter().flat_map(|k| (0..24).map(move |n| (k.clone(), n))).collect();
+    let mut plan: Vec<(String, usize)> = keys
+        .iter()
+        .flat_map(|k| (0..24).map(move |n| (k.clone(), n)))
+        .collect();
     // Within a key, seq n must be written in order: shuffle the keys' slots, then number them.
     plan.shuffle(&mut rng);
     let mut next: HashMap<String, usize> = HashMap::new();
@@ -71,20 +74,29 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
         *n = *s;
         *s += 1;
     }
-    let broker = Arc::new(Flaky { rng: Mutex::new(SeededRng::new(seed ^ 0x5eed)), accepted: Mutex::new(vec![]) });
+    let broker = Arc::new(Flaky {
+        rng: Mutex::new(SeededRng::new(seed ^ 0x5eed)),
+        accepted: Mutex::new(vec![]),
+    });
     // Each worker has one relay per batch size of the plan ({1, 5, 20}); a round draws which.
     let relays: Vec<Vec<Relay>> = (1..=4)
         .map(|i| {
             [1usize, 5, 20]
                 .iter()
                 .map(|batch| {
-                    let repo = if i >= 3 { c.h.peer_repository() } else { c.repo() };
+                    let repo = if i >= 3 {
+                        c.h.peer_repository()
+                    } else {
+                        c.repo()
+                    };
                     Relay::builder(repo, broker.clone())
                         .worker_id(format!("w{i}"))
                         .batch_size(*batch)
                         .max_per_key(per_key)
                         .publish_concurrency(concurrency)
-                        .random_source(Box::new(SeededRng::new(seed.wrapping_add(i as u64 * 7 + *batch as u64))))
+                        .random_source(Box::new(SeededRng::new(
+                            seed.wrapping_add(i as u64 * 7 + *batch as u64),
+                        )))
                         .clock(Arc::new(c.relay_clock.clone()))
                         .build()
                         .unwrap()
@@ -100,11 +112,16 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
         let (cursor, plan, wrote) = (cursor.clone(), plan.clone(), wrote.clone());
         let c = &c;
         async move {
-            let mut wrng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(w as u64));
+            let mut wrng =
+                rand::rngs::StdRng::seed_from_u64(seed.wrapping_mul(31).wrapping_add(w as u64));
             loop {
                 // Take the next event of the plan and that key's lock before releasing the cursor,
                 // so events of one key are written in plan order.
-                let mut tx = if w == 1 { c.h.begin().await } else { c.h.begin_peer().await };
+                let mut tx = if w == 1 {
+                    c.h.begin().await
+                } else {
+                    c.h.begin_peer().await
+                };
                 let (k, n) = {
                     let mut cur = cursor.lock().await;
                     if *cur >= plan.len() {
@@ -143,7 +160,9 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
         let shutdown = CancellationToken::new();
         for round in 0..20_000 {
             let results = futures::future::join_all(
-                relays.iter().map(|per_batch| per_batch[round_rng.random_range(0..3)].cycle(&shutdown)),
+                relays
+                    .iter()
+                    .map(|per_batch| per_batch[round_rng.random_range(0..3)].cycle(&shutdown)),
             )
             .await;
             let mut fetched = 0;
@@ -167,7 +186,11 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
             if fetched == 0 {
                 if done_writing.is_cancelled() {
                     let counts = c.repo().counts().await.unwrap();
-                    let open: i64 = counts.iter().filter(|s| s.status == Status::Pending).map(|s| s.count).sum();
+                    let open: i64 = counts
+                        .iter()
+                        .filter(|s| s.status == Status::Pending)
+                        .map(|s| s.count)
+                        .sum();
                     if open == 0 {
                         return round;
                     }
@@ -181,7 +204,11 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
     let accepted = broker.accepted.lock().unwrap().clone();
     let counts = c.repo().counts().await.unwrap();
     let total: i64 = counts.iter().map(|s| s.count).sum();
-    let failed: i64 = counts.iter().filter(|s| s.status == Status::Failed).map(|s| s.count).sum();
+    let failed: i64 = counts
+        .iter()
+        .filter(|s| s.status == Status::Failed)
+        .map(|s| s.count)
+        .sum();
     let ids: HashSet<Uuid> = accepted.iter().map(|m| m.event_id).collect();
     let mut per_key: HashMap<String, Vec<i64>> = HashMap::new();
     let mut seen = HashSet::new();
@@ -191,9 +218,15 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
             duplicates += 1;
             continue;
         }
-        per_key.entry(m.partition_key.clone()).or_default().push(m.payload()["seq"].as_i64().unwrap());
+        per_key
+            .entry(m.partition_key.clone())
+            .or_default()
+            .push(m.payload()["seq"].as_i64().unwrap());
     }
-    let out_of_order = per_key.values().filter(|v| v.windows(2).any(|w| w[0] > w[1])).count();
+    let out_of_order = per_key
+        .values()
+        .filter(|v| v.windows(2).any(|w| w[0] > w[1]))
+        .count();
     println!(
         "stand: seed={seed} rounds={rounds} rows={total} accepted={} distinct={} out_of_order_keys={out_of_order} duplicates={duplicates} failed={failed} relay_errors={relay_errors} commit_failures={commit_failures}",
         accepted.len(),

@@ -26,7 +26,14 @@ fn base() -> EventBuilder {
 /// Builds, and for accepted events writes them, so a backend sees every accepted case;
 /// rejected ones must leave the table as it was.
 async fn check(c: &Ctx, b: EventBuilder, ok: bool, what: &str) -> Option<outbox_core::OutboxEvent> {
-    let before: i64 = c.repo().counts().await.unwrap().iter().map(|s| s.count).sum();
+    let before: i64 = c
+        .repo()
+        .counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.count)
+        .sum();
     match b.build() {
         Ok(e) => {
             assert!(ok, "{what}: accepted, expected rejection");
@@ -34,7 +41,14 @@ async fn check(c: &Ctx, b: EventBuilder, ok: bool, what: &str) -> Option<outbox_
         }
         Err(err) => {
             assert!(!ok, "{what}: rejected with {err}, expected acceptance");
-            let after: i64 = c.repo().counts().await.unwrap().iter().map(|s| s.count).sum();
+            let after: i64 = c
+                .repo()
+                .counts()
+                .await
+                .unwrap()
+                .iter()
+                .map(|s| s.count)
+                .sum();
             assert_eq!(before, after, "{what}: a rejected event changed the table");
             None
         }
@@ -53,10 +67,23 @@ pub async fn v_01_to_v_12(f: &dyn Factory) {
     check(&c, base().payload_json(json!([1, 2])), false, "V-01 [1,2]").await;
     // V-02
     let s = "a".repeat(999_992);
-    let e = check(&c, base().payload_json(json!({ "x": s })), true, "V-02 1,000,000 bytes").await.unwrap();
+    let e = check(
+        &c,
+        base().payload_json(json!({ "x": s })),
+        true,
+        "V-02 1,000,000 bytes",
+    )
+    .await
+    .unwrap();
     assert_eq!(serde_json::to_string(&e.payload).unwrap().len(), 1_000_000);
     let s = "a".repeat(999_993);
-    check(&c, base().payload_json(json!({ "x": s })), false, "V-02 1,000,001 bytes").await;
+    check(
+        &c,
+        base().payload_json(json!({ "x": s })),
+        false,
+        "V-02 1,000,001 bytes",
+    )
+    .await;
     // V-03
     #[derive(Serialize)]
     struct P {
@@ -64,7 +91,10 @@ pub async fn v_01_to_v_12(f: &dyn Factory) {
     }
     for v in [f64::NAN, f64::INFINITY] {
         let err = base().payload(&P { x: v }).build().unwrap_err();
-        assert!(matches!(err, ValidationError::PayloadNotFinite { .. }), "{err}");
+        assert!(
+            matches!(err, ValidationError::PayloadNotFinite { .. }),
+            "{err}"
+        );
     }
     // V-04
     check(&c, base().headers(headers(100)), true, "V-04 100").await;
@@ -72,20 +102,53 @@ pub async fn v_01_to_v_12(f: &dyn Factory) {
     // V-05
     check(&c, base().header("k".repeat(64), "v"), true, "V-05 key 64").await;
     check(&c, base().header("k".repeat(65), "v"), false, "V-05 key 65").await;
-    check(&c, base().header("k", "v".repeat(512)), true, "V-05 value 512").await;
-    check(&c, base().header("k", "v".repeat(513)), false, "V-05 value 513").await;
+    check(
+        &c,
+        base().header("k", "v".repeat(512)),
+        true,
+        "V-05 value 512",
+    )
+    .await;
+    check(
+        &c,
+        base().header("k", "v".repeat(513)),
+        false,
+        "V-05 value 513",
+    )
+    .await;
     // V-06
     check(&c, base().header("k", "a\nb"), false, "V-06 newline").await;
     check(&c, base().header("k", "a\tb"), true, "V-06 tab").await;
     check(&c, base().header("k\u{7f}", "v"), false, "V-06 DEL in key").await;
     // V-07
-    check(&c, base().header("A", "1").header("a", "2"), false, "V-07 case").await;
-    check(&c, base().header(" k", "1").header("k", "2"), false, "V-07 trim").await;
+    check(
+        &c,
+        base().header("A", "1").header("a", "2"),
+        false,
+        "V-07 case",
+    )
+    .await;
+    check(
+        &c,
+        base().header(" k", "1").header("k", "2"),
+        false,
+        "V-07 trim",
+    )
+    .await;
     check(&c, base().header("k", "   "), false, "V-07 blank value").await;
     // V-08
-    let e = check(&c, base().headers(Vec::<(String, String)>::new()), true, "V-08 {}").await.unwrap();
+    let e = check(
+        &c,
+        base().headers(Vec::<(String, String)>::new()),
+        true,
+        "V-08 {}",
+    )
+    .await
+    .unwrap();
     assert!(e.headers.is_none());
-    let e = check(&c, base().header(" k ", " v "), true, "V-08 trim").await.unwrap();
+    let e = check(&c, base().header(" k ", " v "), true, "V-08 trim")
+        .await
+        .unwrap();
     assert_eq!(serde_json::to_value(&e.headers).unwrap(), json!({"k": "v"}));
     // V-09 with a fixed builder clock.
     let t = chrono::Utc::now();
@@ -98,12 +161,26 @@ pub async fn v_01_to_v_12(f: &dyn Factory) {
         (365 * 86_400, true),
         (366 * 86_400, false),
     ] {
-        let r = base().scheduled_at(t + chrono::Duration::seconds(off)).build_with(&settings);
+        let r = base()
+            .scheduled_at(t + chrono::Duration::seconds(off))
+            .build_with(&settings);
         assert_eq!(r.is_ok(), ok, "V-09 offset {off} s: {r:?}");
     }
     // V-10
-    check(&c, base().delay(Duration::from_secs(31_536_000)), true, "V-10 365 d").await;
-    check(&c, base().delay(Duration::from_secs(31_536_001)), false, "V-10 365 d + 1 s").await;
+    check(
+        &c,
+        base().delay(Duration::from_secs(31_536_000)),
+        true,
+        "V-10 365 d",
+    )
+    .await;
+    check(
+        &c,
+        base().delay(Duration::from_secs(31_536_001)),
+        false,
+        "V-10 365 d + 1 s",
+    )
+    .await;
     // V-11
     type Set = fn(EventBuilder, String) -> EventBuilder;
     let fields: [(&str, usize, Set); 9] = [
@@ -127,14 +204,22 @@ pub async fn v_01_to_v_12(f: &dyn Factory) {
     }
     // V-12
     check(&c, base().event_type("   "), false, "V-12 blank").await;
-    let e = check(&c, base().event_type(" order.created "), true, "V-12 trim").await.unwrap();
+    let e = check(&c, base().event_type(" order.created "), true, "V-12 trim")
+        .await
+        .unwrap();
     assert_eq!(e.event_type, "order.created");
-    let e = check(&c, base().idempotency_key(" ik "), true, "V-12 ik").await.unwrap();
+    let e = check(&c, base().idempotency_key(" ik "), true, "V-12 ik")
+        .await
+        .unwrap();
     assert_eq!(e.idempotency_key.as_deref(), Some("ik"));
     // V-15
-    let e = check(&c, base().max_attempts(0), true, "V-15 0").await.unwrap();
+    let e = check(&c, base().max_attempts(0), true, "V-15 0")
+        .await
+        .unwrap();
     assert_eq!(e.max_attempts, 6);
-    let e = check(&c, base().max_attempts(1), true, "V-15 1").await.unwrap();
+    let e = check(&c, base().max_attempts(1), true, "V-15 1")
+        .await
+        .unwrap();
     assert_eq!(e.max_attempts, 1);
 }
 
@@ -153,7 +238,11 @@ pub async fn v_13(f: &dyn Factory) {
     assert!(WorkerId::new("a".repeat(255)).is_ok());
     let w = WorkerId::new("relay-1:host/a.b").unwrap();
     c.put(c.ev("k")).await;
-    let got = c.repo().fetch_and_lock(&FetchRequest::new(w, 10)).await.unwrap();
+    let got = c
+        .repo()
+        .fetch_and_lock(&FetchRequest::new(w, 10))
+        .await
+        .unwrap();
     assert_eq!(got.len(), 1);
 }
 
@@ -175,12 +264,17 @@ pub async fn v_14(f: &dyn Factory) {
 pub async fn v_14_stored(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
-    c.broker.script(a, [outbox_core::scripted::Action::Reject("x".repeat(3000))]);
+    c.broker
+        .script(a, [outbox_core::scripted::Action::Reject("x".repeat(3000))]);
     c.cycle1().await;
     let r = c.get(a).await;
-    assert_eq!(r.last_error.unwrap(), format!("{}... [TRUNCATED]", "x".repeat(1985)));
+    assert_eq!(
+        r.last_error.unwrap(),
+        format!("{}... [TRUNCATED]", "x".repeat(1985))
+    );
     let b = c.put(c.ev("k2")).await;
-    c.broker.script(b, [outbox_core::scripted::Action::Reject("   ".into())]);
+    c.broker
+        .script(b, [outbox_core::scripted::Action::Reject("   ".into())]);
     c.cycle1().await;
     assert_eq!(c.get(b).await.last_error.as_deref(), Some("Unknown error"));
 }
@@ -190,22 +284,40 @@ pub async fn v_16(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let id = c.put(c.ev("k")).await;
     let w = WorkerId::new("w1").unwrap();
-    let e = c.repo().fetch_and_lock(&FetchRequest::new(w.clone(), 0)).await.unwrap_err();
-    assert!(e.to_string().contains("limit must be greater than 0"), "{e}");
+    let e = c
+        .repo()
+        .fetch_and_lock(&FetchRequest::new(w.clone(), 0))
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("limit must be greater than 0"),
+        "{e}"
+    );
     let e = c
         .repo()
         .fetch_and_lock(&FetchRequest::new(w.clone(), 1).lease_ttl(Duration::ZERO))
         .await
         .unwrap_err();
     assert!(e.to_string().contains("lease_ttl must be positive"), "{e}");
-    assert!(c.repo().fetch_and_lock(&FetchRequest::new(w, 1).max_per_key(0)).await.is_err());
-    assert!(c.get(id).await.locked_by.is_none(), "a rejected fetch locked a row");
+    assert!(
+        c.repo()
+            .fetch_and_lock(&FetchRequest::new(w, 1).max_per_key(0))
+            .await
+            .is_err()
+    );
+    assert!(
+        c.get(id).await.locked_by.is_none(),
+        "a rejected fetch locked a row"
+    );
 }
 
 /// V-17 Backend and builder settings.
 pub async fn v_17(f: &dyn Factory) {
     let c = Ctx::new(f).await;
-    let r = |b, e| c.h.try_configure(b, e).expect("the backend must expose its settings to V-17");
+    let r = |b, e| {
+        c.h.try_configure(b, e)
+            .expect("the backend must expose its settings to V-17")
+    };
     assert!(r(0, 2000).is_err());
     assert!(r(1, 2000).is_ok());
     assert!(r(10_000, 2000).is_ok());

@@ -32,7 +32,9 @@ pub async fn w_01(f: &dyn Factory) {
 pub async fn w_02(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
-    let a2 = c.put(c.ev("k").headers(Vec::<(String, String)>::new())).await;
+    let a2 = c
+        .put(c.ev("k").headers(Vec::<(String, String)>::new()))
+        .await;
     for id in [a, a2] {
         let r = c.get(id).await;
         assert_eq!(r.status, Status::Pending);
@@ -84,7 +86,12 @@ pub async fn w_04(f: &dyn Factory) {
     };
     let (a_id, ()) = tokio::join!(first, waiter);
     let (ra, rb) = (c.get(a_id).await, c.get(b_id).await);
-    assert!(ra.created_at < rb.created_at, "{} !< {}", ra.created_at, rb.created_at);
+    assert!(
+        ra.created_at < rb.created_at,
+        "{} !< {}",
+        ra.created_at,
+        rb.created_at
+    );
     assert_eq!(c.cycle1().await.sent, vec![a_id]);
     assert_eq!(c.cycle1().await.sent, vec![b_id]);
 }
@@ -110,15 +117,34 @@ pub async fn w_05(f: &dyn Factory) {
 /// I-01 A duplicate key returns the existing row.
 pub async fn i_01(f: &dyn Factory) {
     let c = Ctx::new(f).await;
-    let a = c.put(c.ev("k").idempotency_key("ik").payload_json(json!({"n": 1}))).await;
+    let a = c
+        .put(
+            c.ev("k")
+                .idempotency_key("ik")
+                .payload_json(json!({"n": 1})),
+        )
+        .await;
     let r = c
-        .write(vec![c.ev("k").idempotency_key("ik").payload_json(json!({"n": 2})).build().unwrap()])
+        .write(vec![
+            c.ev("k")
+                .idempotency_key("ik")
+                .payload_json(json!({"n": 2}))
+                .build()
+                .unwrap(),
+        ])
         .await;
     assert_eq!(r[0].event.id, a);
     assert_eq!(r[0].event.payload, json!({"n": 1}));
     assert_eq!(r[0].event.status, Status::Pending);
     assert!(!r[0].inserted);
-    let total: i64 = c.repo().counts().await.unwrap().iter().map(|s| s.count).sum();
+    let total: i64 = c
+        .repo()
+        .counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.count)
+        .sum();
     assert_eq!(total, 1);
 }
 
@@ -127,9 +153,21 @@ pub async fn i_02(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k").idempotency_key("ik")).await;
     c.cycle1().await;
-    let r = c.write(vec![c.ev("k").idempotency_key("ik").build().unwrap()]).await;
-    assert_eq!((r[0].event.id, r[0].event.status, r[0].inserted), (a, Status::Completed, false));
-    let total: i64 = c.repo().counts().await.unwrap().iter().map(|s| s.count).sum();
+    let r = c
+        .write(vec![c.ev("k").idempotency_key("ik").build().unwrap()])
+        .await;
+    assert_eq!(
+        (r[0].event.id, r[0].event.status, r[0].inserted),
+        (a, Status::Completed, false)
+    );
+    let total: i64 = c
+        .repo()
+        .counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.count)
+        .sum();
     assert_eq!(total, 1);
     assert!(c.cycle1().await.report.fetched.is_empty());
 }
@@ -163,7 +201,14 @@ pub async fn i_03(f: &dyn Factory) {
         } else {
             assert_eq!((r[0].event.id, r[0].inserted), (id2, true));
         }
-        let total: i64 = c.repo().counts().await.unwrap().iter().map(|s| s.count).sum();
+        let total: i64 = c
+            .repo()
+            .counts()
+            .await
+            .unwrap()
+            .iter()
+            .map(|s| s.count)
+            .sum();
         assert_eq!(total, 1);
     }
 }
@@ -180,8 +225,14 @@ pub async fn i_04(f: &dyn Factory) {
         )
         .await;
     let (x, y) = (r1[0].event.id, r1[1].event.id);
-    assert_eq!(r1.iter().map(|r| r.event.id).collect::<Vec<_>>(), vec![x, y, x]);
-    assert_eq!(r1.iter().map(|r| r.inserted).collect::<Vec<_>>(), vec![true, true, false]);
+    assert_eq!(
+        r1.iter().map(|r| r.event.id).collect::<Vec<_>>(),
+        vec![x, y, x]
+    );
+    assert_eq!(
+        r1.iter().map(|r| r.inserted).collect::<Vec<_>>(),
+        vec![true, true, false]
+    );
     let r2 = c
         .write(
             ["k2", "k3"]
@@ -192,6 +243,13 @@ pub async fn i_04(f: &dyn Factory) {
         .await;
     assert_eq!((r2[0].event.id, r2[0].inserted), (y, false));
     assert!(r2[1].inserted && r2[1].event.id != x && r2[1].event.id != y);
-    let total: i64 = c.repo().counts().await.unwrap().iter().map(|s| s.count).sum();
+    let total: i64 = c
+        .repo()
+        .counts()
+        .await
+        .unwrap()
+        .iter()
+        .map(|s| s.count)
+        .sum();
     assert_eq!(total, 3);
 }

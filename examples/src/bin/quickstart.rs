@@ -23,7 +23,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let broker = ScriptedBroker::new();
 
     // A service writes its events in one unit of work per order, as it would in a transaction.
-    let steps = ["order.created", "order.paid", "order.shipped", "order.delivered"];
+    let steps = [
+        "order.created",
+        "order.paid",
+        "order.shipped",
+        "order.delivered",
+    ];
     let mut names: BTreeMap<Uuid, (String, &str)> = BTreeMap::new();
     let mut heads = BTreeMap::new();
     for order in ["order-1", "order-2", "order-3"] {
@@ -42,7 +47,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             })
             .collect::<Result<Vec<_>, _>>()?;
         for e in &events {
-            names.insert(e.id(), (order.to_string(), e.event_type().to_string().leak()));
+            names.insert(
+                e.id(),
+                (order.to_string(), e.event_type().to_string().leak()),
+            );
         }
         heads.insert(order, (events[0].id(), events[2].id()));
         let mut tx = repo.begin();
@@ -51,14 +59,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     // The broker refuses order-1's first event once (counted: backoff 5-10 s) and is
     // unreachable once when order-2's third event goes out (not counted: retry after 1 s).
-    broker.script(heads["order-1"].0, [Action::Reject("payment service refused the message".into())]);
-    broker.script(heads["order-2"].1, [Action::Transient("broker unreachable".into())]);
+    broker.script(
+        heads["order-1"].0,
+        [Action::Reject("payment service refused the message".into())],
+    );
+    broker.script(
+        heads["order-2"].1,
+        [Action::Transient("broker unreachable".into())],
+    );
 
     let relay = Relay::builder(Arc::new(repo.clone()), Arc::new(broker.clone()))
         .worker_id("quickstart")
         .build()?;
     let shutdown = CancellationToken::new();
-    let secs = |c: &ManualClock| (outbox_core::clock::Clock::now(c) - start).num_milliseconds() as f64 / 1000.0;
+    let secs = |c: &ManualClock| {
+        (outbox_core::clock::Clock::now(c) - start).num_milliseconds() as f64 / 1000.0
+    };
 
     println!("{:>7}  {:<8}  {:<16}  outcome", "time", "key", "event");
     let mut sent_per_key: BTreeMap<String, Vec<(f64, &str)>> = BTreeMap::new();
@@ -72,18 +88,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     sent_per_key.entry(key.clone()).or_default().push((t, ty));
                     "sent".to_string()
                 }
-                RowOutcome::Counted { error, next_try, .. } => format!(
+                RowOutcome::Counted {
+                    error, next_try, ..
+                } => format!(
                     "rejected ({error}); attempt spent, key waits, retry at {:.1}s",
-                    next_try.map(|n| (n - start).num_milliseconds() as f64 / 1000.0).unwrap_or(f64::NAN)
+                    next_try
+                        .map(|n| (n - start).num_milliseconds() as f64 / 1000.0)
+                        .unwrap_or(f64::NAN)
                 ),
-                RowOutcome::Transient { error, .. } => format!("{error}; no attempt spent, retry in 1.0s"),
+                RowOutcome::Transient { error, .. } => {
+                    format!("{error}; no attempt spent, retry in 1.0s")
+                }
                 RowOutcome::Deferred { error } => format!("deferred ({error})"),
                 RowOutcome::Released => "released: waits behind its key's failed row".into(),
                 RowOutcome::LeaseLost => "lease lost".into(),
             };
             println!("{t:>6.1}s  {key:<8}  {ty:<16}  {text}");
         }
-        if repo.rows().iter().all(|r| r.status != outbox_core::Status::Pending) {
+        if repo
+            .rows()
+            .iter()
+            .all(|r| r.status != outbox_core::Status::Pending)
+        {
             break;
         }
         if report.fetched.is_empty() || report.broker_unreachable {
@@ -93,10 +119,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!("\nWhat went out, per key (order kept within each key):");
     for (key, sent) in &sent_per_key {
-        let line: Vec<String> = sent.iter().map(|(t, ty)| format!("{ty} @{t:.1}s")).collect();
+        let line: Vec<String> = sent
+            .iter()
+            .map(|(t, ty)| format!("{ty} @{t:.1}s"))
+            .collect();
         println!("  {key}: {}", line.join(" -> "));
     }
     let accepted = broker.accepted();
-    println!("\n{} events published; every key in write order while its failing head backed off.", accepted.len());
+    println!(
+        "\n{} events published; every key in write order while its failing head backed off.",
+        accepted.len()
+    );
     Ok(())
 }
