@@ -22,7 +22,8 @@ macro_rules! suite {
     };
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
-        // PG-LIST
+        $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
+            pg::pg_06, pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_10, pg::p_08);
     };
     (other: $f:expr) => {
         $crate::suite!(@all $f);

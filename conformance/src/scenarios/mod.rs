@@ -7,6 +7,7 @@ pub mod backoff;
 pub mod lease;
 pub mod maint;
 pub mod order;
+pub mod pg;
 pub mod pipeline;
 pub mod outage;
 pub mod runs;
