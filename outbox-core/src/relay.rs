@@ -99,6 +99,7 @@ pub struct RelayConfig {
     publish_concurrency: usize,
     publish_timeout: Duration,
     poll_interval: Duration,
+    idle_backoff_max: Duration,
     backoff: Backoff,
     filter: FetchFilter,
     breaker: Option<BreakerConfig>,
@@ -137,6 +138,10 @@ impl RelayConfig {
     pub fn backoff(&self) -> Backoff {
         self.backoff
     }
+    /// The longest idle wait of the loop (equal to the poll interval unless raised).
+    pub fn idle_backoff_max(&self) -> Duration {
+        self.idle_backoff_max
+    }
 }
 
 /// Builds a [`Relay`]; [`build`](Self::build) validates every setting.
@@ -151,6 +156,7 @@ pub struct RelayBuilder {
     publish_concurrency: usize,
     publish_timeout: Duration,
     poll_interval: Duration,
+    idle_backoff_max: Option<Duration>,
     backoff: Backoff,
     filter: FetchFilter,
     breaker: Option<BreakerConfig>,
@@ -201,6 +207,13 @@ impl RelayBuilder {
     /// Poll interval of the loop (default 5 s).
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
+        self
+    }
+    /// Idle back-off of the loop: after each consecutive cycle that fetched nothing, the wait
+    /// doubles from the poll interval up to this (default: the poll interval, i.e. off, which
+    /// is the contract's R61 behaviour). A wake-up or a cycle with rows resets it.
+    pub fn idle_backoff_max(mut self, d: Duration) -> Self {
+        self.idle_backoff_max = Some(d);
         self
     }
     /// Backoff settings (default base 10 s, cap 3600 s, equal jitter).
@@ -270,6 +283,10 @@ impl RelayBuilder {
                 publish_concurrency: self.publish_concurrency,
                 publish_timeout: self.publish_timeout,
                 poll_interval: self.poll_interval,
+                idle_backoff_max: self
+                    .idle_backoff_max
+                    .unwrap_or(self.poll_interval)
+                    .max(self.poll_interval),
                 backoff: self.backoff,
                 filter: self.filter,
                 breaker: self.breaker,
@@ -418,6 +435,7 @@ impl Relay {
             publish_concurrency: DEFAULT_PUBLISH_CONCURRENCY,
             publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
             poll_interval: DEFAULT_POLL_INTERVAL,
+            idle_backoff_max: None,
             backoff: Backoff::default(),
             filter: FetchFilter::default(),
             breaker: None,
@@ -895,23 +913,37 @@ impl Relay {
 
     /// Runs cycles until `shutdown` is cancelled (R61). Returns after the cycle in flight ends.
     pub async fn run(&self, shutdown: CancellationToken) {
+        let mut idle_wait = self.config.poll_interval;
         loop {
             if shutdown.is_cancelled() {
                 return;
             }
-            let again = match self.cycle(&shutdown).await {
-                Ok(r) => !r.fetched.is_empty() && !r.broker_unreachable && !r.breaker_open,
+            let (again, idle) = match self.cycle(&shutdown).await {
+                Ok(r) => (
+                    !r.fetched.is_empty() && !r.broker_unreachable && !r.breaker_open,
+                    r.fetched.is_empty() && !r.breaker_open,
+                ),
                 Err(e) => {
                     tracing::warn!(error = %e, transient = e.is_transient(), "fetch failed; waiting for the next poll");
-                    false
+                    (false, false)
                 }
             };
             if again {
+                idle_wait = self.config.poll_interval;
                 continue;
             }
+            let wait = if idle {
+                idle_wait
+            } else {
+                self.config.poll_interval
+            };
             tokio::select! {
-                _ = tokio::time::sleep(self.config.poll_interval) => {}
-                _ = self.wake.notified() => {}
+                _ = tokio::time::sleep(wait) => {
+                    if idle {
+                        idle_wait = (idle_wait * 2).min(self.config.idle_backoff_max);
+                    }
+                }
+                _ = self.wake.notified() => idle_wait = self.config.poll_interval,
                 _ = shutdown.cancelled() => return,
             }
         }
@@ -942,5 +974,64 @@ async fn guard_hook(name: &'static str, f: impl std::future::Future<Output = ()>
 impl From<ValidationError> for ConfigError {
     fn from(e: ValidationError) -> Self {
         ConfigError(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::memory::InMemoryRepository;
+    use crate::scripted::ScriptedBroker;
+    use crate::step::PipelineStep;
+
+    struct FetchTimes(Arc<Mutex<Vec<tokio::time::Instant>>>);
+
+    #[async_trait::async_trait]
+    impl PipelineStep for FetchTimes {
+        async fn on_fetch(&self, _rows: usize) {
+            self.0.lock().unwrap().push(tokio::time::Instant::now());
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_backoff_doubles_up_to_its_max_and_a_wake_resets_it() {
+        let repo = Arc::new(InMemoryRepository::new(Arc::new(
+            ManualClock::starting_now(),
+        )));
+        let times = Arc::new(Mutex::new(Vec::new()));
+        let relay = Arc::new(
+            Relay::builder(repo, Arc::new(ScriptedBroker::new()))
+                .worker_id("w1")
+                .poll_interval(Duration::from_secs(1))
+                .idle_backoff_max(Duration::from_secs(4))
+                .step(Arc::new(FetchTimes(times.clone())))
+                .build()
+                .unwrap(),
+        );
+        let t0 = tokio::time::Instant::now();
+        let stop = CancellationToken::new();
+        let task = tokio::spawn({
+            let (relay, stop) = (relay.clone(), stop.clone());
+            async move { relay.run(stop).await }
+        });
+        tokio::time::sleep(Duration::from_millis(15_500)).await;
+        relay.waker().notify_one();
+        tokio::time::sleep(Duration::from_millis(1_200)).await;
+        stop.cancel();
+        task.await.unwrap();
+        let secs: Vec<f64> = times
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|t| (*t - t0).as_secs_f64())
+            .collect();
+        // Waits 1, 2, 4, 4, 4 → fetches at 0, 1, 3, 7, 11, 15; the wake at 15.5 fetches at once,
+        // then the wait is back to 1 s.
+        let want = [0.0, 1.0, 3.0, 7.0, 11.0, 15.0, 15.5, 16.5];
+        assert_eq!(secs.len(), want.len(), "{secs:?}");
+        for (got, want) in secs.iter().zip(want) {
+            assert!((got - want).abs() < 0.01, "{secs:?}");
+        }
     }
 }
