@@ -33,7 +33,9 @@ use diesel::pg::Pg;
 use diesel::query_builder::SqlQuery;
 use diesel::sql_types::Text;
 use diesel::{QueryableByName, connection::BoxableConnection};
-use diesel_async::{AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel_async::{
+    AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+};
 use diesel_migrations::MigrationHarness;
 use outbox_postgres::sql::{self, Statements, TableName};
 
@@ -163,10 +165,11 @@ pub async fn run_migrations(
     };
     let saved = match table.schema() {
         Some(schema) => {
-            let before: SearchPath = diesel::sql_query("SELECT current_setting('search_path') AS search_path")
-                .get_result(&mut conn)
-                .await
-                .map_err(|e| fail(e.to_string()))?;
+            let before: SearchPath =
+                diesel::sql_query("SELECT current_setting('search_path') AS search_path")
+                    .get_result(&mut conn)
+                    .await
+                    .map_err(|e| fail(e.to_string()))?;
             conn.batch_execute(&format!(
                 "CREATE SCHEMA IF NOT EXISTS {s}; SET search_path TO {s}",
                 s = ident(schema)
@@ -184,7 +187,8 @@ pub async fn run_migrations(
         .map_err(|e| fail(e.to_string()));
     let mut conn = harness.into_inner();
     if let Some(path) = saved {
-        let restore: SqlQuery = diesel::sql_query("SELECT set_config('search_path', $1, false) AS search_path");
+        let restore: SqlQuery =
+            diesel::sql_query("SELECT set_config('search_path', $1, false) AS search_path");
         let _: SearchPath = restore
             .bind::<Text, _>(path)
             .get_result(&mut conn)

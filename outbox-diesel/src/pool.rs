@@ -36,7 +36,9 @@ impl PoolSettings {
     /// At most this many connections (default 16, ≥ 1).
     pub fn max_size(mut self, n: usize) -> Result<Self, Error> {
         if n == 0 {
-            return Err(Error::Config("pool max_size must be at least 1, got 0".into()));
+            return Err(Error::Config(
+                "pool max_size must be at least 1, got 0".into(),
+            ));
         }
         self.max_size = n;
         Ok(self)

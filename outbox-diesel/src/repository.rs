@@ -209,7 +209,10 @@ impl OutboxRepository for DieselOutboxRepository {
             .load(&mut conn)
             .await
             .map_err(|e| self.err(e))?;
-        rows.into_iter().next().map(OutboxRow::into_event).transpose()
+        rows.into_iter()
+            .next()
+            .map(OutboxRow::into_event)
+            .transpose()
     }
 
     async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError> {
@@ -322,17 +325,26 @@ impl OutboxRepository for DieselOutboxRepository {
             .iter()
             .map(|o| WrittenOutcome {
                 id: o.id,
-                result: results.get(&o.id).cloned().unwrap_or(OutcomeResult::LeaseLost),
+                result: results
+                    .get(&o.id)
+                    .cloned()
+                    .unwrap_or(OutcomeResult::LeaseLost),
             })
             .collect())
     }
 
     async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
-        Ok(self.exec_id_worker(&self.stmts.refresh_lock, id, worker).await? == 1)
+        Ok(self
+            .exec_id_worker(&self.stmts.refresh_lock, id, worker)
+            .await?
+            == 1)
     }
 
     async fn release_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
-        Ok(self.exec_id_worker(&self.stmts.release_lock, id, worker).await? == 1)
+        Ok(self
+            .exec_id_worker(&self.stmts.release_lock, id, worker)
+            .await?
+            == 1)
     }
 
     async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {

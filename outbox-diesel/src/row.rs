@@ -6,9 +6,9 @@
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Int4, Nullable, Text, Timestamptz};
+use outbox_core::RepositoryError;
 use outbox_core::event::{OutboxEvent, Status};
 use outbox_core::repository::{BlockedKey, Fetched, OutcomeResult, StatusCount};
-use outbox_core::RepositoryError;
 use outbox_postgres::sql::RawRow;
 use serde_json::Value;
 use uuid::Uuid;

@@ -6,9 +6,9 @@ mod common;
 use diesel::sql_types::Text;
 use diesel::{QueryDsl, QueryableByName};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use outbox_core::RepositoryError;
 use outbox_core::event::NewEvent;
 use outbox_core::repository::OutboxRepository;
-use outbox_core::RepositoryError;
 use outbox_diesel::error::map_diesel;
 use outbox_diesel::schema::outbox_events;
 use outbox_diesel::{
@@ -62,7 +62,9 @@ async fn migrations_run_once_per_table_and_restore_search_path() {
         .await
         .unwrap();
     let conn = run_migrations(conn, &table).await.expect("first run");
-    let conn = run_migrations(conn, &table).await.expect("second run is a no-op");
+    let conn = run_migrations(conn, &table)
+        .await
+        .expect("second run is a no-op");
     let mut conn = run_migrations(conn, &other).await.expect("another table");
     let after: Name = diesel::sql_query("SELECT current_setting('search_path') AS name")
         .get_result(&mut conn)
@@ -109,7 +111,9 @@ async fn migration_script_is_the_shared_ddl() {
     for stmt in sql::ddl(&t) {
         assert!(script.contains(&stmt), "missing: {stmt}");
     }
-    assert!(script.starts_with("SELECT pg_advisory_xact_lock(hashtext('outbox-schema:ops.my_outbox'::text))"));
+    assert!(script.starts_with(
+        "SELECT pg_advisory_xact_lock(hashtext('outbox-schema:ops.my_outbox'::text))"
+    ));
 }
 
 /// The checked-in `table!` reads a row the shared insert wrote, column for column, with the
@@ -127,7 +131,10 @@ async fn table_schema_matches_the_database() {
     .load(&mut conn)
     .await
     .unwrap();
-    assert_eq!(cols.into_iter().map(|c| c.name).collect::<Vec<_>>(), sql::COLUMNS.to_vec());
+    assert_eq!(
+        cols.into_iter().map(|c| c.name).collect::<Vec<_>>(),
+        sql::COLUMNS.to_vec()
+    );
 
     let writer = h.diesel_repository().writer();
     let e = event("k");
@@ -141,22 +148,53 @@ async fn table_schema_matches_the_database() {
         .await
         .expect("write in a transaction");
     // diesel's typed DSL on the checked-in table, with search_path at the trial's schema.
-    conn.batch_execute(&format!("SET search_path TO \"{schema}\"")).await.unwrap();
-    let (got_id, status, attempts, max, topic): (Uuid, String, i32, i32, String) = outbox_events::table
-        .select((
-            outbox_events::id,
-            outbox_events::status,
-            outbox_events::attempts_made,
-            outbox_events::max_attempts,
-            outbox_events::topic,
-        ))
-        .first(&mut conn)
+    conn.batch_execute(&format!("SET search_path TO \"{schema}\""))
         .await
-        .expect("typed select");
-    assert_eq!((got_id, status.as_str(), attempts, max, topic.as_str()), (id, "pending", 0, 6, "t"));
+        .unwrap();
+    let (got_id, status, attempts, max, topic): (Uuid, String, i32, i32, String) =
+        outbox_events::table
+            .select((
+                outbox_events::id,
+                outbox_events::status,
+                outbox_events::attempts_made,
+                outbox_events::max_attempts,
+                outbox_events::topic,
+            ))
+            .first(&mut conn)
+            .await
+            .expect("typed select");
+    assert_eq!(
+        (got_id, status.as_str(), attempts, max, topic.as_str()),
+        (id, "pending", 0, 6, "t")
+    );
     let all: Vec<(
-        (Uuid, String, serde_json::Value, Option<serde_json::Value>, Option<String>, Option<String>, Option<String>, Option<String>, Option<String>, String, i32, i32),
-        (Option<String>, chrono::DateTime<chrono::Utc>, Option<chrono::DateTime<chrono::Utc>>, Option<chrono::DateTime<chrono::Utc>>, Option<String>, chrono::DateTime<chrono::Utc>, Option<chrono::DateTime<chrono::Utc>>, String, Uuid, String, String),
+        (
+            Uuid,
+            String,
+            serde_json::Value,
+            Option<serde_json::Value>,
+            Option<String>,
+            Option<String>,
+            Option<String>,
+            Option<String>,
+            Option<String>,
+            String,
+            i32,
+            i32,
+        ),
+        (
+            Option<String>,
+            chrono::DateTime<chrono::Utc>,
+            Option<chrono::DateTime<chrono::Utc>>,
+            Option<chrono::DateTime<chrono::Utc>>,
+            Option<String>,
+            chrono::DateTime<chrono::Utc>,
+            Option<chrono::DateTime<chrono::Utc>>,
+            String,
+            Uuid,
+            String,
+            String,
+        ),
     )> = outbox_events::table
         .select((
             (
@@ -199,7 +237,11 @@ async fn the_writer_refuses_to_write_outside_a_transaction() {
     let h = common::DieselHarness::create(&database_url()).await;
     let repo = h.diesel_repository();
     let mut conn = h.pool().get().await.unwrap();
-    let err = repo.writer().write(&mut conn, vec![event("k")]).await.unwrap_err();
+    let err = repo
+        .writer()
+        .write(&mut conn, vec![event("k")])
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("open transaction"), "{err}");
     assert!(repo.counts().await.unwrap().is_empty(), "nothing written");
 }
@@ -216,7 +258,9 @@ async fn a_rolled_back_diesel_transaction_writes_nothing() {
         .transaction(async |c| {
             let w = writer.write(c, vec![e]).await?;
             assert!(w[0].inserted);
-            Err(WriteError::Diesel(diesel::result::Error::RollbackTransaction))
+            Err(WriteError::Diesel(
+                diesel::result::Error::RollbackTransaction,
+            ))
         })
         .await;
     assert!(r.is_err());
@@ -230,9 +274,14 @@ async fn constraint_violations_name_the_rule() {
     let e = event("k");
     let id = e.id();
     let mut conn = h.pool().get().await.unwrap();
-    conn.transaction(async |c| repo.writer().write(c, vec![e]).await.map_err(WriteError::from))
-        .await
-        .unwrap();
+    conn.transaction(async |c| {
+        repo.writer()
+            .write(c, vec![e])
+            .await
+            .map_err(WriteError::from)
+    })
+    .await
+    .unwrap();
     let err = diesel::sql_query(format!(
         "UPDATE {} SET locked_by = 'w1' WHERE id = $1",
         h.table().qualified()
@@ -243,8 +292,14 @@ async fn constraint_violations_name_the_rule() {
     .unwrap_err();
     match map_diesel(h.table(), err) {
         RepositoryError::Constraint { message } => {
-            assert!(message.contains("ck_outbox_events_lock_consistency"), "{message}");
-            assert!(message.contains("locked_at and locked_by are both set or both null"), "{message}");
+            assert!(
+                message.contains("ck_outbox_events_lock_consistency"),
+                "{message}"
+            );
+            assert!(
+                message.contains("locked_at and locked_by are both set or both null"),
+                "{message}"
+            );
         }
         other => panic!("expected a constraint error, got {other:?}"),
     }
@@ -252,14 +307,19 @@ async fn constraint_violations_name_the_rule() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_database_is_transient_and_a_missing_table_is_a_schema_error() {
-    let pool = build_pool("postgres://postgres@127.0.0.1:1/test", &PoolSettings::default()).unwrap();
+    let pool = build_pool(
+        "postgres://postgres@127.0.0.1:1/test",
+        &PoolSettings::default(),
+    )
+    .unwrap();
     let repo = DieselOutboxRepository::new(pool, DieselConfig::default());
     let err = repo.now().await.unwrap_err();
     assert!(err.is_transient(), "{err:?}");
 
     let pool = build_pool(&database_url(), &PoolSettings::default()).unwrap();
     let missing = format!("{}.outbox_events", fresh_schema_name());
-    let repo = DieselOutboxRepository::new(pool, DieselConfig::default().table_name(&missing).unwrap());
+    let repo =
+        DieselOutboxRepository::new(pool, DieselConfig::default().table_name(&missing).unwrap());
     match repo.get(Uuid::new_v4()).await.unwrap_err() {
         RepositoryError::Schema(m) => assert!(m.contains("migrations"), "{m}"),
         other => panic!("expected a schema error, got {other:?}"),
@@ -268,7 +328,11 @@ async fn an_unreachable_database_is_transient_and_a_missing_table_is_a_schema_er
 
 #[test]
 fn table_names_are_validated_before_sql() {
-    assert!(DieselConfig::default().table_name("ops.outbox_events").is_ok());
+    assert!(
+        DieselConfig::default()
+            .table_name("ops.outbox_events")
+            .is_ok()
+    );
     for bad in ["Outbox", "a-b", "x\"; drop table y; --", &"a".repeat(32)] {
         assert!(DieselConfig::default().table_name(bad).is_err(), "{bad}");
     }

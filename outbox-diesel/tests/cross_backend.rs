@@ -32,7 +32,11 @@ async fn write_plan(c: &Ctx, peer: bool) -> (BTreeMap<String, Vec<Uuid>>, BTreeM
     let mut batches: Vec<Vec<(String, usize)>> = singles.iter().map(|e| vec![e.clone()]).collect();
     batches.extend(pairs.chunks(2).map(|c| c.to_vec()));
     for batch in batches {
-        let mut tx = if peer { c.h.begin_peer().await } else { c.h.begin().await };
+        let mut tx = if peer {
+            c.h.begin_peer().await
+        } else {
+            c.h.begin().await
+        };
         let events = batch
             .iter()
             .map(|(k, _)| c.ev(k).build().expect("valid event"))
@@ -51,10 +55,16 @@ async fn write_plan(c: &Ctx, peer: bool) -> (BTreeMap<String, Vec<Uuid>>, BTreeM
 /// Drains the table with the relay of one backend (`peer` = the sqlx one) with head runs and
 /// concurrent keys, one transient failure on the way; then checks every row completed and
 /// each key's deliveries in write order.
-async fn drain_and_check(c: &Ctx, peer: bool, per_key: &BTreeMap<String, Vec<Uuid>>, key_of: &BTreeMap<Uuid, String>) {
+async fn drain_and_check(
+    c: &Ctx,
+    peer: bool,
+    per_key: &BTreeMap<String, Vec<Uuid>>,
+    key_of: &BTreeMap<Uuid, String>,
+) {
     // The third row of acct-1 fails transiently once: its successors must wait for it.
     let flaky = per_key["acct-1"][2];
-    c.broker.script(flaky, [Action::Transient("unreachable".into())]);
+    c.broker
+        .script(flaky, [Action::Transient("unreachable".into())]);
     let mut cfg = Cfg::default().batch(10).per_key(5).concurrency(4);
     cfg.peer = peer;
     let mut idle_rounds = 0;
@@ -71,7 +81,11 @@ async fn drain_and_check(c: &Ctx, peer: bool, per_key: &BTreeMap<String, Vec<Uui
         }
     }
     let accepted = c.broker.accepted_ids();
-    assert_eq!(accepted.len(), KEYS * PER_KEY, "every event delivered exactly once");
+    assert_eq!(
+        accepted.len(),
+        KEYS * PER_KEY,
+        "every event delivered exactly once"
+    );
     let mut delivered: BTreeMap<String, Vec<Uuid>> = BTreeMap::new();
     for id in accepted {
         delivered.entry(key_of[&id].clone()).or_default().push(id);
@@ -84,7 +98,10 @@ async fn drain_and_check(c: &Ctx, peer: bool, per_key: &BTreeMap<String, Vec<Uui
             assert!(row.locked_by.is_none());
         }
     }
-    assert_eq!(c.get(flaky).await.last_error.as_deref(), Some("unreachable"));
+    assert_eq!(
+        c.get(flaky).await.last_error.as_deref(),
+        Some("unreachable")
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

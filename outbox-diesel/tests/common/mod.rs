@@ -10,8 +10,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use diesel::sql_types::{BigInt, Int4, Nullable, Text, Timestamptz};
 use diesel_async::{
-    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl,
-    SimpleAsyncConnection, TransactionManager,
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
+    TransactionManager,
 };
 use outbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
 use outbox_core::error::RepositoryError;
@@ -42,7 +42,9 @@ pub struct DieselFactory {
 impl DieselFactory {
     /// On `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
     pub fn new() -> Self {
-        Self { url: database_url() }
+        Self {
+            url: database_url(),
+        }
     }
 }
 
@@ -74,7 +76,9 @@ impl DieselHarness {
         let conn = AsyncPgConnection::establish(url)
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"));
-        let mut conn = run_migrations(conn, &table).await.expect("diesel migrations");
+        let mut conn = run_migrations(conn, &table)
+            .await
+            .expect("diesel migrations");
         conn.batch_execute(&sql::fixtures::create_aggregates(&schema))
             .await
             .expect("aggregates table");
