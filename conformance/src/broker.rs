@@ -534,6 +534,81 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
     proxy.shutdown().await;
 }
 
+/// The network stalls after the broker was reached (a [`LoopbackProxy`] holds every byte): the
+/// adapter gives up within its own timeout (0.5 s, under the relay's 3 s) with a transient
+/// failure and no attempt is spent; once bytes flow again the row completes. NATS stores the
+/// event once (the held publish and the retry share the `Nats-Msg-Id`); Redis may hold it twice.
+pub async fn stalled_ack(b: &dyn BrokerUnderTest) {
+    let proxy = LoopbackProxy::start(b.server_addr()).await;
+    let t = b
+        .trial(TrialOptions {
+            connect_to: Some(proxy.addr()),
+            adapter_timeout: Duration::from_millis(500),
+        })
+        .await;
+    let (repo, clock) = repo();
+    let row = write_one(
+        &repo,
+        event("orders", "k", json!({"n": 7}))
+            .build()
+            .expect("valid"),
+    )
+    .await;
+    let relay = relay_for(&repo, t.broker())
+        .publish_timeout(Duration::from_secs(3))
+        .build()
+        .expect("relay");
+    proxy.stall();
+    let started = std::time::Instant::now();
+    let r = cycle(&relay).await;
+    let took = started.elapsed();
+    eprintln!("stalled: {took:?}: {:?}", r.transient);
+    assert!(
+        r.counted.is_empty() && r.completed.is_empty(),
+        "stalled: {r:?}"
+    );
+    assert_eq!(
+        r.transient.len(),
+        1,
+        "stalled: one transient failure: {r:?}"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "stalled: the adapter's own timeout ended the publish, not the relay's 3 s ({took:?})"
+    );
+    let stored = get(&repo, row.id).await;
+    assert_eq!(stored.attempts_made, 0, "stalled: no attempt spent");
+    assert_eq!(stored.status, Status::Pending);
+
+    proxy.resume();
+    let mut cycles = 0;
+    while get(&repo, row.id).await.status != Status::Completed {
+        cycles += 1;
+        assert!(
+            cycles <= 20,
+            "stalled: the row did not complete within 20 cycles after resuming"
+        );
+        clock.advance(Duration::from_secs(1));
+        let r = cycle(&relay).await;
+        assert!(r.counted.is_empty(), "stalled: no counted failure: {r:?}");
+        if r.broker_unreachable {
+            assert!(
+                t.await_reachable(Duration::from_secs(10)).await,
+                "stalled: broker back"
+            );
+        }
+    }
+    let got = t.read("orders").await;
+    let id = row.id.hyphenated().to_string();
+    assert!(got.iter().all(|m| m.attr("event_id") == Some(id.as_str())));
+    match b.kind() {
+        BrokerKind::Nats => assert_eq!(got.len(), 1, "stalled: JetStream stores the event once"),
+        BrokerKind::Redis => assert!((1..=2).contains(&got.len()), "stalled: {got:?}"),
+    }
+    t.cleanup().await;
+    proxy.shutdown().await;
+}
+
 /// An address on 127.0.0.1 where nothing listens (a port bound and released).
 pub async fn closed_port() -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0")
@@ -550,6 +625,7 @@ pub struct LoopbackProxy {
     addr: SocketAddr,
     upstream: SocketAddr,
     inner: Arc<Mutex<ProxyState>>,
+    stalled: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -567,6 +643,7 @@ impl LoopbackProxy {
             addr,
             upstream,
             inner: Arc::new(Mutex::new(ProxyState::default())),
+            stalled: tokio::sync::watch::channel(false).0,
         };
         p.serve(listener);
         p
@@ -577,19 +654,38 @@ impl LoopbackProxy {
         self.addr
     }
 
+    /// Stops forwarding bytes in both directions while keeping every connection open (a
+    /// network that drops nothing but delivers nothing); [`resume`](Self::resume) delivers what
+    /// was held.
+    pub fn stall(&self) {
+        self.stalled.send_replace(true);
+    }
+
+    /// Forwards again after [`stall`](Self::stall).
+    pub fn resume(&self) {
+        self.stalled.send_replace(false);
+    }
+
     fn serve(&self, listener: TcpListener) {
         let upstream = self.upstream;
         let conns = self.inner.lock().expect("proxy").conns.clone();
+        let stalled = self.stalled.subscribe();
         let acceptor = tokio::spawn(async move {
             loop {
-                let Ok((mut client, _)) = listener.accept().await else {
+                let Ok((client, _)) = listener.accept().await else {
                     return;
                 };
+                let stalled = stalled.clone();
                 let conn = tokio::spawn(async move {
-                    let Ok(mut server) = TcpStream::connect(upstream).await else {
+                    let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
                     };
-                    let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    tokio::select! {
+                        _ = pump(cr, sw, stalled.clone()) => {}
+                        _ = pump(sr, cw, stalled) => {}
+                    }
                 });
                 let mut c = conns.lock().expect("proxy");
                 c.retain(|h| !h.is_finished());
@@ -628,6 +724,28 @@ impl LoopbackProxy {
     }
 }
 
+/// Copies bytes from `r` to `w`, holding them while the proxy is stalled.
+async fn pump(
+    mut r: tokio::net::tcp::OwnedReadHalf,
+    mut w: tokio::net::tcp::OwnedWriteHalf,
+    mut stalled: tokio::sync::watch::Receiver<bool>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match r.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        if stalled.wait_for(|s| !*s).await.is_err() {
+            return;
+        }
+        if w.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
 async fn bind_reuse(addr: SocketAddr) -> TcpListener {
     let s = TcpSocket::new_v4().expect("socket");
     s.set_reuseaddr(true).expect("SO_REUSEADDR");
@@ -635,12 +753,13 @@ async fn bind_reuse(addr: SocketAddr) -> TcpListener {
     s.listen(64).expect("listen")
 }
 
-/// Generates one `#[tokio::test]` per broker trial (`k_01` … `k_06`, `outage_mid_drain`).
+/// Generates one `#[tokio::test]` per broker trial (`k_01` … `k_06`, `outage_mid_drain`,
+/// `stalled_ack`).
 /// `$b` is an expression evaluated per test whose value implements [`BrokerUnderTest`].
 #[macro_export]
 macro_rules! broker_suite {
     ($b:expr) => {
-        $crate::broker_suite!(@tests $b; k_01, k_02, k_03, k_04, k_05, k_06, outage_mid_drain);
+        $crate::broker_suite!(@tests $b; k_01, k_02, k_03, k_04, k_05, k_06, outage_mid_drain, stalled_ack);
     };
     (@tests $b:expr; $($name:ident),* $(,)?) => {
         $(

@@ -282,7 +282,10 @@ fn manager_config(config: &RedisBrokerConfig) -> ConnectionManagerConfig {
 
 /// Maps a Redis error of an XADD to `key` (see the crate docs for the table).
 pub fn map_error(e: &RedisError, key: &str) -> BrokerError {
-    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
+    if e.is_timeout() {
+        return BrokerError::transient(format!("Redis: no reply to XADD {key} in time: {e}"));
+    }
+    if e.is_io_error() || e.is_connection_dropped() || e.is_connection_refusal() {
         return BrokerError::transient(format!("Redis unreachable (XADD {key}): {e}"));
     }
     let code = e.code().unwrap_or("");
