@@ -285,7 +285,7 @@ impl SqlxWriteTx {
 impl WriteTx for SqlxWriteTx {
     async fn write(&mut self, events: Vec<NewEvent>) -> Result<Vec<WriteResult>, RepositoryError> {
         let writer = self.writer.clone();
-        writer.write(&mut **self.tx(), events).await
+        writer.write(self.tx(), events).await
     }
 
     async fn lock_app(&mut self, name: &str) {
