@@ -4,7 +4,7 @@
 mod common;
 
 use diesel::sql_types::Text;
-use diesel::{QueryDsl, QueryableByName};
+use diesel::{QueryDsl, Queryable, QueryableByName, Selectable, SelectableHelper};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_core::RepositoryError;
 use outbox_core::event::NewEvent;
@@ -18,6 +18,37 @@ use outbox_diesel::{
 use outbox_postgres::sql;
 use outbox_postgres::testing::{database_url, fresh_schema_name};
 use uuid::Uuid;
+
+/// Every column of the checked-in `table!`, with the Rust types the backend decodes them into.
+#[derive(Queryable, Selectable)]
+#[diesel(table_name = outbox_events)]
+#[diesel(check_for_backend(diesel::pg::Pg))]
+#[allow(dead_code)]
+struct TypedRow {
+    id: Uuid,
+    event_type: String,
+    payload: serde_json::Value,
+    headers: Option<serde_json::Value>,
+    trace_id: Option<String>,
+    idempotency_key: Option<String>,
+    correlation_id: Option<String>,
+    causation_id: Option<String>,
+    schema_version: Option<String>,
+    status: String,
+    attempts_made: i32,
+    max_attempts: i32,
+    last_error: Option<String>,
+    scheduled_at: chrono::DateTime<chrono::Utc>,
+    completed_at: Option<chrono::DateTime<chrono::Utc>>,
+    locked_at: Option<chrono::DateTime<chrono::Utc>>,
+    locked_by: Option<String>,
+    created_at: chrono::DateTime<chrono::Utc>,
+    updated_at: Option<chrono::DateTime<chrono::Utc>>,
+    aggregate_type: String,
+    aggregate_id: Uuid,
+    topic: String,
+    partition_key: String,
+}
 
 #[derive(QueryableByName)]
 struct Name {
@@ -167,69 +198,14 @@ async fn table_schema_matches_the_database() {
         (got_id, status.as_str(), attempts, max, topic.as_str()),
         (id, "pending", 0, 6, "t")
     );
-    let all: Vec<(
-        (
-            Uuid,
-            String,
-            serde_json::Value,
-            Option<serde_json::Value>,
-            Option<String>,
-            Option<String>,
-            Option<String>,
-            Option<String>,
-            Option<String>,
-            String,
-            i32,
-            i32,
-        ),
-        (
-            Option<String>,
-            chrono::DateTime<chrono::Utc>,
-            Option<chrono::DateTime<chrono::Utc>>,
-            Option<chrono::DateTime<chrono::Utc>>,
-            Option<String>,
-            chrono::DateTime<chrono::Utc>,
-            Option<chrono::DateTime<chrono::Utc>>,
-            String,
-            Uuid,
-            String,
-            String,
-        ),
-    )> = outbox_events::table
-        .select((
-            (
-                outbox_events::id,
-                outbox_events::event_type,
-                outbox_events::payload,
-                outbox_events::headers,
-                outbox_events::trace_id,
-                outbox_events::idempotency_key,
-                outbox_events::correlation_id,
-                outbox_events::causation_id,
-                outbox_events::schema_version,
-                outbox_events::status,
-                outbox_events::attempts_made,
-                outbox_events::max_attempts,
-            ),
-            (
-                outbox_events::last_error,
-                outbox_events::scheduled_at,
-                outbox_events::completed_at,
-                outbox_events::locked_at,
-                outbox_events::locked_by,
-                outbox_events::created_at,
-                outbox_events::updated_at,
-                outbox_events::aggregate_type,
-                outbox_events::aggregate_id,
-                outbox_events::topic,
-                outbox_events::partition_key,
-            ),
-        ))
+    let all: Vec<TypedRow> = outbox_events::table
+        .select(TypedRow::as_select())
         .load(&mut conn)
         .await
         .expect("every column decodes with the table! types");
     assert_eq!(all.len(), 1);
-    assert_eq!(all[0].0.2, serde_json::json!({"n": 1}));
+    assert_eq!(all[0].payload, serde_json::json!({"n": 1}));
+    assert_eq!(all[0].id, id);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
