@@ -1,0 +1,134 @@
+//! Building the broker chosen with `--broker`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use outbox_core::Broker;
+use outbox_core::broker::{NoopBroker, StdoutBroker};
+
+use crate::BrokerKind;
+use crate::error::{CliError, Result, code};
+
+/// Broker settings (each used only by its broker).
+#[derive(Debug, Clone, Args)]
+pub struct BrokerArgs {
+    /// The broker: nats (feature `nats`, default on), redis (feature `redis`), stdout (a JSON
+    /// line per event) or noop (acknowledges everything; benchmarks).
+    #[arg(long, env = "OUTBOX_BROKER", value_enum, default_value_t = BrokerKind::Stdout)]
+    pub broker: BrokerKind,
+    /// NATS server URL(s), comma separated.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    pub nats_url: String,
+    /// NATS subject = this prefix + topic.
+    #[arg(long, env = "OUTBOX_NATS_SUBJECT_PREFIX", default_value = "outbox.")]
+    pub nats_subject_prefix: String,
+    /// A JetStream stream to create (covering prefix + `>`) when it does not exist; empty to
+    /// create none.
+    #[arg(long, env = "OUTBOX_NATS_STREAM", default_value = "OUTBOX")]
+    pub nats_stream: String,
+    /// The duplicate window of a stream this command creates (events republished within it are
+    /// dropped by JetStream). Make it longer than the lease.
+    #[arg(long, env = "OUTBOX_NATS_DUPLICATE_WINDOW", default_value = "10m", value_parser = crate::parse_dur)]
+    pub nats_duplicate_window: Duration,
+    /// Redis URL.
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    pub redis_url: String,
+    /// Redis stream key pattern: `{topic}` required, `{partition_key}` optional.
+    #[arg(
+        long,
+        env = "OUTBOX_REDIS_KEY_PATTERN",
+        default_value = "outbox:{topic}"
+    )]
+    pub redis_key_pattern: String,
+    /// Trim each Redis stream to about this many entries (MAXLEN ~).
+    #[arg(long, env = "OUTBOX_REDIS_MAX_LEN")]
+    pub redis_max_len: Option<u64>,
+    /// The adapter's own bound on one publish (keep it below --publish-timeout).
+    #[arg(long, env = "OUTBOX_BROKER_TIMEOUT", default_value = "10s", value_parser = crate::parse_dur)]
+    pub broker_timeout: Duration,
+}
+
+#[cfg_attr(all(feature = "nats", feature = "redis"), allow(dead_code))]
+fn not_compiled(name: &str) -> CliError {
+    CliError::new(
+        code::BROKER,
+        format!(
+            "--broker {name} is not compiled into this binary; rebuild with `cargo build -p outbox-examples --features {name} --bin outbox-relay`, or choose another broker (compiled in: {})",
+            compiled_in().join(", ")
+        ),
+    )
+}
+
+/// The brokers compiled into this binary.
+pub fn compiled_in() -> Vec<&'static str> {
+    let mut v = Vec::new();
+    if cfg!(feature = "nats") {
+        v.push("nats");
+    }
+    if cfg!(feature = "redis") {
+        v.push("redis");
+    }
+    v.extend(["stdout", "noop"]);
+    v
+}
+
+/// Connects the broker (exit 4 when unreachable, 2 for a bad setting).
+pub async fn build(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
+    match a.broker {
+        BrokerKind::Stdout => Ok(Arc::new(StdoutBroker)),
+        BrokerKind::Noop => Ok(Arc::new(NoopBroker)),
+        BrokerKind::Nats => nats(a).await,
+        BrokerKind::Redis => redis(a).await,
+    }
+}
+
+#[cfg(feature = "nats")]
+async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
+    use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, NatsBrokerError, StreamSpec};
+    let mut cfg = NatsBrokerConfig::new(a.nats_url.clone())
+        .subject_prefix(a.nats_subject_prefix.clone())
+        .timeout(a.broker_timeout)
+        .client_name("outbox-relay");
+    if !a.nats_stream.is_empty() {
+        cfg = cfg.ensure_stream(
+            StreamSpec::new(a.nats_stream.clone()).duplicate_window(a.nats_duplicate_window),
+        );
+    }
+    match NatsBroker::connect(cfg).await {
+        Ok(b) => Ok(Arc::new(b)),
+        Err(e @ NatsBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
+        Err(e) => Err(CliError::new(
+            code::BROKER,
+            format!(
+                "{e}; check --nats-url (NATS_URL) and that nats-server runs with JetStream (-js)"
+            ),
+        )),
+    }
+}
+
+#[cfg(not(feature = "nats"))]
+async fn nats(_a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
+    Err(not_compiled("nats"))
+}
+
+#[cfg(feature = "redis")]
+async fn redis(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
+    use outbox_redis_broker::{RedisBroker, RedisBrokerConfig, RedisBrokerError};
+    let mut cfg = RedisBrokerConfig::new(a.redis_url.clone())
+        .key_pattern(a.redis_key_pattern.clone())
+        .timeout(a.broker_timeout);
+    if let Some(n) = a.redis_max_len {
+        cfg = cfg.max_len(n);
+    }
+    match RedisBroker::connect(cfg).await {
+        Ok(b) => Ok(Arc::new(b)),
+        Err(e @ RedisBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
+        Err(e) => Err(CliError::new(code::BROKER, e.to_string())),
+    }
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis(_a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
+    Err(not_compiled("redis"))
+}

@@ -1,0 +1,79 @@
+//! The binary's error type: every failure carries the exit code it ends the process with.
+
+use outbox_core::RepositoryError;
+
+/// Exit codes (also in `--help` and the README).
+pub mod code {
+    /// The command ran but what it was asked to change is not there or not in the needed state
+    /// (unknown id, row not failed, row not locked, nothing matched). Nothing changed.
+    pub const REFUSED: i32 = 1;
+    /// Usage or configuration error: a bad flag value, an invalid table name or URL, a store not
+    /// compiled in. Nothing changed.
+    pub const USAGE: i32 = 2;
+    /// The database cannot be reached, or the outbox table does not exist.
+    pub const DATABASE: i32 = 3;
+    /// The broker cannot be reached, or is not compiled into this binary.
+    pub const BROKER: i32 = 4;
+    /// Any other failure.
+    pub const OTHER: i32 = 5;
+}
+
+/// The text appended to `--help`.
+pub const EXIT_CODES_HELP: &str = "\
+Exit codes:
+  0  success (for `run`: stopped by SIGINT/SIGTERM, by --until-drained, or the loops ended)
+  1  refused: unknown id, row not in the needed state, nothing matched; nothing changed
+  2  usage or configuration error (bad flag value, invalid table name or URL, store not compiled in)
+  3  database unreachable, or the outbox table is missing (run `outbox-relay migrate`)
+  4  broker unreachable, or not compiled into this binary (enable its cargo feature)
+  5  any other failure";
+
+/// A failure of a command.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct CliError {
+    /// The exit code.
+    pub code: i32,
+    /// What went wrong and what to do.
+    pub message: String,
+}
+
+impl CliError {
+    pub fn new(code: i32, message: impl Into<String>) -> Self {
+        Self {
+            code,
+            message: message.into(),
+        }
+    }
+
+    pub fn usage(message: impl Into<String>) -> Self {
+        Self::new(code::USAGE, message)
+    }
+
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self::new(code::REFUSED, message)
+    }
+
+    /// A repository error, with the table it concerns for the advice.
+    pub fn repo(table: &str, e: RepositoryError) -> Self {
+        match e {
+            RepositoryError::Validation(v) => Self::usage(v.to_string()),
+            RepositoryError::Unavailable { message } => Self::new(
+                code::DATABASE,
+                format!(
+                    "the database cannot be reached: {message}; check that PostgreSQL runs and --database-url (DATABASE_URL)"
+                ),
+            ),
+            RepositoryError::Schema(m) => Self::new(
+                code::DATABASE,
+                format!("{m}; run `outbox-relay migrate --table {table}`"),
+            ),
+            RepositoryError::NotLocked(id) => Self::refused(format!(
+                "event {id} is not locked (or does not exist in {table}): nothing to force-unlock; nothing changed"
+            )),
+            other => Self::new(code::OTHER, other.to_string()),
+        }
+    }
+}
+
+pub type Result<T, E = CliError> = std::result::Result<T, E>;

@@ -1,0 +1,230 @@
+//! `outbox-relay`: runs the outbox relay against PostgreSQL and a broker, and the operator's
+//! commands on the outbox table.
+//!
+//! ```sh
+//! cargo run -p outbox-examples --bin outbox-relay -- --help
+//! cargo run -p outbox-examples --bin outbox-relay -- migrate --database-url postgres://postgres@127.0.0.1:5432/test
+//! cargo run -p outbox-examples --bin outbox-relay -- run --broker nats --until-drained
+//! ```
+//!
+//! Every flag also reads the environment variable named in `--help`. The exit codes are in
+//! `--help` and in `examples/README.md`.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use outbox_postgres::TableName;
+use uuid::Uuid;
+
+mod broker;
+mod duration;
+mod error;
+mod ops;
+mod run;
+mod store;
+
+use error::{CliError, EXIT_CODES_HELP};
+use store::StoreKind;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "outbox-relay",
+    version,
+    about = "Transactional outbox relay and operator commands for PostgreSQL",
+    after_help = EXIT_CODES_HELP
+)]
+struct Cli {
+    /// Logs as JSON lines (on stderr). The level comes from RUST_LOG (default `info`).
+    #[arg(long, global = true, env = "OUTBOX_LOG_JSON")]
+    log_json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Where the outbox table is.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    /// PostgreSQL URL, e.g. postgres://user[:password]@host[:port]/database.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// The backend crate that runs the queries: sqlx (outbox-postgres) or diesel (outbox-diesel,
+    /// cargo feature `diesel`). Both use the same table.
+    #[arg(long, env = "OUTBOX_STORE", value_enum, default_value_t = StoreKind::Sqlx)]
+    pub store: StoreKind,
+    /// The outbox table, `table` or `schema.table` (lowercase letters, digits and `_`).
+    #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox_events", value_parser = parse_table)]
+    pub table: TableName,
+}
+
+fn parse_table(s: &str) -> Result<TableName, String> {
+    TableName::new(s).map_err(|e| e.to_string())
+}
+
+fn parse_dur(s: &str) -> Result<Duration, String> {
+    duration::parse(s)
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Runs the relay: fetches due rows, publishes them in order per key, records the outcomes.
+    ///
+    /// Wakes on LISTEN/NOTIFY (channel `outbox.<table>`, see the writers' `notify` helper) and
+    /// polls otherwise. SIGINT/SIGTERM finish the cycle in flight, release what was not
+    /// published and exit 0.
+    Run(Box<run::RunArgs>),
+    /// Creates the outbox table and its indexes (idempotent; adds only what is missing).
+    Migrate {
+        #[command(flatten)]
+        db: DbArgs,
+        /// A partitioned table. Not supported by these backends (the contract does not carry the
+        /// ancestor's partitioned variant over); the flag fails with exit 2.
+        #[arg(long)]
+        partitioned: bool,
+    },
+    /// Row counts per topic and status, blocked keys, and the age of the oldest due row.
+    Stats {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Prints JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// The lease TTL the relays use (a lock older than this is not "held").
+        #[arg(long, env = "OUTBOX_LEASE", default_value = "300s", value_parser = parse_dur)]
+        lease: Duration,
+    },
+    /// Keys whose first row waits for a retry or is held under a live lease, oldest first.
+    BlockedKeys {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Prints JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// At most this many keys.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+        limit: u32,
+        /// The lease TTL the relays use.
+        #[arg(long, env = "OUTBOX_LEASE", default_value = "300s", value_parser = parse_dur)]
+        lease: Duration,
+    },
+    /// Moves failed rows back to pending (attempts 0, due now): one id, or all failed rows of a
+    /// topic and/or partition key.
+    #[command(group(clap::ArgGroup::new("which").required(true).args(["id", "topic", "key"])))]
+    RequeueFailed {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The row id.
+        #[arg(conflicts_with_all = ["topic", "key"])]
+        id: Option<Uuid>,
+        /// All failed rows of this topic.
+        #[arg(long)]
+        topic: Option<String>,
+        /// All failed rows of this partition key.
+        #[arg(long)]
+        key: Option<String>,
+    },
+    /// Releases pending rows locked longer ago than --older-than (relays that died).
+    ReleaseStaleLocks {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Lock age, at least 1s (e.g. 10m).
+        #[arg(long, value_parser = parse_dur)]
+        older_than: Duration,
+    },
+    /// Deletes completed rows completed longer ago than --older-than (whole days, at least 1d).
+    Cleanup {
+        #[command(flatten)]
+        db: DbArgs,
+        /// Retention in whole days, e.g. 7d.
+        #[arg(long, value_parser = parse_dur)]
+        older_than: Duration,
+        /// Rows deleted per statement (1 to 10,000).
+        #[arg(long, default_value_t = 1000)]
+        batch_size: usize,
+    },
+    /// Releases a held row whoever holds it and records the reason as its last error.
+    ForceUnlock {
+        #[command(flatten)]
+        db: DbArgs,
+        /// The row id.
+        id: Uuid,
+        /// Why (1 to 255 characters after trimming); stored as `Force unlock: <reason>`.
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+/// Which broker `run` publishes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BrokerKind {
+    /// NATS JetStream (cargo feature `nats`, on by default).
+    Nats,
+    /// Redis Streams (cargo feature `redis`).
+    Redis,
+    /// One JSON line per event on stdout (always compiled in).
+    Stdout,
+    /// Acknowledges everything and sends nothing (always compiled in; for benchmarks).
+    Noop,
+}
+
+fn init_tracing(json: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr);
+    if json {
+        b.json().init();
+    } else {
+        b.init();
+    }
+}
+
+async fn dispatch(cmd: Command) -> Result<(), CliError> {
+    match cmd {
+        Command::Run(a) => run::run(*a).await,
+        Command::Migrate { db, partitioned } => ops::migrate(&db, partitioned).await,
+        Command::Stats { db, json, lease } => ops::stats(&db, json, lease).await,
+        Command::BlockedKeys {
+            db,
+            json,
+            limit,
+            lease,
+        } => ops::blocked_keys(&db, json, limit as usize, lease).await,
+        Command::RequeueFailed { db, id, topic, key } => {
+            ops::requeue_failed(&db, id, topic, key).await
+        }
+        Command::ReleaseStaleLocks { db, older_than } => {
+            ops::release_stale_locks(&db, older_than).await
+        }
+        Command::Cleanup {
+            db,
+            older_than,
+            batch_size,
+        } => ops::cleanup(&db, older_than, batch_size).await,
+        Command::ForceUnlock { db, id, reason } => ops::force_unlock(&db, id, &reason).await,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_json);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: could not start the async runtime: {e}");
+            return ExitCode::from(error::code::OTHER as u8);
+        }
+    };
+    match rt.block_on(dispatch(cli.command)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {}", e.message);
+            ExitCode::from(e.code as u8)
+        }
+    }
+}
