@@ -348,6 +348,24 @@ impl Harness for DieselHarness {
         )
     }
 
+    async fn create_schema_for(&self, table: &str) -> Option<Result<(), String>> {
+        // This backend's table-name setting and its schema creation: the diesel migrations.
+        let t = match DieselConfig::default().table_name(table) {
+            Ok(c) => c.table_ref().clone(),
+            Err(e) => return Some(Err(e.to_string())),
+        };
+        let conn = match AsyncPgConnection::establish(&self.url).await {
+            Ok(c) => c,
+            Err(e) => return Some(Err(e.to_string())),
+        };
+        Some(
+            run_migrations(conn, &t)
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string()),
+        )
+    }
+
     async fn sql(&self, statement: &str) -> Result<Vec<serde_json::Value>, String> {
         // Arbitrary statements returning arbitrary rows as JSON: the attached sqlx harness does
         // that on its own pool, on the same schema and table.
