@@ -120,6 +120,7 @@ pub struct Ctx {
     /// The shutdown signal cycles read.
     pub shutdown: CancellationToken,
     seq: std::sync::atomic::AtomicUsize,
+    advanced: std::sync::Mutex<Duration>,
 }
 
 /// The sends and the report of one cycle.
@@ -144,6 +145,7 @@ impl Ctx {
             relay_clock: ManualRelayClock::new(),
             shutdown: CancellationToken::new(),
             seq: Default::default(),
+            advanced: Default::default(),
         }
     }
 
@@ -215,6 +217,23 @@ impl Ctx {
     pub async fn advance(&self, d: Duration) {
         self.h.advance(d).await;
         self.relay_clock.advance(d);
+        *self.advanced.lock().expect("poisoned") += d;
+    }
+
+    /// The total time advanced so far in this trial.
+    pub fn advanced(&self) -> Duration {
+        *self.advanced.lock().expect("poisoned")
+    }
+
+    /// Trial time: the backend's now plus everything advanced. On a backend whose advance moves
+    /// its clock (in memory) this counts advances twice, so it is only for differences taken on
+    /// a database clock; see [`Ctx::elapsed_since`].
+    pub fn shifted(&self, t: DateTime<Utc>) -> DateTime<Utc> {
+        if self.kind() == BackendKind::Memory {
+            t
+        } else {
+            t + chrono::Duration::from_std(self.advanced()).expect("duration")
+        }
     }
 
     /// Moves time to a row's next try.
