@@ -158,11 +158,20 @@ async fn listen(pool: &PgPool, table: &TableName, wakers: Vec<Arc<Notify>>) -> R
     Ok(())
 }
 
-/// Whether any pending row is locked (by any relay, expired or not).
-async fn any_held(pool: &PgPool, table: &TableName) -> std::result::Result<bool, sqlx::Error> {
+/// Whether the table is drained: no pending row is held (by any relay, expired leases
+/// included), and no row is a due head (pending, due, attempts left, and no earlier row of its
+/// key in line: due, tried or held). One statement, so one snapshot: a fetch of another relay
+/// that has not committed yet leaves its heads due here. Rows waiting for a later retry, and
+/// the rows behind them, do not count.
+async fn drained(pool: &PgPool, table: &TableName) -> std::result::Result<bool, sqlx::Error> {
     let sql = format!(
-        "SELECT EXISTS (SELECT 1 FROM {} WHERE status = 'pending' AND locked_at IS NOT NULL)",
-        table.qualified()
+        "SELECT NOT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending' AND locked_at IS NOT NULL) \
+         AND NOT EXISTS (SELECT 1 FROM {t} h WHERE h.status = 'pending' AND h.scheduled_at <= now() \
+           AND h.attempts_made < h.max_attempts \
+           AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.status = 'pending' AND p.topic = h.topic \
+             AND p.partition_key = h.partition_key AND (p.created_at, p.id) < (h.created_at, h.id) \
+             AND (p.scheduled_at <= now() OR p.last_error IS NOT NULL OR p.locked_at IS NOT NULL)))",
+        t = table.qualified()
     );
     sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
         .fetch_one(pool)
@@ -223,12 +232,12 @@ async fn relay_loop(relay: Relay, wake: Arc<Notify>, sh: Arc<Shared>) -> Result<
             continue;
         }
         if sh.until_drained && fetched == 0 {
-            match any_held(&sh.pool, &sh.table).await {
-                Ok(false) => {
+            match drained(&sh.pool, &sh.table).await {
+                Ok(true) => {
                     tracing::info!(%worker, "drained: nothing due or held");
                     return Ok(());
                 }
-                Ok(true) => {}
+                Ok(false) => {}
                 Err(e) => tracing::warn!(error = %e, "drain check failed"),
             }
         }
