@@ -109,7 +109,7 @@ enum Command {
     },
     /// Moves failed rows back to pending (attempts 0, due now): one id, or all failed rows of a
     /// topic and/or partition key.
-    #[command(group(clap::ArgGroup::new("which").required(true).args(["id", "topic", "key"])))]
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["id", "topic", "key"])))]
     RequeueFailed {
         #[command(flatten)]
         db: DbArgs,

@@ -1,0 +1,356 @@
+//! Fresh schema per run, bulk preload, store construction, and the plain-SQL reference drain.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_core::OutboxRepository;
+use outbox_postgres::sql::{self, FetchParams, Statements, TableName};
+use outbox_postgres::{PgConfig, PgOutboxRepository};
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Row};
+
+use crate::{BenchError, Shape, StoreKind};
+
+/// A fresh schema `bench_<pid>_<n>` holding the outbox table, dropped by [`Fresh::drop`].
+pub struct Fresh {
+    pub pool: PgPool,
+    pub table: TableName,
+}
+
+pub async fn pool(url: &str, max: u32) -> Result<PgPool, BenchError> {
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+        .map_err(|e| BenchError(format!("could not connect to PostgreSQL at {url}: {e}")))
+}
+
+fn db(during: &'static str) -> impl Fn(sqlx::Error) -> BenchError {
+    move |e| BenchError(format!("PostgreSQL error during {during}: {e}"))
+}
+
+/// Creates the table (without its indexes), preloads the shape in bulk, then runs the store's
+/// own schema creation (which adds the seven indexes of Appendix A, R79) and `VACUUM ANALYZE`.
+///
+/// Every row is pending and due; created_at grows with the generator index, so each key's write
+/// order is defined. The payload carries `seq` (the generator index) for the order check.
+pub async fn prepare(
+    url: &str,
+    run_tag: &str,
+    shape: &Shape,
+    store: StoreKind,
+    max_conns: u32,
+) -> Result<Fresh, BenchError> {
+    let pool = pool(url, max_conns).await?;
+    let table = TableName::new(&format!("{run_tag}.outbox_events"))
+        .map_err(|e| BenchError(format!("table name: {e}")))?;
+    let q = table.qualified();
+    sqlx::query(AssertSqlSafe(format!(
+        "DROP SCHEMA IF EXISTS \"{run_tag}\" CASCADE"
+    )))
+    .execute(&pool)
+    .await
+    .map_err(db("schema drop"))?;
+    // The DDL of the library, indexes held back until the rows are in (bulk-load practice).
+    for s in sql::ddl(&table)
+        .into_iter()
+        .filter(|s| !s.contains(" INDEX "))
+    {
+        sqlx::query(AssertSqlSafe(s))
+            .execute(&pool)
+            .await
+            .map_err(db("table creation"))?;
+    }
+    // Normal rows at base + 2g µs, hot rows at base + 2j + 1 µs: disjoint, ordered per key.
+    let insert = |from: &str, key: &str| {
+        format!(
+            "INSERT INTO {q} (id, event_type, payload, headers, status, attempts_made, max_attempts,
+                    scheduled_at, created_at, updated_at, aggregate_type, aggregate_id, topic,
+                    partition_key)
+             SELECT gen_random_uuid(), 'bench.created',
+                    jsonb_build_object('seq', g, 'amount', g % 1000, 'note', 'outbox benchmark event'),
+                    NULL, 'pending', 0, 3, x.ts, x.ts, x.ts, 'bench', md5({key})::uuid, 'bench', {key}
+               FROM {from},
+                    LATERAL (SELECT (now() - INTERVAL '1 day') + ({ts}) * INTERVAL '1 microsecond' AS ts) x",
+            ts = if key.contains("hot") { "2 * g + 1" } else { "2 * g" },
+        )
+    };
+    if shape.events > 0 {
+        sqlx::query(AssertSqlSafe(insert(
+            "generate_series(0, $1::int8 - 1) g",
+            "'k' || (g % $2::int8)",
+        )))
+        .bind(shape.events as i64)
+        .bind(shape.keys.max(1) as i64)
+        .execute(&pool)
+        .await
+        .map_err(db("preload"))?;
+    }
+    if shape.hot_events > 0 {
+        sqlx::query(AssertSqlSafe(insert(
+            "generate_series(0, $1::int8 - 1) g",
+            "'hot'::text",
+        )))
+        .bind(shape.hot_events as i64)
+        .execute(&pool)
+        .await
+        .map_err(db("preload"))?;
+    }
+    match store {
+        StoreKind::Sqlx => outbox_postgres::create_schema(&pool, &table)
+            .await
+            .map_err(|e| BenchError(format!("create_schema: {e}")))?,
+        StoreKind::Diesel => diesel_schema(url, &table).await?,
+    }
+    sqlx::query(AssertSqlSafe(format!("VACUUM ANALYZE {q}")))
+        .execute(&pool)
+        .await
+        .map_err(db("vacuum"))?;
+    Ok(Fresh { pool, table })
+}
+
+#[cfg(feature = "diesel")]
+async fn diesel_schema(url: &str, table: &TableName) -> Result<(), BenchError> {
+    use diesel_async::AsyncConnection;
+    let mut conn = diesel_async::AsyncPgConnection::establish(url)
+        .await
+        .map_err(|e| BenchError(format!("diesel connect: {e}")))?;
+    outbox_diesel::create_schema(&mut conn, table)
+        .await
+        .map_err(|e| BenchError(format!("diesel create_schema: {e}")))
+}
+
+#[cfg(not(feature = "diesel"))]
+async fn diesel_schema(_url: &str, _table: &TableName) -> Result<(), BenchError> {
+    Err(BenchError(
+        "--store diesel needs the diesel feature: cargo build --release -p outbox-examples --features diesel".into(),
+    ))
+}
+
+impl Fresh {
+    /// Rows not completed (0 after a full drain).
+    pub async fn not_completed(&self) -> Result<i64, BenchError> {
+        sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT count(*) FROM {} WHERE status <> 'completed'",
+            self.table.qualified()
+        )))
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db("final count"))
+    }
+
+    pub async fn drop(self) {
+        if let Some(s) = self.table.schema() {
+            let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS \"{s}\" CASCADE")))
+                .execute(&self.pool)
+                .await;
+        }
+        self.pool.close().await;
+    }
+}
+
+/// One repository per relay on a shared pool (a relay holds one connection at a time).
+pub async fn repository(
+    store: StoreKind,
+    url: &str,
+    fresh: &Fresh,
+    pool_size: u32,
+) -> Result<Arc<dyn OutboxRepository>, BenchError> {
+    Ok(match store {
+        StoreKind::Sqlx => Arc::new(PgOutboxRepository::new(
+            pool(url, pool_size).await?,
+            PgConfig::default().table(fresh.table.clone()),
+        )),
+        StoreKind::Diesel => diesel_repo(url, &fresh.table, pool_size)?,
+    })
+}
+
+#[cfg(feature = "diesel")]
+fn diesel_repo(
+    url: &str,
+    table: &TableName,
+    pool_size: u32,
+) -> Result<Arc<dyn OutboxRepository>, BenchError> {
+    let settings = outbox_diesel::PoolSettings::default()
+        .max_size(pool_size as usize)
+        .map_err(|e| BenchError(e.to_string()))?;
+    let pool = outbox_diesel::build_pool(url, &settings)
+        .map_err(|e| BenchError(format!("diesel pool: {e}")))?;
+    Ok(Arc::new(outbox_diesel::DieselOutboxRepository::new(
+        pool,
+        outbox_diesel::DieselConfig::default().table(table.clone()),
+    )))
+}
+
+#[cfg(not(feature = "diesel"))]
+fn diesel_repo(
+    _url: &str,
+    _table: &TableName,
+    _pool_size: u32,
+) -> Result<Arc<dyn OutboxRepository>, BenchError> {
+    Err(BenchError("--store diesel needs the diesel feature".into()))
+}
+
+/// What a plain-SQL drain measured.
+#[derive(Debug, Default, Clone)]
+pub struct SqlDrain {
+    pub events: usize,
+    pub cycles: usize,
+    pub seconds: f64,
+    /// Per-statement wall time sums in seconds (begin, fetch, write, commit), when profiled.
+    pub phases: [f64; 4],
+}
+
+/// The ceiling: an unordered queue drained with plain SQL by `conns` connections, each cycle
+/// `BEGIN; SELECT … LIMIT batch FOR UPDATE SKIP LOCKED; UPDATE … completed; COMMIT`. The fetch
+/// reads the library's columns through its own partial index on status/scheduled_at
+/// (`idx_<t>_pending_fetch`); the table and its indexes are the library's.
+pub async fn reference_drain(
+    fresh: &Fresh,
+    url: &str,
+    conns: usize,
+    batch: usize,
+) -> Result<SqlDrain, BenchError> {
+    let t = fresh.table.qualified();
+    let fetch = format!(
+        "SELECT {} FROM {t}
+          WHERE status = 'pending' AND locked_at IS NULL AND attempts_made < max_attempts
+            AND scheduled_at <= now()
+          ORDER BY scheduled_at
+          LIMIT $1
+          FOR UPDATE SKIP LOCKED",
+        sql::column_list("")
+    );
+    let mark = format!(
+        "UPDATE {t} SET status = 'completed', completed_at = now(), updated_at = now()
+          WHERE id = ANY($1::uuid[])"
+    );
+    sql_drain(url, conns, batch, fetch, mark).await
+}
+
+/// The library's own fetch and completion statements ([`Statements::fetch`],
+/// [`Statements::complete`]) run by hand with a timer around every round trip: where the
+/// relay's database time goes, statement by statement.
+pub async fn statement_profile(
+    fresh: &Fresh,
+    url: &str,
+    batch: usize,
+    max_per_key: usize,
+) -> Result<SqlDrain, BenchError> {
+    let stmts = Statements::new(&fresh.table);
+    let pool = pool(url, 1).await?;
+    let mut conn = pool.acquire().await.map_err(db("acquire"))?;
+    let req = outbox_core::FetchRequest::new(
+        outbox_core::WorkerId::new("bench-profile").expect("valid worker id"),
+        batch,
+    )
+    .max_per_key(max_per_key);
+    let p = FetchParams::new(&req);
+    let mut out = SqlDrain::default();
+    let started = Instant::now();
+    loop {
+        let t0 = Instant::now();
+        let mut tx = conn.begin().await.map_err(db("begin"))?;
+        let t1 = Instant::now();
+        let rows = sqlx::query(AssertSqlSafe(stmts.fetch.as_str()))
+            .bind("bench-profile")
+            .bind(p.limit)
+            .bind(p.lease_us)
+            .bind(p.max_per_key)
+            .bind(p.topics.clone())
+            .bind(p.aggregate_types.clone())
+            .bind(p.aggregate_ids.clone())
+            .bind(p.scan_limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db("fetch"))?;
+        let t2 = Instant::now();
+        tx.commit().await.map_err(db("commit"))?;
+        let t3 = Instant::now();
+        if rows.is_empty() {
+            break;
+        }
+        let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
+        let mut tx = conn.begin().await.map_err(db("begin"))?;
+        let t4 = Instant::now();
+        sqlx::query(AssertSqlSafe(stmts.complete.as_str()))
+            .bind(&ids)
+            .bind("bench-profile")
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db("complete"))?;
+        let t5 = Instant::now();
+        tx.commit().await.map_err(db("commit"))?;
+        let t6 = Instant::now();
+        out.phases[0] += (t1 - t0 + (t4 - t3)).as_secs_f64();
+        out.phases[1] += (t2 - t1).as_secs_f64();
+        out.phases[2] += (t5 - t4).as_secs_f64();
+        out.phases[3] += (t3 - t2 + (t6 - t5)).as_secs_f64();
+        out.events += ids.len();
+        out.cycles += 1;
+    }
+    out.seconds = started.elapsed().as_secs_f64();
+    drop(conn);
+    pool.close().await;
+    Ok(out)
+}
+
+async fn sql_drain(
+    url: &str,
+    conns: usize,
+    batch: usize,
+    fetch: String,
+    mark: String,
+) -> Result<SqlDrain, BenchError> {
+    let pool = pool(url, conns as u32).await?;
+    // Open every connection before the clock starts.
+    let mut held = Vec::new();
+    for _ in 0..conns {
+        held.push(pool.acquire().await.map_err(db("acquire"))?);
+    }
+    let events = Arc::new(AtomicUsize::new(0));
+    let cycles = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for mut conn in held {
+        let (fetch, mark) = (fetch.clone(), mark.clone());
+        let (events, cycles) = (events.clone(), cycles.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let mut tx = conn.begin().await.map_err(db("begin"))?;
+                let rows = sqlx::query(AssertSqlSafe(fetch.as_str()))
+                    .bind(batch as i64)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(db("reference fetch"))?;
+                if rows.is_empty() {
+                    tx.commit().await.map_err(db("commit"))?;
+                    return Ok::<(), BenchError>(());
+                }
+                let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
+                sqlx::query(AssertSqlSafe(mark.as_str()))
+                    .bind(&ids)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("reference mark"))?;
+                tx.commit().await.map_err(db("commit"))?;
+                events.fetch_add(ids.len(), Ordering::Relaxed);
+                cycles.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await
+            .map_err(|e| BenchError(format!("reference task: {e}")))??;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    pool.close().await;
+    Ok(SqlDrain {
+        events: events.load(Ordering::Relaxed),
+        cycles: cycles.load(Ordering::Relaxed),
+        seconds,
+        phases: [0.0; 4],
+    })
+}
