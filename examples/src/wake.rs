@@ -7,8 +7,12 @@
 //! transaction with the same channel and payload are folded into one by PostgreSQL, so a
 //! writer may call [`notify`] once per transaction or once per event, at no extra cost.
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use outbox_postgres::TableName;
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
+use tokio::sync::Notify;
 
 /// The channel name for `table`: `outbox.` + `schema.table` when that fits PostgreSQL's 63-byte
 /// limit on channel names, else `outbox.` + a stable 64-bit FNV-1a hash of it in hex.
@@ -33,6 +37,34 @@ pub async fn notify(conn: &mut PgConnection, table: &TableName) -> Result<(), sq
         .execute(conn)
         .await
         .map(drop)
+}
+
+/// LISTENs on the channel of `table` on a connection of its own and wakes every waker (e.g.
+/// `Relay::waker()`) on each notification, in a task that runs until the runtime stops. Returns
+/// once LISTEN is in place, so a notification committed after this returns is seen. When the
+/// connection drops, sqlx's listener reconnects and re-LISTENs; notifications sent meanwhile
+/// are lost, which the relay's polling covers.
+pub async fn spawn_listener(
+    pool: &PgPool,
+    table: &TableName,
+    wakers: Vec<Arc<Notify>>,
+) -> Result<(), sqlx::Error> {
+    let channel = channel(table);
+    let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
+    l.listen(&channel).await?;
+    tracing::debug!(%channel, "listening for wake-ups");
+    tokio::spawn(async move {
+        loop {
+            match l.recv().await {
+                Ok(_) => wakers.iter().for_each(|w| w.notify_one()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "LISTEN connection failed; polling until it is back");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    });
+    Ok(())
 }
 
 /// The same for diesel-async: call it inside `conn.transaction(…)`.

@@ -97,7 +97,8 @@ impl RunBroker {
             }));
         }
         for t in tasks {
-            t.await.map_err(|e| BenchError(format!("raw task: {e}")))??;
+            t.await
+                .map_err(|e| BenchError(format!("raw task: {e}")))??;
         }
         Ok(started.elapsed().as_secs_f64())
     }

@@ -143,9 +143,11 @@ impl Fresh {
 
     pub async fn drop(self) {
         if let Some(s) = self.table.schema() {
-            let _ = sqlx::query(AssertSqlSafe(format!("DROP SCHEMA IF EXISTS \"{s}\" CASCADE")))
-                .execute(&self.pool)
-                .await;
+            let _ = sqlx::query(AssertSqlSafe(format!(
+                "DROP SCHEMA IF EXISTS \"{s}\" CASCADE"
+            )))
+            .execute(&self.pool)
+            .await;
         }
         self.pool.close().await;
     }

@@ -136,25 +136,10 @@ fn on_signals(token: CancellationToken) {
 /// LISTENs on the table's channel and wakes every loop on each notification.
 async fn listen(pool: &PgPool, table: &TableName, wakers: Vec<Arc<Notify>>) -> Result<()> {
     let channel = outbox_examples::wake::channel(table);
-    let mut l = sqlx::postgres::PgListener::connect_with(pool)
-        .await
-        .map_err(|e| CliError::new(code::DATABASE, format!("LISTEN connection: {e}")))?;
-    l.listen(&channel)
+    outbox_examples::wake::spawn_listener(pool, table, wakers)
         .await
         .map_err(|e| CliError::new(code::DATABASE, format!("LISTEN {channel}: {e}")))?;
     tracing::info!(%channel, "listening for wake-ups");
-    tokio::spawn(async move {
-        loop {
-            match l.recv().await {
-                Ok(_) => wakers.iter().for_each(|w| w.notify_one()),
-                Err(e) => {
-                    // PgListener reconnects by itself; polling covers the gap.
-                    tracing::warn!(error = %e, "LISTEN connection failed; polling until it is back");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                }
-            }
-        }
-    });
     Ok(())
 }
 

@@ -1,0 +1,299 @@
+//! The standard set of issue 7: every measurement of one repetition runs back to back (so each
+//! ratio compares runs made under the same load), each in its own child process (so peak RSS
+//! is the run's own); then a table of medians and ratios.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+
+use clap::Args;
+use serde_json::Value;
+
+use crate::BenchError;
+
+#[derive(Args, Debug, Clone)]
+pub struct SuiteArgs {
+    /// Repetitions of the set (targets 1 to 5); medians are over these.
+    #[arg(long, default_value_t = 5)]
+    pub runs: usize,
+    /// Skip target 6 (draining 1,000,000 events, a few minutes).
+    #[arg(long)]
+    pub skip_memory: bool,
+    /// Skip the NATS and Redis measurements (target 5).
+    #[arg(long)]
+    pub skip_brokers: bool,
+    /// Events of the memory run.
+    #[arg(long, default_value_t = 1_000_000)]
+    pub memory_events: usize,
+    /// Append every JSON line to this file.
+    #[arg(long)]
+    pub out: Option<std::path::PathBuf>,
+}
+
+/// One measurement: a name and its `run` arguments.
+struct Spec {
+    name: &'static str,
+    args: Vec<String>,
+}
+
+fn spec(name: &'static str, args: &str) -> Spec {
+    Spec {
+        name,
+        args: args.split_whitespace().map(str::to_owned).collect(),
+    }
+}
+
+fn standard(brokers: bool) -> Vec<Spec> {
+    let t1 = "--events 20000 --keys 1000 --batch 100";
+    let one = "--events 100000 --keys 100000 --batch 100";
+    let mixed = "--events 20000 --keys 1000 --hot-events 20000 --batch 100";
+    let mut v = vec![
+        spec("ref_1", &format!("--mode reference --relays 1 {t1}")),
+        spec(
+            "sqlx_1",
+            &format!("--mode relay --store sqlx --relays 1 {t1}"),
+        ),
+        spec(
+            "diesel_1",
+            &format!("--mode relay --store diesel --relays 1 {t1}"),
+        ),
+        spec("ref_4", &format!("--mode reference --relays 4 {t1}")),
+        spec(
+            "sqlx_4",
+            &format!("--mode relay --store sqlx --relays 4 {t1}"),
+        ),
+        spec(
+            "diesel_4",
+            &format!("--mode relay --store diesel --relays 4 {t1}"),
+        ),
+        spec(
+            "hot_100",
+            "--mode relay --store sqlx --relays 1 --events 1000 --keys 1 --batch 100 --max-per-key 100 --check-order",
+        ),
+        spec("ref_one", &format!("--mode reference --relays 1 {one}")),
+        spec("sqlx_one", &format!("--mode relay --relays 1 {one}")),
+        spec("ref_mixed", &format!("--mode reference --relays 1 {mixed}")),
+        spec(
+            "sqlx_mixed",
+            &format!("--mode relay --relays 1 --check-order {mixed}"),
+        ),
+    ];
+    if brokers {
+        v.extend([
+            spec(
+                "raw_nats",
+                &format!("--mode raw --broker nats --relays 1 {t1}"),
+            ),
+            spec(
+                "sqlx_nats",
+                &format!("--mode relay --broker nats --relays 1 {t1}"),
+            ),
+            spec(
+                "raw_redis",
+                &format!("--mode raw --broker redis --relays 1 {t1}"),
+            ),
+            spec(
+                "sqlx_redis",
+                &format!("--mode relay --broker redis --relays 1 {t1}"),
+            ),
+        ]);
+    }
+    v
+}
+
+async fn child(args: &[String]) -> Result<Value, BenchError> {
+    let exe = std::env::current_exe().map_err(|e| BenchError(e.to_string()))?;
+    let out = tokio::process::Command::new(exe)
+        .arg("run")
+        .args(args)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .await
+        .map_err(|e| BenchError(format!("could not start a run: {e}")))?;
+    if !out.status.success() {
+        return Err(BenchError(format!(
+            "run {} failed ({})",
+            args.join(" "),
+            out.status
+        )));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text.lines().last().unwrap_or_default();
+    serde_json::from_str(line).map_err(|e| BenchError(format!("bad JSON line {line:?}: {e}")))
+}
+
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    Some(if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    })
+}
+
+fn load_avg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+pub async fn suite(a: SuiteArgs) -> Result<(), BenchError> {
+    let specs = standard(!a.skip_brokers);
+    let mut file = match &a.out {
+        Some(p) => Some(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| BenchError(format!("{}: {e}", p.display())))?,
+        ),
+        None => None,
+    };
+    let mut emit = |name: &str, rep: usize, v: &Value| {
+        let line = serde_json::json!({ "name": name, "rep": rep, "load": load_avg(), "run": v });
+        println!("{line}");
+        if let Some(f) = file.as_mut() {
+            let _ = writeln!(f, "{line}");
+        }
+    };
+    // results[name][rep]
+    let mut results: BTreeMap<&'static str, Vec<Value>> = BTreeMap::new();
+    for rep in 0..a.runs {
+        eprintln!("repetition {} of {} (load {})", rep + 1, a.runs, load_avg());
+        for s in &specs {
+            let v = child(&s.args).await?;
+            emit(s.name, rep, &v);
+            results.entry(s.name).or_default().push(v);
+        }
+    }
+    let mut memory = None;
+    if !a.skip_memory {
+        let args: Vec<String> = format!(
+            "--mode relay --relays 1 --events {} --keys 1000 --batch 100",
+            a.memory_events
+        )
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect();
+        eprintln!(
+            "memory run: {} events (load {})",
+            a.memory_events,
+            load_avg()
+        );
+        let v = child(&args).await?;
+        emit("memory", 0, &v);
+        memory = Some(v);
+    }
+    print_table(&results, memory.as_ref(), a.runs);
+    Ok(())
+}
+
+fn f(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or(f64::NAN)
+}
+
+fn print_table(r: &BTreeMap<&'static str, Vec<Value>>, memory: Option<&Value>, runs: usize) {
+    let rate = |n: &str| {
+        median(
+            r.get(n)
+                .map(|v| v.iter().map(|x| f(x, "events_per_s")).collect())
+                .unwrap_or_default(),
+        )
+    };
+    // Ratio per repetition (same run), then the median of the ratios.
+    let ratio = |a: &str, b: &str| {
+        let (Some(x), Some(y)) = (r.get(a), r.get(b)) else {
+            return None;
+        };
+        median(
+            x.iter()
+                .zip(y)
+                .map(|(x, y)| f(x, "events_per_s") / f(y, "events_per_s"))
+                .collect(),
+        )
+    };
+    let fmt = |v: Option<f64>| v.map_or("–".into(), |v| format!("{v:.0}"));
+    let fr = |v: Option<f64>| v.map_or("–".into(), |v| format!("{v:.2}"));
+    let ok = |v: Option<f64>, goal: f64| match v {
+        Some(v) if v >= goal => "yes",
+        Some(_) => "**no**",
+        None => "–",
+    };
+    println!();
+    println!(
+        "Medians of {runs} repetitions (events/s; ratios are per repetition, then the median)."
+    );
+    println!();
+    println!("| target | measured | ev/s | against | ev/s | ratio | goal | holds |");
+    println!("|---|---|---:|---|---:|---:|---:|---|");
+    let rows: [(&str, &str, &str, &str, f64); 10] = [
+        ("1", "sqlx_1", "ref_1", "1 relay vs reference 1 conn", 0.8),
+        ("1", "sqlx_4", "ref_4", "4 relays vs reference 4 conns", 0.8),
+        ("2", "diesel_1", "sqlx_1", "diesel vs sqlx, 1 relay", 0.9),
+        ("2", "diesel_4", "sqlx_4", "diesel vs sqlx, 4 relays", 0.9),
+        ("4", "sqlx_one", "ref_one", "100,000 keys of 1 row", 0.7),
+        (
+            "4",
+            "sqlx_mixed",
+            "ref_mixed",
+            "hot 20,000 + 1,000 × 20",
+            0.7,
+        ),
+        (
+            "5",
+            "sqlx_nats",
+            "raw_nats",
+            "NATS JetStream e2e vs raw",
+            0.5,
+        ),
+        (
+            "5",
+            "sqlx_redis",
+            "raw_redis",
+            "Redis Streams e2e vs raw",
+            0.5,
+        ),
+        ("", "", "", "", 0.0),
+        ("", "", "", "", 0.0),
+    ];
+    for (t, a, b, what, goal) in rows.iter().filter(|x| !x.1.is_empty()) {
+        if !r.contains_key(a) {
+            continue;
+        }
+        let q = ratio(a, b);
+        println!(
+            "| {t} | {a} ({what}) | {} | {b} | {} | {} | ≥ {goal} | {} |",
+            fmt(rate(a)),
+            fmt(rate(b)),
+            fr(q),
+            ok(q, *goal)
+        );
+    }
+    if let Some(h) = r.get("hot_100") {
+        let secs = median(h.iter().map(|x| f(x, "seconds")).collect());
+        let cycles: Vec<String> = h.iter().map(|x| x["cycles"].to_string()).collect();
+        let in_order = h.iter().all(|x| x["in_order"] == Value::Bool(true));
+        println!(
+            "| 3 | hot key, 1,000 events, max_per_key 100 | {} s (median) | cycles {} | want 10 | in order: {in_order} | < 0.3 s | {} |",
+            secs.map_or("–".into(), |s| format!("{s:.3}")),
+            cycles.join(", "),
+            if secs.is_some_and(|s| s < 0.3) && in_order && h.iter().all(|x| x["cycles"] == 10) {
+                "yes"
+            } else {
+                "**no**"
+            }
+        );
+    }
+    if let Some(m) = memory {
+        let mb = f(m, "peak_rss_mb");
+        println!(
+            "| 6 | peak RSS draining {} events | {mb} MB | {} ev/s | | | < 100 MB | {} |",
+            m["events"],
+            m["events_per_s"],
+            if mb < 100.0 { "yes" } else { "**no**" }
+        );
+    }
+}
