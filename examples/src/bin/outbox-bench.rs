@@ -73,6 +73,9 @@ pub enum Mode {
     Raw,
     /// The library's fetch and completion statements, timed round trip by round trip.
     Statements,
+    /// Preload only and keep the table (for EXPLAIN); prints its name and the library's fetch
+    /// statement to stderr. Drop the schema yourself afterwards.
+    Preload,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -209,6 +212,16 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
         "publish_concurrency": a.publish_concurrency,
     });
     let (seconds, cycles, extra) = match a.mode {
+        Mode::Preload => {
+            let fresh = db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2).await?;
+            eprintln!(
+                "kept table {}; fetch statement ($1 worker, $2 batch, $3 lease µs, $4 max_per_key, $5-$7 NULL filters, $8 scan limit {}):\n{}",
+                fresh.table,
+                outbox_postgres::sql::candidate_scan_limit(a.batch),
+                outbox_postgres::sql::Statements::new(&fresh.table).fetch
+            );
+            (0.0, 0, json!({ "table": fresh.table.to_string() }))
+        }
         Mode::Raw => {
             let rb = brokers::open(a.broker, &a.conn, &tag).await?;
             let conc = a.relays * a.publish_concurrency;
