@@ -446,20 +446,24 @@ pub struct Statements {
     /// * **Candidates, path A.** The first `$8` fetchable rows in `(scheduled_at, created_at,
     ///   id)` order, read from two index ranges so the lease clause never forces a scan:
     ///   unlocked rows from `idx_<t>_pending_fetch` and expired leases from `idx_<t>_locked_at`
-    ///   (`locked_at < now() − ttl`). A candidate is a head when a probe of
+    ///   (`locked_at < now() − ttl`). Only the earliest candidate of each key (by `(created_at,
+    ///   id)`) can be a head, so candidates are reduced to one per key first (a hot key that
+    ///   fills the window costs one probe, not `$8`). A candidate is a head when a probe of
     ///   `idx_<t>_pending_key_order` finds no earlier in-line row of its key (filters ignored,
-    ///   R29); the probe is a `LATERAL … LIMIT 1`, a nested loop per candidate, never a join of
-    ///   all pairs of a key's rows. Path A stops at `$2` heads.
+    ///   R29); the probe is a `LATERAL … LIMIT 1`, a nested loop per candidate in head order,
+    ///   never a join of all pairs of a key's rows. Path A stops at `$2` heads.
     /// * **Path B, only when A found fewer than `$2` heads** (a one-time filter; B is not
-    ///   executed otherwise). A skip scan over the distinct keys of `idx_<t>_pending_key_order`
-    ///   (a recursive CTE), one `LIMIT 1` probe per key for its first in-line row, keeping those
-    ///   that are fetchable, sorted by `(scheduled_at, created_at, id)`. Its cost is the number
-    ///   of keys with pending rows, never the number of rows: a hot key with 100,000 rows behind
-    ///   its head costs one probe.
-    /// * **Runs.** For each of at most `$2` heads, a `LATERAL` read of the key's line from the
-    ///   head on (`LIMIT $4`, never-tried future rows passed over), cut at the first row that
-    ///   is not fetchable or filtered out; the batch fills breadth-first (`ORDER BY position,
-    ///   head rank LIMIT $2`).
+    ///   executed otherwise). A recursive walk over `idx_<t>_pending_key_order` that jumps from
+    ///   key to key and returns, per key, its first in-line row in one index descent (ties on
+    ///   created_at resolved by id with `FETCH FIRST 1 ROWS WITH TIES`); those that are
+    ///   fetchable and pass the filters, sorted by `(scheduled_at, created_at, id)`, are the
+    ///   heads. Its cost is one descent per key with in-line rows, never the number of rows: a
+    ///   hot key with 100,000 rows behind its head costs one step. (A key whose pending rows
+    ///   are all never-tried future rows is walked row by row, since none of them is in line.)
+    /// * **Runs.** Each head is position 1 of its run; for max_per_key > 1 a `LATERAL` read of
+    ///   the key's line after the head (`LIMIT $4 − 1`, so nothing is read when `$4` = 1;
+    ///   never-tried future rows passed over), cut at the first row that is not fetchable or
+    ///   filtered out; the batch fills breadth-first (`ORDER BY position, head rank LIMIT $2`).
     /// * **Lock.** `FOR UPDATE SKIP LOCKED` on the chosen rows, rechecking fetchability on the
     ///   latest row version; each run is cut again before its first row that could not be
     ///   locked, so no row goes out while an earlier row of its key is locked elsewhere (R28).
@@ -532,11 +536,28 @@ pub struct Statements {
     pub shift_clock: String,
 }
 
+/// The columns path B of the fetch carries for each key's first in-line row.
+const FIRSTS_COLS: [&str; 11] = [
+    "id",
+    "topic",
+    "partition_key",
+    "scheduled_at",
+    "created_at",
+    "attempts_made",
+    "max_attempts",
+    "locked_at",
+    "status",
+    "aggregate_type",
+    "aggregate_id",
+];
+
 /// How many candidates path A of the fetch reads before it gives up and lets path B (the key
-/// skip scan) answer: `$8` of [`Statements::fetch`]. Reading more candidates helps when many
-/// rows sit behind early heads; the skip scan bounds the cost either way.
+/// walk) answer: `$8` of [`Statements::fetch`], twice the batch (at least 64, at most 4000).
+/// With rows of many keys interleaved, the first 2 × batch fetchable rows hold about
+/// 2 × batch × (1 − batch / keys) heads, enough whenever there are at least twice as many keys
+/// as the batch; with fewer keys path B is cheap anyway.
 pub fn candidate_scan_limit(batch: usize) -> i64 {
-    (batch.saturating_mul(4)).clamp(64, 4000) as i64
+    (batch.saturating_mul(2)).clamp(64, 4000) as i64
 }
 
 /// The fetch parameters of `req` in bind order (`$2`–`$8`; `$1` is `req.worker`).
@@ -628,7 +649,15 @@ cand AS (
 ),
 heads_a AS (
     SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
-    FROM cand c
+    FROM (
+        SELECT dd.* FROM (
+            SELECT DISTINCT ON (d.topic, d.partition_key)
+                   d.id, d.topic, d.partition_key, d.scheduled_at, d.created_at
+              FROM cand d
+             ORDER BY d.topic, d.partition_key, d.created_at, d.id
+        ) dd
+        ORDER BY dd.scheduled_at, dd.created_at, dd.id
+    ) c
     LEFT JOIN LATERAL (
         SELECT 1 AS found
           FROM {t} e
@@ -641,33 +670,34 @@ heads_a AS (
     ORDER BY c.scheduled_at, c.created_at, c.id
     LIMIT $2::int8
 ),
-keys AS (
-    (SELECT k.topic, k.partition_key FROM {t} k
-      WHERE k.status = 'pending'
-      ORDER BY k.topic, k.partition_key
-      LIMIT 1)
+firsts AS (
+    (SELECT s.* FROM (
+        SELECT {fcols_k}
+          FROM {t} k
+         WHERE k.status = 'pending' AND {ilk}
+         ORDER BY k.topic, k.partition_key, k.created_at
+         FETCH FIRST 1 ROWS WITH TIES) s
+     ORDER BY s.id
+     LIMIT 1)
     UNION ALL
-    (SELECT nk.topic, nk.partition_key
-       FROM keys p
+    (SELECT {fcols_n}
+       FROM firsts p
        CROSS JOIN LATERAL (
-           SELECT k.topic, k.partition_key FROM {t} k
-            WHERE k.status = 'pending' AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
-            ORDER BY k.topic, k.partition_key
+           SELECT s.* FROM (
+               SELECT {fcols_k}
+                 FROM {t} k
+                WHERE k.status = 'pending'
+                  AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
+                  AND {ilk}
+                ORDER BY k.topic, k.partition_key, k.created_at
+                FETCH FIRST 1 ROWS WITH TIES) s
+            ORDER BY s.id
             LIMIT 1
-       ) nk)
+       ) n)
 ),
 heads_b AS (
     SELECT f.id, f.topic, f.partition_key, f.scheduled_at, f.created_at
-    FROM keys k
-    CROSS JOIN LATERAL (
-        SELECT h.id, h.topic, h.partition_key, h.scheduled_at, h.created_at, h.attempts_made,
-               h.max_attempts, h.locked_at, h.status, h.aggregate_type, h.aggregate_id
-          FROM {t} h
-         WHERE h.status = 'pending' AND h.topic = k.topic AND h.partition_key = k.partition_key
-           AND {ilh}
-         ORDER BY h.created_at, h.id
-         LIMIT 1
-    ) f
+    FROM firsts f
     WHERE {ff} AND {fff}
     ORDER BY f.scheduled_at, f.created_at, f.id
     LIMIT $2::int8
@@ -682,19 +712,23 @@ ranked AS (
     FROM heads h
 ),
 runs AS (
+    SELECT h.id, h.head_rank, 1::int8 AS pos, true AS prefix_ok
+    FROM ranked h
+    UNION ALL
     SELECT r.id, h.head_rank, r.pos,
            bool_and(r.ok) OVER (PARTITION BY h.head_rank ORDER BY r.pos) AS prefix_ok
     FROM ranked h
     CROSS JOIN LATERAL (
-        SELECT l.id,
-               row_number() OVER (ORDER BY l.created_at, l.id) AS pos,
-               ({fl} AND {fll}) AS ok
-          FROM {t} l
-         WHERE l.status = 'pending' AND l.topic = h.topic AND l.partition_key = h.partition_key
-           AND l.created_at >= h.created_at AND (l.created_at > h.created_at OR l.id >= h.id)
-           AND {ill}
-         ORDER BY l.created_at, l.id
-         LIMIT $4::int8
+        SELECT q.id, 1 + row_number() OVER (ORDER BY q.created_at, q.id) AS pos, q.ok
+          FROM (
+            SELECT l.id, l.created_at, ({fl} AND {fll}) AS ok
+              FROM {t} l
+             WHERE l.status = 'pending' AND l.topic = h.topic
+               AND l.partition_key = h.partition_key
+               AND l.created_at >= h.created_at AND (l.created_at > h.created_at OR l.id > h.id)
+               AND {ill}
+             ORDER BY l.created_at, l.id
+             LIMIT $4::int8 - 1) q
     ) r
 ),
 picked AS (
@@ -728,7 +762,9 @@ SELECT {cols} FROM upd ORDER BY head_rank__, pos__",
             fu = filters("u"),
             fx = filters("x"),
             ile = in_line("e"),
-            ilh = in_line("h"),
+            ilk = in_line("k"),
+            fcols_k = FIRSTS_COLS.map(|c| format!("k.{c}")).join(", "),
+            fcols_n = FIRSTS_COLS.map(|c| format!("n.{c}")).join(", "),
             ff = fetchable("f"),
             fff = filters("f"),
             fl = fetchable("l"),
