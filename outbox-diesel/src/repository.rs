@@ -10,12 +10,13 @@ use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use outbox_core::RepositoryError;
-use outbox_core::event::{OutboxEvent, WorkerId, force_unlock_text, normalize_error};
+use outbox_core::event::{OutboxEvent, WorkerId, force_unlock_text};
 use outbox_core::repository::{
     BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES, StatusCount,
-    WrittenOutcome, args, check_backend_batch_size,
+    Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount, WrittenOutcome, args,
+    check_backend_batch_size,
 };
+use outbox_postgres::shared;
 use outbox_postgres::sql::{self, FetchParams, Statements, TableName};
 use uuid::Uuid;
 
@@ -247,32 +248,7 @@ impl OutboxRepository for DieselOutboxRepository {
         worker: &WorkerId,
         outcomes: &[Outcome],
     ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
-        let max = self.cfg.error_max_length;
-        let mut done: Vec<Uuid> = Vec::new();
-        let mut released: Vec<Uuid> = Vec::new();
-        let (mut f_id, mut f_counted, mut f_err, mut f_after, mut f_at) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for o in outcomes {
-            let mut fail = |counted: bool, error: &str, retry: Retry| {
-                f_id.push(o.id);
-                f_counted.push(counted);
-                f_err.push(normalize_error(error, max));
-                let (after, at): (Option<i64>, Option<DateTime<Utc>>) = match retry {
-                    Retry::Keep => (None, None),
-                    Retry::After(d) => (Some(sql::micros(d)), None),
-                    Retry::At(t) => (None, Some(t)),
-                };
-                f_after.push(after);
-                f_at.push(at);
-            };
-            match &o.kind {
-                OutcomeKind::Completed => done.push(o.id),
-                OutcomeKind::Counted { error, retry } => fail(true, error, *retry),
-                OutcomeKind::Transient { error, retry } => fail(false, error, *retry),
-                OutcomeKind::Deferred { error } => fail(false, error, Retry::Keep),
-                OutcomeKind::Released => released.push(o.id),
-            }
-        }
+        let b = shared::OutcomeBinds::new(outcomes, self.cfg.error_max_length);
         let w = worker.as_str().to_owned();
         let stmts = self.stmts.clone();
         let fail_flag = self.fail_next_commit.clone();
@@ -281,28 +257,28 @@ impl OutboxRepository for DieselOutboxRepository {
         let applied: Vec<AppliedRow> = conn
             .transaction(async |c| {
                 let mut applied = Vec::new();
-                if !done.is_empty() {
+                if !b.done.is_empty() {
                     let q = diesel::sql_query(stmts.complete.as_str())
                         .into_boxed()
-                        .bind::<Array<SqlUuid>, _>(done)
+                        .bind::<Array<SqlUuid>, _>(b.done)
                         .bind::<Text, _>(w.clone());
                     load_applied(q, c, &mut applied).await?;
                 }
-                if !f_id.is_empty() {
+                if !b.fail_ids.is_empty() {
                     let q = diesel::sql_query(stmts.fail.as_str())
                         .into_boxed()
-                        .bind::<Array<SqlUuid>, _>(f_id)
-                        .bind::<Array<Bool>, _>(f_counted)
-                        .bind::<Array<Text>, _>(f_err)
-                        .bind::<Array<Nullable<BigInt>>, _>(f_after)
-                        .bind::<Array<Nullable<Timestamptz>>, _>(f_at)
+                        .bind::<Array<SqlUuid>, _>(b.fail_ids)
+                        .bind::<Array<Bool>, _>(b.fail_counted)
+                        .bind::<Array<Text>, _>(b.fail_errors)
+                        .bind::<Array<Nullable<BigInt>>, _>(b.fail_after_us)
+                        .bind::<Array<Nullable<Timestamptz>>, _>(b.fail_at)
                         .bind::<Text, _>(w.clone());
                     load_applied(q, c, &mut applied).await?;
                 }
-                if !released.is_empty() {
+                if !b.released.is_empty() {
                     let q = diesel::sql_query(stmts.release.as_str())
                         .into_boxed()
-                        .bind::<Array<SqlUuid>, _>(released)
+                        .bind::<Array<SqlUuid>, _>(b.released)
                         .bind::<Text, _>(w.clone());
                     load_applied(q, c, &mut applied).await?;
                 }
@@ -321,16 +297,7 @@ impl OutboxRepository for DieselOutboxRepository {
             let (id, r) = a.result()?;
             results.insert(id, r);
         }
-        Ok(outcomes
-            .iter()
-            .map(|o| WrittenOutcome {
-                id: o.id,
-                result: results
-                    .get(&o.id)
-                    .cloned()
-                    .unwrap_or(OutcomeResult::LeaseLost),
-            })
-            .collect())
+        Ok(shared::written_outcomes(outcomes, &results))
     }
 
     async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {

@@ -8,6 +8,7 @@ use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, Trans
 use outbox_core::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent};
 use outbox_core::repository::WriteResult;
+use outbox_postgres::shared;
 use outbox_postgres::sql::{self, InsertColumns, Statements, TableName};
 use uuid::Uuid;
 
@@ -130,20 +131,8 @@ impl DieselOutboxWriter {
             inserted.insert(e.id, e);
         }
         // Events the insert skipped (ON CONFLICT DO NOTHING): read the rows already there.
-        let skipped: Vec<usize> = plan
-            .unique
-            .iter()
-            .copied()
-            .filter(|&i| !inserted.contains_key(&events[i].id()))
-            .collect();
-        let mut by_key: HashMap<String, OutboxEvent> = HashMap::new();
-        let mut by_id: HashMap<Uuid, OutboxEvent> = HashMap::new();
-        if !skipped.is_empty() {
-            let ids: Vec<Uuid> = skipped.iter().map(|&i| events[i].id()).collect();
-            let keys: Vec<String> = skipped
-                .iter()
-                .filter_map(|&i| events[i].idempotency_key().map(str::to_owned))
-                .collect();
+        let mut existing = Vec::new();
+        if let Some((ids, keys)) = shared::skipped_lookup(&events, &plan, &inserted) {
             let rows: Vec<OutboxRow> = diesel::sql_query(self.stmts.select_existing.as_str())
                 .bind::<Array<SqlUuid>, _>(ids)
                 .bind::<Array<Text>, _>(keys)
@@ -151,52 +140,9 @@ impl DieselOutboxWriter {
                 .await
                 .map_err(|e| map_diesel(table, e))?;
             for r in rows {
-                let e = r.into_event()?;
-                if let Some(k) = &e.idempotency_key {
-                    by_key.insert(k.clone(), e.clone());
-                }
-                by_id.insert(e.id, e);
+                existing.push(r.into_event()?);
             }
         }
-        let mut firsts: HashMap<usize, WriteResult> = HashMap::with_capacity(plan.unique.len());
-        for &i in &plan.unique {
-            let ev = &events[i];
-            let res = match inserted.get(&ev.id()) {
-                Some(row) => WriteResult {
-                    event: row.clone(),
-                    inserted: true,
-                },
-                None => {
-                    let existing = ev
-                        .idempotency_key()
-                        .and_then(|k| by_key.get(k))
-                        .or_else(|| by_id.get(&ev.id()))
-                        .cloned()
-                        .ok_or_else(|| {
-                            RepositoryError::Other(format!(
-                                "event {} was neither inserted nor found (a conflicting row vanished meanwhile); retry the write",
-                                ev.id()
-                            ))
-                        })?;
-                    WriteResult {
-                        event: existing,
-                        inserted: false,
-                    }
-                }
-            };
-            firsts.insert(i, res);
-        }
-        Ok(plan
-            .first
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| {
-                let r = &firsts[&f];
-                WriteResult {
-                    event: r.event.clone(),
-                    inserted: r.inserted && i == f,
-                }
-            })
-            .collect())
+        shared::write_results(&events, &plan, &inserted, existing)
     }
 }

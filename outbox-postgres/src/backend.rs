@@ -9,19 +9,18 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
-use outbox_core::event::{
-    NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text, normalize_error,
-};
+use outbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text};
 use outbox_core::repository::{
     BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult,
-    WrittenOutcome, args, check_backend_batch_size,
+    Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult, WrittenOutcome, args,
+    check_backend_batch_size,
 };
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use uuid::Uuid;
 
 use crate::error::Error;
+use crate::shared;
 use crate::sql::{self, ErrorClass, FetchParams, InsertColumns, RawRow, Statements, TableName};
 
 /// Settings of the sqlx backend.
@@ -232,20 +231,8 @@ impl PgOutboxWriter {
             inserted.insert(e.id, e);
         }
         // Events the insert skipped: read the rows already there.
-        let skipped: Vec<usize> = plan
-            .unique
-            .iter()
-            .copied()
-            .filter(|&i| !inserted.contains_key(&events[i].id()))
-            .collect();
-        let mut by_key: HashMap<String, OutboxEvent> = HashMap::new();
-        let mut by_id: HashMap<Uuid, OutboxEvent> = HashMap::new();
-        if !skipped.is_empty() {
-            let ids: Vec<Uuid> = skipped.iter().map(|&i| events[i].id()).collect();
-            let keys: Vec<String> = skipped
-                .iter()
-                .filter_map(|&i| events[i].idempotency_key().map(str::to_owned))
-                .collect();
+        let mut existing = Vec::new();
+        if let Some((ids, keys)) = shared::skipped_lookup(&events, &plan, &inserted) {
             let rows = sqlx::query(AssertSqlSafe(self.stmts.select_existing.as_str()))
                 .bind(ids)
                 .bind(keys)
@@ -253,52 +240,10 @@ impl PgOutboxWriter {
                 .await
                 .map_err(|e| map_err(table, e))?;
             for r in &rows {
-                let e = decoded(table, r)?;
-                if let Some(k) = &e.idempotency_key {
-                    by_key.insert(k.clone(), e.clone());
-                }
-                by_id.insert(e.id, e);
+                existing.push(decoded(table, r)?);
             }
         }
-        let mut firsts: HashMap<usize, WriteResult> = HashMap::new();
-        for &i in &plan.unique {
-            let ev = &events[i];
-            let res = if let Some(row) = inserted.get(&ev.id()) {
-                WriteResult {
-                    event: row.clone(),
-                    inserted: true,
-                }
-            } else {
-                let existing = ev
-                    .idempotency_key()
-                    .and_then(|k| by_key.get(k))
-                    .or_else(|| by_id.get(&ev.id()))
-                    .cloned()
-                    .ok_or_else(|| {
-                        RepositoryError::Other(format!(
-                            "event {} was neither inserted nor found (a conflicting row vanished meanwhile); retry the write",
-                            ev.id()
-                        ))
-                    })?;
-                WriteResult {
-                    event: existing,
-                    inserted: false,
-                }
-            };
-            firsts.insert(i, res);
-        }
-        Ok(plan
-            .first
-            .iter()
-            .enumerate()
-            .map(|(i, &f)| {
-                let r = &firsts[&f];
-                WriteResult {
-                    event: r.event.clone(),
-                    inserted: r.inserted && i == f,
-                }
-            })
-            .collect())
+        shared::write_results(&events, &plan, &inserted, existing)
     }
 }
 
@@ -443,59 +388,34 @@ impl OutboxRepository for PgOutboxRepository {
         worker: &WorkerId,
         outcomes: &[Outcome],
     ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
-        let max = self.cfg.error_max_length;
-        let mut done: Vec<Uuid> = Vec::new();
-        let mut released: Vec<Uuid> = Vec::new();
-        let (mut f_id, mut f_counted, mut f_err, mut f_after, mut f_at) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for o in outcomes {
-            let mut fail = |counted: bool, error: &str, retry: Retry| {
-                f_id.push(o.id);
-                f_counted.push(counted);
-                f_err.push(normalize_error(error, max));
-                let (after, at): (Option<i64>, Option<DateTime<Utc>>) = match retry {
-                    Retry::Keep => (None, None),
-                    Retry::After(d) => (Some(sql::micros(d)), None),
-                    Retry::At(t) => (None, Some(t)),
-                };
-                f_after.push(after);
-                f_at.push(at);
-            };
-            match &o.kind {
-                OutcomeKind::Completed => done.push(o.id),
-                OutcomeKind::Counted { error, retry } => fail(true, error, *retry),
-                OutcomeKind::Transient { error, retry } => fail(false, error, *retry),
-                OutcomeKind::Deferred { error } => fail(false, error, Retry::Keep),
-                OutcomeKind::Released => released.push(o.id),
-            }
-        }
+        let b = shared::OutcomeBinds::new(outcomes, self.cfg.error_max_length);
         let mut results: HashMap<Uuid, OutcomeResult> = HashMap::new();
         let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
-        if !done.is_empty() {
+        if !b.done.is_empty() {
             let rows = sqlx::query(AssertSqlSafe(self.stmts.complete.as_str()))
-                .bind(&done)
+                .bind(&b.done)
                 .bind(worker.as_str())
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(|e| self.err(e))?;
             applied(&rows, &mut results).map_err(|e| self.err(e))?;
         }
-        if !f_id.is_empty() {
+        if !b.fail_ids.is_empty() {
             let rows = sqlx::query(AssertSqlSafe(self.stmts.fail.as_str()))
-                .bind(&f_id)
-                .bind(&f_counted)
-                .bind(&f_err)
-                .bind(&f_after)
-                .bind(&f_at)
+                .bind(&b.fail_ids)
+                .bind(&b.fail_counted)
+                .bind(&b.fail_errors)
+                .bind(&b.fail_after_us)
+                .bind(&b.fail_at)
                 .bind(worker.as_str())
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(|e| self.err(e))?;
             applied(&rows, &mut results).map_err(|e| self.err(e))?;
         }
-        if !released.is_empty() {
+        if !b.released.is_empty() {
             let rows = sqlx::query(AssertSqlSafe(self.stmts.release.as_str()))
-                .bind(&released)
+                .bind(&b.released)
                 .bind(worker.as_str())
                 .fetch_all(&mut *tx)
                 .await
@@ -509,16 +429,7 @@ impl OutboxRepository for PgOutboxRepository {
             ));
         }
         tx.commit().await.map_err(|e| self.err(e))?;
-        Ok(outcomes
-            .iter()
-            .map(|o| WrittenOutcome {
-                id: o.id,
-                result: results
-                    .get(&o.id)
-                    .cloned()
-                    .unwrap_or(OutcomeResult::LeaseLost),
-            })
-            .collect())
+        Ok(shared::written_outcomes(outcomes, &results))
     }
 
     async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {

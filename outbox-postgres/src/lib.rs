@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod shared;
 pub mod sql;
 
 #[cfg(feature = "sqlx")]
