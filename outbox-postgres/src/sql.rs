@@ -460,10 +460,13 @@ pub struct Statements {
     ///   heads. Its cost is one descent per key with in-line rows, never the number of rows: a
     ///   hot key with 100,000 rows behind its head costs one step. (A key whose pending rows
     ///   are all never-tried future rows is walked row by row, since none of them is in line.)
-    /// * **Runs.** Each head is position 1 of its run; for max_per_key > 1 a `LATERAL` read of
-    ///   the key's line after the head (`LIMIT $4 − 1`, so nothing is read when `$4` = 1;
-    ///   never-tried future rows passed over), cut at the first row that is not fetchable or
-    ///   filtered out; the batch fills breadth-first (`ORDER BY position, head rank LIMIT $2`).
+    /// * **Runs.** Each head is position 1 of its run; a `LATERAL` read of the key's line after
+    ///   the head (never-tried future rows passed over), cut at the first row that is not
+    ///   fetchable or filtered out; the batch fills breadth-first (`ORDER BY position, head
+    ///   rank LIMIT $2`). With `H` heads a row at position `p` can only be picked when
+    ///   `H + p − 2 < $2` (position 1 holds `H` rows, and each level below `p` at least one),
+    ///   so each read stops after `min($4 − 1, $2 − H)` rows: nothing is read when `$4` = 1 or
+    ///   when the heads alone fill the batch.
     /// * **Lock.** `FOR UPDATE SKIP LOCKED` on the chosen rows, rechecking fetchability on the
     ///   latest row version; each run is cut again before its first row that could not be
     ///   locked, so no row goes out while an earlier row of its key is locked elsewhere (R28).
@@ -728,7 +731,7 @@ runs AS (
                AND l.created_at >= h.created_at AND (l.created_at > h.created_at OR l.id > h.id)
                AND {ill}
              ORDER BY l.created_at, l.id
-             LIMIT $4::int8 - 1) q
+             LIMIT LEAST($4::int8 - 1, $2::int8 - (SELECT count(*) FROM ranked))) q
     ) r
 ),
 picked AS (
