@@ -232,6 +232,38 @@ pub async fn reference_drain(
     sql_drain(url, conns, batch, fetch, mark).await
 }
 
+/// The ceiling of any relay that stamps a lease (R19) and publishes with no transaction open
+/// (R76), without ordering: per cycle `BEGIN; UPDATE … SET locked_at, locked_by, updated_at
+/// WHERE id IN (SELECT … LIMIT batch FOR UPDATE SKIP LOCKED) RETURNING …; COMMIT`, then
+/// `BEGIN; UPDATE … completed WHERE locked_by = worker; COMMIT`: the reference plus the second
+/// row write and the second commit the lease costs.
+pub async fn lease_reference_drain(
+    fresh: &Fresh,
+    url: &str,
+    conns: usize,
+    batch: usize,
+) -> Result<SqlDrain, BenchError> {
+    let t = fresh.table.qualified();
+    let fetch = format!(
+        "UPDATE {t} t SET locked_at = now(), locked_by = 'bench-lease', updated_at = now()
+          WHERE t.id IN (
+            SELECT id FROM {t}
+             WHERE status = 'pending' AND locked_at IS NULL AND attempts_made < max_attempts
+               AND scheduled_at <= now()
+             ORDER BY scheduled_at
+             LIMIT $1
+             FOR UPDATE SKIP LOCKED)
+          RETURNING {}",
+        sql::column_list("t")
+    );
+    let mark = format!(
+        "UPDATE {t} SET status = 'completed', completed_at = now(), locked_at = NULL,
+                locked_by = NULL, updated_at = now()
+          WHERE id = ANY($1::uuid[]) AND status = 'pending' AND locked_by = 'bench-lease'"
+    );
+    sql_drain_two(url, conns, batch, fetch, mark).await
+}
+
 /// The library's own fetch and completion statements ([`Statements::fetch`],
 /// [`Statements::complete`]) run by hand with a timer around every round trip: where the
 /// relay's database time goes, statement by statement.
@@ -346,6 +378,65 @@ async fn sql_drain(
     for t in tasks {
         t.await
             .map_err(|e| BenchError(format!("reference task: {e}")))??;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    pool.close().await;
+    Ok(SqlDrain {
+        events: events.load(Ordering::Relaxed),
+        cycles: cycles.load(Ordering::Relaxed),
+        seconds,
+        phases: [0.0; 4],
+    })
+}
+
+/// Like [`sql_drain`], with the fetch and the mark in two transactions.
+async fn sql_drain_two(
+    url: &str,
+    conns: usize,
+    batch: usize,
+    fetch: String,
+    mark: String,
+) -> Result<SqlDrain, BenchError> {
+    let pool = pool(url, conns as u32).await?;
+    let mut held = Vec::new();
+    for _ in 0..conns {
+        held.push(pool.acquire().await.map_err(db("acquire"))?);
+    }
+    let events = Arc::new(AtomicUsize::new(0));
+    let cycles = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for mut conn in held {
+        let (fetch, mark) = (fetch.clone(), mark.clone());
+        let (events, cycles) = (events.clone(), cycles.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let mut tx = conn.begin().await.map_err(db("begin"))?;
+                let rows = sqlx::query(AssertSqlSafe(fetch.as_str()))
+                    .bind(batch as i64)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(db("lease fetch"))?;
+                tx.commit().await.map_err(db("commit"))?;
+                if rows.is_empty() {
+                    return Ok::<(), BenchError>(());
+                }
+                let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
+                let mut tx = conn.begin().await.map_err(db("begin"))?;
+                sqlx::query(AssertSqlSafe(mark.as_str()))
+                    .bind(&ids)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("lease mark"))?;
+                tx.commit().await.map_err(db("commit"))?;
+                events.fetch_add(ids.len(), Ordering::Relaxed);
+                cycles.fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await
+            .map_err(|e| BenchError(format!("lease reference task: {e}")))??;
     }
     let seconds = started.elapsed().as_secs_f64();
     pool.close().await;

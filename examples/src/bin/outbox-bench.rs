@@ -69,6 +69,9 @@ pub enum Mode {
     Relay,
     /// Plain SQL, unordered, 2 statements per cycle: the ceiling.
     Reference,
+    /// Plain SQL, unordered, with a lease: the fetch stamps locked_at/locked_by and commits, the
+    /// completion is a second transaction (the ceiling of any lease-stamping relay).
+    LeaseReference,
     /// The broker client alone: the broker's ceiling.
     Raw,
     /// The library's fetch and completion statements, timed round trip by round trip.
@@ -200,7 +203,7 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
             .unwrap_or(0)
     );
     let mut out = json!({
-        "mode": format!("{:?}", a.mode).to_lowercase(),
+        "mode": a.mode.to_possible_value().map(|v| v.get_name().to_owned()),
         "store": format!("{:?}", a.store).to_lowercase(),
         "broker": format!("{:?}", a.broker).to_lowercase(),
         "events": shape.total(),
@@ -231,12 +234,15 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
             out["store"] = json!("none");
             (r?, 0, json!({ "in_flight": conc, "broker_stored": stored }))
         }
-        Mode::Reference | Mode::Statements => {
+        Mode::Reference | Mode::LeaseReference | Mode::Statements => {
             let fresh = db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2).await?;
-            let r = if a.mode == Mode::Reference {
-                db::reference_drain(&fresh, &a.conn.database_url, a.relays, a.batch).await
-            } else {
-                db::statement_profile(&fresh, &a.conn.database_url, a.batch, a.max_per_key).await
+            let url = &a.conn.database_url;
+            let r = match a.mode {
+                Mode::Reference => db::reference_drain(&fresh, url, a.relays, a.batch).await,
+                Mode::LeaseReference => {
+                    db::lease_reference_drain(&fresh, url, a.relays, a.batch).await
+                }
+                _ => db::statement_profile(&fresh, url, a.batch, a.max_per_key).await,
             };
             let left = fresh.not_completed().await;
             fresh.drop().await;
