@@ -147,6 +147,7 @@ fn diesel_repo(
 }
 
 /// The error for `--store diesel` in a binary built without the feature.
+#[cfg_attr(feature = "diesel", allow(dead_code))]
 pub fn not_compiled() -> CliError {
     CliError::usage(
         "--store diesel is not compiled into this binary; rebuild with `cargo build -p outbox-examples --features diesel --bin outbox-relay`, or use --store sqlx (same table, same behaviour)",
