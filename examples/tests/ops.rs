@@ -410,3 +410,59 @@ async fn run_until_drained_with_the_stdout_broker_prints_each_event() {
     );
     db.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_mid_drain_records_what_was_published_and_releases_the_rest() {
+    use tokio::io::AsyncBufReadExt;
+    let (db, _) = table_with_events(20, 100).await;
+    let mut a = args(
+        &db,
+        &[
+            "run",
+            "--broker",
+            "stdout",
+            "--batch-size",
+            "10",
+            "--publish-concurrency",
+            "2",
+        ],
+    );
+    a.extend_from_slice(&["--summary-interval", "0"]);
+    let mut child = common::command(&a).spawn().expect("spawn");
+    let stdout = child.stdout.take().expect("stdout");
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut printed = 0usize;
+    while printed < 100 {
+        lines
+            .next_line()
+            .await
+            .expect("read")
+            .expect("relay exited early");
+        printed += 1;
+    }
+    let pid = child.id().expect("pid").to_string();
+    let kill = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill");
+    assert!(kill.success());
+    while lines.next_line().await.expect("read").is_some() {
+        printed += 1;
+    }
+    let out = common::wait(child, std::time::Duration::from_secs(30)).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stderr.contains("signal received"), "{}", out.stderr);
+    // Every event printed was recorded as completed, and nothing stays locked.
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM {t} WHERE status = 'completed'")
+            .await as usize,
+        printed
+    );
+    assert_eq!(
+        db.scalar_i64("SELECT count(*) FROM {t} WHERE locked_at IS NOT NULL")
+            .await,
+        0
+    );
+    eprintln!("stopped after {printed} of 2000 events");
+    db.drop_schema().await;
+}
