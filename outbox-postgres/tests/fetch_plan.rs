@@ -1,9 +1,10 @@
 //! The fetch's plan reads the outbox table through indexes only: no sequential scan of the
-//! table in backlog shapes (a) and (d) of the issue (R33; "the fetch must stay flat").
+//! table in backlog shapes (a) and (d) of the issue (R33; "the fetch must stay flat"); and the
+//! heads it returns are those of the plain head rule on random tables, through both paths.
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
-use outbox_postgres::sql::FetchParams;
+use outbox_postgres::sql::{FetchParams, TableName};
 use outbox_postgres::testing::PgHarness;
 use outbox_postgres::testing::shapes::{self, Shape};
 use sqlx::{AssertSqlSafe, Row};
@@ -73,4 +74,104 @@ async fn no_seq_scan_in_shape_a() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_seq_scan_in_shape_d() {
     check(Shape::D).await;
+}
+
+/// Random rows over few keys and few distinct created_at values (so keys have ties), in every
+/// state that matters to the head rule: completed, failed, retry pending (last_error set) due
+/// or not, never-tried future, held with a live lease, held with an expired lease, exhausted.
+fn random_rows(t: &TableName, seed: u32) -> String {
+    format!(
+        "SELECT setseed({s});
+TRUNCATE {q};
+INSERT INTO {q} (id, event_type, payload, status, attempts_made, max_attempts, last_error,
+                 scheduled_at, completed_at, locked_at, locked_by, created_at, updated_at,
+                 aggregate_type, aggregate_id, topic, partition_key)
+SELECT gen_random_uuid(), 'e', '{{}}', x.st, y.att, 3, x.le, x.sch,
+       CASE WHEN x.st = 'completed' THEN now() END, x.lk,
+       CASE WHEN x.lk IS NOT NULL THEN 'w' END, x.cr, x.cr, 'agg', gen_random_uuid(),
+       't' || (random() * 2)::int, 'k' || (random() * 8)::int
+  FROM (SELECT g,
+               now() - interval '1 hour' + ((random() * 6)::int) * interval '1 second' AS cr,
+               CASE WHEN random() < 0.1 THEN 'completed'
+                    WHEN random() < 0.05 THEN 'failed' ELSE 'pending' END AS st,
+               CASE WHEN random() < 0.1 THEN 3 ELSE (random() * 2)::int END AS att0,
+               CASE WHEN random() < 0.2 THEN 'err' END AS le,
+               CASE WHEN random() < 0.2 THEN now() + interval '1 hour'
+                    ELSE now() - interval '2 hours' + random() * interval '2 hours' END AS sch,
+               CASE WHEN random() < 0.1 THEN now() - interval '10 minutes'
+                    WHEN random() < 0.1 THEN now() - interval '1 minute' END AS lk
+          FROM generate_series(1, 60) g) x,
+       LATERAL (SELECT CASE WHEN x.st = 'failed' THEN 3 WHEN x.att0 >= 3 THEN 2
+                            ELSE x.att0 END AS att) y",
+        s = f64::from(seed % 1000) / 1000.0,
+        q = t.qualified()
+    )
+}
+
+/// The head rule written as plainly as possible (contract R27–R29, lease 300 s): the first
+/// `$1` fetchable rows with no earlier in-line row of their key, in head order.
+fn naive_heads(t: &TableName) -> String {
+    format!(
+        "SELECT h.id FROM {q} h
+          WHERE h.status = 'pending' AND h.scheduled_at <= now()
+            AND h.attempts_made < h.max_attempts
+            AND (h.locked_at IS NULL OR h.locked_at < now() - interval '300 seconds')
+            AND NOT EXISTS (
+                SELECT 1 FROM {q} e
+                 WHERE e.status = 'pending' AND e.topic = h.topic
+                   AND e.partition_key = h.partition_key
+                   AND (e.created_at, e.id) < (h.created_at, h.id)
+                   AND (e.scheduled_at <= now() OR e.last_error IS NOT NULL
+                        OR e.locked_at IS NOT NULL))
+          ORDER BY h.scheduled_at, h.created_at, h.id
+          LIMIT $1",
+        q = t.qualified()
+    )
+}
+
+/// With max_per_key 1 the fetch returns exactly the heads of the plain definition, in head
+/// order, on random tables with ties in created_at, through path A (candidate window of
+/// 2 × batch, heads found there) and path B (the key walk) alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fetched_heads_match_the_head_rule_on_random_tables() {
+    let h = PgHarness::create(&outbox_postgres::testing::database_url(), "outbox_events").await;
+    let stmts = h.sqlx_repository().statements().clone();
+    let t = h.table().clone();
+    let mut compared = 0;
+    for seed in 1..=60u32 {
+        for batch in [1usize, 3, 6] {
+            sqlx::raw_sql(AssertSqlSafe(random_rows(&t, seed * 7 + batch as u32)))
+                .execute(h.pool())
+                .await
+                .expect("random rows");
+            let want: Vec<uuid::Uuid> = sqlx::query_scalar(AssertSqlSafe(naive_heads(&t)))
+                .bind(batch as i64)
+                .fetch_all(h.pool())
+                .await
+                .expect("naive heads");
+            let req = FetchRequest::new(WorkerId::new("w1").unwrap(), batch).max_per_key(1);
+            let mut p = FetchParams::new(&req);
+            p.scan_limit = 2 * batch as i64;
+            let mut tx = h.pool().begin().await.unwrap();
+            let got: Vec<uuid::Uuid> = sqlx::query(AssertSqlSafe(stmts.fetch.clone()))
+                .bind("w1")
+                .bind(p.limit)
+                .bind(p.lease_us)
+                .bind(p.max_per_key)
+                .bind(p.topics.clone())
+                .bind(p.aggregate_types.clone())
+                .bind(p.aggregate_ids.clone())
+                .bind(p.scan_limit)
+                .fetch_all(&mut *tx)
+                .await
+                .expect("fetch")
+                .iter()
+                .map(|r| r.try_get("id").unwrap())
+                .collect();
+            tx.rollback().await.unwrap();
+            assert_eq!(got, want, "seed {seed}, batch {batch}");
+            compared += 1;
+        }
+    }
+    assert_eq!(compared, 180);
 }
