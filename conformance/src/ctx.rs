@@ -208,6 +208,17 @@ impl Ctx {
             .unwrap_or_else(|| panic!("no row {id}"))
     }
 
+    /// Rows in the table, every status.
+    pub async fn total_rows(&self) -> i64 {
+        self.repo()
+            .counts()
+            .await
+            .expect("counts")
+            .iter()
+            .map(|s| s.count)
+            .sum()
+    }
+
     /// The backend clock.
     pub async fn now(&self) -> DateTime<Utc> {
         self.repo().now().await.expect("now")

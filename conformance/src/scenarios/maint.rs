@@ -54,13 +54,7 @@ pub async fn r_02(f: &dyn Factory) {
 }
 
 async fn total_rows(c: &Ctx) -> i64 {
-    c.repo()
-        .counts()
-        .await
-        .unwrap()
-        .iter()
-        .map(|s| s.count)
-        .sum()
+    c.total_rows().await
 }
 
 /// C-01 Cleanup.

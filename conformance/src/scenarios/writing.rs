@@ -137,14 +137,7 @@ pub async fn i_01(f: &dyn Factory) {
     assert_eq!(r[0].event.payload, json!({"n": 1}));
     assert_eq!(r[0].event.status, Status::Pending);
     assert!(!r[0].inserted);
-    let total: i64 = c
-        .repo()
-        .counts()
-        .await
-        .unwrap()
-        .iter()
-        .map(|s| s.count)
-        .sum();
+    let total = c.total_rows().await;
     assert_eq!(total, 1);
 }
 
@@ -160,14 +153,7 @@ pub async fn i_02(f: &dyn Factory) {
         (r[0].event.id, r[0].event.status, r[0].inserted),
         (a, Status::Completed, false)
     );
-    let total: i64 = c
-        .repo()
-        .counts()
-        .await
-        .unwrap()
-        .iter()
-        .map(|s| s.count)
-        .sum();
+    let total = c.total_rows().await;
     assert_eq!(total, 1);
     assert!(c.cycle1().await.report.fetched.is_empty());
 }
@@ -201,14 +187,7 @@ pub async fn i_03(f: &dyn Factory) {
         } else {
             assert_eq!((r[0].event.id, r[0].inserted), (id2, true));
         }
-        let total: i64 = c
-            .repo()
-            .counts()
-            .await
-            .unwrap()
-            .iter()
-            .map(|s| s.count)
-            .sum();
+        let total = c.total_rows().await;
         assert_eq!(total, 1);
     }
 }
@@ -243,13 +222,6 @@ pub async fn i_04(f: &dyn Factory) {
         .await;
     assert_eq!((r2[0].event.id, r2[0].inserted), (y, false));
     assert!(r2[1].inserted && r2[1].event.id != x && r2[1].event.id != y);
-    let total: i64 = c
-        .repo()
-        .counts()
-        .await
-        .unwrap()
-        .iter()
-        .map(|s| s.count)
-        .sum();
+    let total = c.total_rows().await;
     assert_eq!(total, 3);
 }
