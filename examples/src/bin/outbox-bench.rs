@@ -301,10 +301,23 @@ async fn relay_drain(
     let total = shape.total();
     let phases = Arc::new(Phases::default());
     let repo = db::repository(a.store, &a.conn.database_url, fresh, a.relays as u32 + 1).await?;
-    // Open the pool's connections before the clock starts (both stores open them lazily).
-    futures::future::try_join_all((0..a.relays).map(|_| repo.now()))
+    // Before the clock starts, open every connection of the pool and prepare the fetch on it,
+    // as in a relay that is already running: R + 1 concurrent fetches with a topic filter that
+    // matches no row (they lock nothing).
+    let warm = outbox_core::FetchRequest::new(
+        outbox_core::WorkerId::new("bench-warm-up").expect("valid worker id"),
+        a.batch,
+    )
+    .max_per_key(a.max_per_key)
+    .filter(outbox_core::FetchFilter::topics([
+        "bench-warm-up-matches-nothing",
+    ]));
+    let warmed = futures::future::try_join_all((0..=a.relays).map(|_| repo.fetch_and_lock(&warm)))
         .await
         .map_err(|e| BenchError(format!("warm-up: {e}")))?;
+    if warmed.iter().any(|w| !w.is_empty()) {
+        return Err(BenchError("the warm-up fetch returned rows".into()));
+    }
     let mut broker: Arc<dyn Broker> = rb.broker.clone();
     if a.profile {
         broker = Arc::new(TimedBroker {
