@@ -16,6 +16,8 @@ pub struct RunBroker {
     cleanup: Cleanup,
 }
 
+// One value per benchmark run: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Cleanup {
     None,
     #[cfg(feature = "nats")]
@@ -119,6 +121,8 @@ impl RunBroker {
     }
 }
 
+// One value per benchmark run: its size does not matter.
+#[allow(clippy::large_enum_variant)]
 enum RawClient {
     #[cfg(feature = "nats")]
     Nats(async_nats::jetstream::Context, String),
