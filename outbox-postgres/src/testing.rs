@@ -593,3 +593,52 @@ pub mod shapes {
         Ok(())
     }
 }
+
+/// End to end through a real broker (issue 5): 4 keys × 15 events, each written by
+/// [`PgOutboxWriter`] in its own committed transaction, plus one rolled-back write that must
+/// never arrive, drained by the relay on [`PgOutboxRepository`] into a fresh trial of `broker`;
+/// a consumer must read every event, in order per key, with its headers
+/// ([`outbox_conformance::broker::drain_and_consume`]). Fresh schema, dropped afterwards.
+pub async fn postgres_to_broker(broker: &dyn outbox_conformance::broker::BrokerUnderTest) {
+    use outbox_conformance::broker::{TrialOptions, drain_and_consume, e2e_event};
+    let pool = trial_pool(&database_url(), 4).await;
+    let schema = fresh_schema_name();
+    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
+    create_schema(&pool, &table)
+        .await
+        .expect("create the outbox table");
+    let writer = PgOutboxWriter::new(&table);
+
+    let mut written: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+    for seq in 0..15 {
+        for k in 0..4 {
+            let key = format!("acct-{k}");
+            let mut tx = pool.begin().await.expect("begin");
+            let r = writer
+                .write(&mut tx, vec![e2e_event("orders", &key, seq)])
+                .await
+                .expect("write");
+            tx.commit().await.expect("commit");
+            written.entry(key).or_default().push(r[0].event.id);
+        }
+    }
+    // A rolled-back write never reaches the broker.
+    let mut tx = pool.begin().await.expect("begin");
+    writer
+        .write(&mut tx, vec![e2e_event("orders", "acct-0", 99)])
+        .await
+        .expect("write");
+    tx.rollback().await.expect("rollback");
+
+    let repo = Arc::new(PgOutboxRepository::new(
+        pool.clone(),
+        PgConfig::default().table(table),
+    ));
+    let t = broker.trial(TrialOptions::default()).await;
+    drain_and_consume(&*t, repo, "orders", &written).await;
+    t.cleanup().await;
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(&pool)
+        .await
+        .expect("drop the trial schema");
+}
