@@ -65,7 +65,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
 
     // The service: business row and event in one diesel transaction.
-    let writer = repo.writer();
+    let writer = repo.writer().notify(true);
     let mut ids = Vec::new();
     for owner in ["ada", "brian", "chen"] {
         let account = Uuid::new_v4();
@@ -77,7 +77,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .payload_json(json!({ "account": account, "owner": owner }))
             .build()?;
         ids.push(event.id());
-        let (writer, table) = (writer.clone(), table.clone());
+        let writer = writer.clone();
         conn.transaction::<_, WriteError, _>(async move |c| {
             diesel::sql_query(
                 "INSERT INTO example_diesel_redis.accounts (id, owner) VALUES ($1, $2)",
@@ -87,7 +87,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .execute(c)
             .await?;
             writer.write(c, vec![event]).await?;
-            wake::notify_diesel(c, &table).await?;
             Ok(())
         })
         .await?;

@@ -102,7 +102,7 @@ async fn measure(
         async move { relay.run(stop).await }
     });
 
-    let writer = PgOutboxWriter::new(&table);
+    let writer = PgOutboxWriter::new(&table).notify(notify);
     let mut out = Vec::with_capacity(events);
     for i in 0..events {
         let gap = if notify {
@@ -122,9 +122,6 @@ async fn measure(
         let id = e.id();
         let mut t = pool.begin().await?;
         writer.write(&mut t, vec![e]).await?;
-        if notify {
-            wake::notify(&mut t, &table).await?;
-        }
         t.commit().await?;
         let committed = Instant::now();
         loop {

@@ -69,7 +69,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     client.flush().await?;
 
     // The service: business row and event in one transaction.
-    let writer = PgOutboxWriter::new(&table);
+    let writer = PgOutboxWriter::new(&table).notify(true);
     for (customer, total) in [
         ("ada", 1200),
         ("brian", 450),
@@ -95,7 +95,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .payload_json(json!({ "order": order, "customer": customer, "total_cents": total }))
             .build()?;
         writer.write(&mut tx, vec![event]).await?;
-        wake::notify(&mut tx, &table).await?;
         tx.commit().await?;
         println!("placed order {order} for {customer}");
     }

@@ -1,43 +1,16 @@
-//! LISTEN/NOTIFY wake-ups: a writer notifies inside its own transaction, so PostgreSQL delivers
-//! the notification at commit (and never for a rolled-back transaction); `outbox-relay run`
-//! LISTENs on the same channel and starts a cycle at once instead of waiting for its poll.
-//!
-//! The channel of a table is [`channel`]: `outbox.` followed by the table as `schema.table` or
-//! `table`. The payload is empty; a notification only means "look now". Notifications of one
-//! transaction with the same channel and payload are folded into one by PostgreSQL, so a
-//! writer may call [`notify`] once per transaction or once per event, at no extra cost.
+//! LISTEN/NOTIFY wake-ups, the relay's side. A writer built with `notify(true)`
+//! (`outbox_postgres::PgOutboxWriter::notify`, `outbox_diesel::DieselOutboxWriter::notify`)
+//! notifies on the table's channel (`TableName::notify_channel`) inside the caller's
+//! transaction, so PostgreSQL delivers it at commit and never for a rolled-back write;
+//! [`spawn_listener`] LISTENs on that channel and wakes relays, which then start a cycle at
+//! once instead of waiting for their poll.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_postgres::TableName;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 use tokio::sync::Notify;
-
-/// The channel name for `table`: `outbox.` + `schema.table` when that fits PostgreSQL's 63-byte
-/// limit on channel names, else `outbox.` + a stable 64-bit FNV-1a hash of it in hex.
-pub fn channel(table: &TableName) -> String {
-    let name = format!("outbox.{}", table.dotted());
-    if name.len() <= 63 {
-        return name;
-    }
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in table.dotted().bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("outbox.{h:016x}")
-}
-
-/// `SELECT pg_notify(channel, '')` on `conn`: call it inside the transaction that wrote the
-/// events (pass `&mut *tx`).
-pub async fn notify(conn: &mut PgConnection, table: &TableName) -> Result<(), sqlx::Error> {
-    sqlx::query("SELECT pg_notify($1, '')")
-        .bind(channel(table))
-        .execute(conn)
-        .await
-        .map(drop)
-}
 
 /// LISTENs on the channel of `table` on a connection of its own and wakes every waker (e.g.
 /// `Relay::waker()`) on each notification, in a task that runs until the runtime stops. Returns
@@ -49,7 +22,7 @@ pub async fn spawn_listener(
     table: &TableName,
     wakers: Vec<Arc<Notify>>,
 ) -> Result<(), sqlx::Error> {
-    let channel = channel(table);
+    let channel = table.notify_channel();
     let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
     l.listen(&channel).await?;
     tracing::debug!(%channel, "listening for wake-ups");
@@ -65,36 +38,4 @@ pub async fn spawn_listener(
         }
     });
     Ok(())
-}
-
-/// The same for diesel-async: call it inside `conn.transaction(…)`.
-#[cfg(feature = "diesel")]
-pub async fn notify_diesel(
-    conn: &mut diesel_async::AsyncPgConnection,
-    table: &TableName,
-) -> Result<(), diesel::result::Error> {
-    use diesel::sql_types::Text;
-    use diesel_async::RunQueryDsl;
-    diesel::sql_query("SELECT pg_notify($1, '')")
-        .bind::<Text, _>(channel(table))
-        .execute(conn)
-        .await
-        .map(drop)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn channel_fits_postgres_limit() {
-        let short = TableName::new("s1.outbox_events").unwrap();
-        assert_eq!(channel(&short), "outbox.s1.outbox_events");
-        let long = TableName::new(&format!("{}.{}", "s".repeat(63), "t".repeat(31))).unwrap();
-        let c = channel(&long);
-        assert!(c.len() <= 63, "{c}");
-        assert_eq!(c, channel(&long));
-        let other = TableName::new(&format!("{}.{}", "s".repeat(63), "u".repeat(31))).unwrap();
-        assert_ne!(c, channel(&other));
-    }
 }

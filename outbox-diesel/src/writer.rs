@@ -33,9 +33,14 @@ type SqlUuid = diesel::sql_types::Uuid;
 /// .await?;
 /// # Ok(()) }
 /// ```
+///
+/// With [`DieselOutboxWriter::notify`] on, a write that inserted at least one row also runs
+/// `pg_notify` on the table's channel (`TableName::notify_channel`) in the same transaction, so
+/// a relay that LISTENs on it wakes at commit.
 #[derive(Debug, Clone)]
 pub struct DieselOutboxWriter {
     stmts: Arc<Statements>,
+    notify: bool,
 }
 
 /// The error type to use for a `conn.transaction(…)` closure that writes events: it converts
@@ -67,7 +72,22 @@ impl DieselOutboxWriter {
     }
 
     pub(crate) fn from_statements(stmts: Arc<Statements>) -> Self {
-        Self { stmts }
+        Self {
+            stmts,
+            notify: false,
+        }
+    }
+
+    /// Turns the wake-up notification of relays on or off (off by default: NOTIFY takes a
+    /// database-wide lock at commit, which serializes the commits of notifying transactions).
+    pub fn notify(mut self, on: bool) -> Self {
+        self.notify = on;
+        self
+    }
+
+    /// Whether writes notify.
+    pub fn notifies(&self) -> bool {
+        self.notify
     }
 
     /// The table written to.
@@ -142,6 +162,13 @@ impl DieselOutboxWriter {
             for r in rows {
                 existing.push(r.into_event()?);
             }
+        }
+        if self.notify && !inserted.is_empty() {
+            diesel::sql_query(self.stmts.notify.as_str())
+                .bind::<Text, _>(table.notify_channel())
+                .execute(conn)
+                .await
+                .map_err(|e| map_diesel(table, e))?;
         }
         shared::write_results(&events, &plan, &inserted, existing)
     }

@@ -313,3 +313,51 @@ fn table_names_are_validated_before_sql() {
         assert!(DieselConfig::default().table_name(bad).is_err(), "{bad}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_diesel_writer_notifies_at_commit_only_when_asked_and_inserting() {
+    let h = common::DieselHarness::create(&database_url()).await;
+    let mut probe = outbox_postgres::testing::WakeProbe::listen(h.peer().pool(), h.table()).await;
+    let repo = h.diesel_repository();
+    let notifying = repo.writer().notify(true);
+    assert!(notifying.notifies() && !repo.writer().notifies());
+    let mut conn = h.pool().get().await.unwrap();
+
+    let w = notifying.clone();
+    let r: Result<(), WriteError> = conn
+        .transaction(async |c| {
+            w.write(c, vec![event("a")]).await?;
+            Err(WriteError::Diesel(
+                diesel::result::Error::RollbackTransaction,
+            ))
+        })
+        .await;
+    assert!(r.is_err());
+    assert_eq!(
+        probe.wakeups().await,
+        0,
+        "a rolled-back write must not wake relays"
+    );
+
+    let w = notifying.clone();
+    conn.transaction(async |c| {
+        w.write(c, vec![event("a"), event("b")]).await?;
+        Ok::<_, WriteError>(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        probe.wakeups().await,
+        1,
+        "one wake-up per committed transaction"
+    );
+
+    let w = repo.writer();
+    conn.transaction(async |c| {
+        w.write(c, vec![event("c")]).await?;
+        Ok::<_, WriteError>(())
+    })
+    .await
+    .unwrap();
+    assert_eq!(probe.wakeups().await, 0, "notify is off by default");
+}

@@ -173,17 +173,37 @@ pub async fn create_schema(pool: &PgPool, table: &TableName) -> Result<(), Error
 /// Writes events inside the caller's transaction (R12): pass `&mut *tx` of a sqlx
 /// `Transaction<'_, Postgres>` (or any `&mut PgConnection` inside a transaction). Never begins,
 /// commits or rolls back.
+///
+/// With [`PgOutboxWriter::notify`] on, a write that inserted at least one row also runs
+/// `pg_notify` on the table's channel ([`TableName::notify_channel`]) in the same transaction:
+/// PostgreSQL delivers it at commit, never for a rollback, and a relay that LISTENs on the
+/// channel (`outbox-relay run` does) starts a cycle at once instead of waiting for its poll.
 #[derive(Debug, Clone)]
 pub struct PgOutboxWriter {
     stmts: Arc<Statements>,
+    notify: bool,
 }
 
 impl PgOutboxWriter {
-    /// A writer for `table`.
+    /// A writer for `table`, notification off.
     pub fn new(table: &TableName) -> Self {
         Self {
             stmts: Arc::new(Statements::new(table)),
+            notify: false,
         }
+    }
+
+    /// Turns the wake-up notification of relays on or off (off by default: NOTIFY takes a
+    /// database-wide lock at commit, which serializes the commits of notifying transactions;
+    /// turn it on when commit-to-publish latency matters more than peak write rate).
+    pub fn notify(mut self, on: bool) -> Self {
+        self.notify = on;
+        self
+    }
+
+    /// Whether writes notify.
+    pub fn notifies(&self) -> bool {
+        self.notify
     }
 
     /// The table it writes to.
@@ -243,6 +263,13 @@ impl PgOutboxWriter {
                 existing.push(decoded(table, r)?);
             }
         }
+        if self.notify && !inserted.is_empty() {
+            sqlx::query(AssertSqlSafe(self.stmts.notify.as_str()))
+                .bind(table.notify_channel())
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| map_err(table, e))?;
+        }
         shared::write_results(&events, &plan, &inserted, existing)
     }
 }
@@ -267,10 +294,12 @@ impl PgOutboxRepository {
         }
     }
 
-    /// The writer for this repository's table.
+    /// The writer for this repository's table (notification off; see
+    /// [`PgOutboxWriter::notify`]).
     pub fn writer(&self) -> PgOutboxWriter {
         PgOutboxWriter {
             stmts: self.stmts.clone(),
+            notify: false,
         }
     }
 

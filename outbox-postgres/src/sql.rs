@@ -159,6 +159,25 @@ impl TableName {
             None => self.table.clone(),
         }
     }
+
+    /// The LISTEN/NOTIFY channel of the table: `outbox.` + [`TableName::dotted`] when that fits
+    /// PostgreSQL's 63-byte channel names, else `outbox.` + a stable 64-bit FNV-1a hash of the
+    /// dotted name in hex. Writers built with `notify` send on it; `outbox-relay run` listens
+    /// on it. The payload is empty: a notification only means "look now", and PostgreSQL folds
+    /// the identical notifications of one transaction into one.
+    pub fn notify_channel(&self) -> String {
+        let dotted = self.dotted();
+        let name = format!("outbox.{dotted}");
+        if name.len() <= 63 {
+            return name;
+        }
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in dotted.bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        format!("outbox.{h:016x}")
+    }
 }
 
 impl Default for TableName {
@@ -400,6 +419,11 @@ pub struct Statements {
 
     /// `SELECT now()`: the database clock (R72). One column `timestamptz`.
     pub now: String,
+
+    /// `SELECT pg_notify($1, '')`; `$1 text` = [`TableName::notify_channel`]. Writers that
+    /// notify run it in the caller's transaction after the insert, so PostgreSQL delivers the
+    /// wake-up at commit and never for a rolled-back write.
+    pub notify: String,
 
     /// One row by id. `$1 uuid`. Returns [`COLUMNS`] (0 or 1 row).
     pub get: String,
@@ -782,6 +806,7 @@ SELECT {cols} FROM upd ORDER BY head_rank__, pos__",
             table: table.clone(),
             schema_lock: "SELECT pg_advisory_xact_lock(hashtext($1::text))".into(),
             now: "SELECT now()".into(),
+            notify: "SELECT pg_notify($1::text, '')".into(),
             get: format!("SELECT {cols} FROM {t} WHERE id = $1::uuid"),
             insert: format!(
                 "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts)
@@ -1286,6 +1311,18 @@ mod tests {
             assert!(ix.name.len() <= 63, "{}", ix.name);
         }
         assert!(format!("ck_{}_completed_status_consistency", t.table()).len() <= 63);
+    }
+
+    #[test]
+    fn notify_channels_fit_postgres_limit_and_differ_per_table() {
+        let short = TableName::new("s1.outbox_events").unwrap();
+        assert_eq!(short.notify_channel(), "outbox.s1.outbox_events");
+        let long = TableName::new(&format!("{}.{}", "s".repeat(63), "t".repeat(31))).unwrap();
+        let c = long.notify_channel();
+        assert!(c.len() <= 63, "{c}");
+        assert_eq!(c, long.notify_channel());
+        let other = TableName::new(&format!("{}.{}", "s".repeat(63), "u".repeat(31))).unwrap();
+        assert_ne!(c, other.notify_channel());
     }
 
     #[test]

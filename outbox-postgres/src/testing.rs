@@ -642,3 +642,56 @@ pub async fn postgres_to_broker(broker: &dyn outbox_conformance::broker::BrokerU
         .await
         .expect("drop the trial schema");
 }
+
+/// Counts the wake-up notifications (empty payload) a writer sends on a table's channel,
+/// without waiting on a timer: [`WakeProbe::wakeups`] commits a marker notification and reads
+/// until the marker arrives. PostgreSQL delivers a listener's notifications in commit order, so
+/// every wake-up committed before the marker has been read by then, and a rolled-back
+/// transaction's never arrives.
+pub struct WakeProbe {
+    listener: sqlx::postgres::PgListener,
+    pool: PgPool,
+    channel: String,
+    marks: u64,
+}
+
+impl WakeProbe {
+    /// LISTENs on `table`'s channel ([`TableName::notify_channel`]).
+    pub async fn listen(pool: &PgPool, table: &TableName) -> Self {
+        let channel = table.notify_channel();
+        let mut listener = sqlx::postgres::PgListener::connect_with(pool)
+            .await
+            .expect("listener connects");
+        listener.listen(&channel).await.expect("LISTEN");
+        Self {
+            listener,
+            pool: pool.clone(),
+            channel,
+            marks: 0,
+        }
+    }
+
+    /// The number of wake-ups committed since the last call (or since LISTEN).
+    pub async fn wakeups(&mut self) -> usize {
+        self.marks += 1;
+        let mark = format!("probe-mark-{}", self.marks);
+        sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(&self.channel)
+            .bind(&mark)
+            .execute(&self.pool)
+            .await
+            .expect("marker notify");
+        let mut n = 0;
+        loop {
+            let got = tokio::time::timeout(Duration::from_secs(10), self.listener.recv())
+                .await
+                .expect("the marker notification arrives within 10 s")
+                .expect("listener recv");
+            match got.payload() {
+                "" => n += 1,
+                p if p == mark => return n,
+                p => panic!("unexpected payload {p:?} on {}", self.channel),
+            }
+        }
+    }
+}

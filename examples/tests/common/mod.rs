@@ -76,7 +76,7 @@ impl Db {
         per_key: usize,
         per_tx: usize,
     ) -> HashMap<String, Vec<Uuid>> {
-        let writer = PgOutboxWriter::new(&self.table);
+        let writer = PgOutboxWriter::new(&self.table).notify(true);
         let mut order: HashMap<String, Vec<Uuid>> = HashMap::new();
         let mut all = Vec::new();
         for i in 0..per_key {
@@ -99,9 +99,6 @@ impl Db {
             let chunk: Vec<NewEvent> = it.by_ref().take(per_tx).collect();
             let mut tx = self.pool.begin().await.expect("begin");
             writer.write(&mut tx, chunk).await.expect("write");
-            outbox_examples::wake::notify(&mut tx, &self.table)
-                .await
-                .expect("notify");
             tx.commit().await.expect("commit");
         }
         order

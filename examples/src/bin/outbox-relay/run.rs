@@ -135,7 +135,7 @@ fn on_signals(token: CancellationToken) {
 
 /// LISTENs on the table's channel and wakes every loop on each notification.
 async fn listen(pool: &PgPool, table: &TableName, wakers: Vec<Arc<Notify>>) -> Result<()> {
-    let channel = outbox_examples::wake::channel(table);
+    let channel = table.notify_channel();
     outbox_examples::wake::spawn_listener(pool, table, wakers)
         .await
         .map_err(|e| CliError::new(code::DATABASE, format!("LISTEN {channel}: {e}")))?;
