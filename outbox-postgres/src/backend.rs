@@ -21,12 +21,15 @@ use uuid::Uuid;
 
 use crate::error::Error;
 use crate::shared;
-use crate::sql::{self, ErrorClass, FetchParams, InsertColumns, RawRow, Statements, TableName};
+use crate::sql::{
+    self, ErrorClass, FetchParams, InsertColumns, Layout, RawRow, Statements, TableName,
+};
 
 /// Settings of the sqlx backend.
 #[derive(Debug, Clone)]
 pub struct PgConfig {
     table: TableName,
+    layout: Layout,
     batch_size: usize,
     error_max_length: usize,
 }
@@ -35,6 +38,7 @@ impl Default for PgConfig {
     fn default() -> Self {
         Self {
             table: TableName::default(),
+            layout: Layout::Plain,
             batch_size: DEFAULT_BACKEND_BATCH_SIZE,
             error_max_length: outbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
         }
@@ -52,6 +56,18 @@ impl PgConfig {
     pub fn table(mut self, table: TableName) -> Self {
         self.table = table;
         self
+    }
+
+    /// The table's layout (default [`Layout::Plain`]); it must match how the table was created
+    /// ([`create_schema_with`]). The repository's [`PgOutboxRepository::writer`] writes with it.
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The configured layout.
+    pub fn layout_ref(&self) -> Layout {
+        self.layout
     }
 
     /// Maintenance batch size (R63): 1 to 10,000, default 1000.
@@ -148,10 +164,53 @@ fn decoded(table: &TableName, r: &PgRow) -> Result<OutboxEvent, RepositoryError>
 
 /// Creates the table and its indexes if missing, in one transaction under an advisory lock
 /// (idempotent; on an existing ancestor table it adds only what is missing, R79). Creates the
-/// schema of a qualified name too.
+/// schema of a qualified name too. The plain layout; see [`create_schema_with`].
 pub async fn create_schema(pool: &PgPool, table: &TableName) -> Result<(), Error> {
+    create_schema_with(pool, table, Layout::Plain).await
+}
+
+/// [`create_schema`] for either layout. For [`Layout::Partitioned`] it runs
+/// [`sql::partitioned::ddl`] with [`sql::partitioned::DEFAULT_MONTHS_AHEAD`]: the partitioned
+/// table, its default partition, the seven indexes and the monthly partitions of this month
+/// and the next three; it refuses (changing nothing) an existing table that is not
+/// partitioned. Idempotent.
+pub async fn create_schema_with(
+    pool: &PgPool,
+    table: &TableName,
+    layout: Layout,
+) -> Result<(), Error> {
+    let ddl = match layout {
+        Layout::Plain => sql::ddl(table),
+        Layout::Partitioned => sql::partitioned::ddl(table, sql::partitioned::DEFAULT_MONTHS_AHEAD),
+    };
+    locked_ddl(pool, table, "schema creation", ddl).await
+}
+
+/// Partitioned layout: creates the missing monthly partitions from the current month (database
+/// clock, UTC months) through `months_ahead` months ahead (at most
+/// [`sql::partitioned::MONTHS_AHEAD_MAX`]), in one transaction under the schema advisory lock
+/// ([`sql::partitioned::ensure_partitions`]). Run it regularly (daily, say) so each month's
+/// partition exists before its rows arrive. Fails with [`Error::Database`], creating nothing,
+/// when the default partition already holds rows of a missing month (the message says what to
+/// do), and with [`Error::Partitions`] for a bad `months_ahead`.
+pub async fn ensure_partitions(
+    pool: &PgPool,
+    table: &TableName,
+    months_ahead: u32,
+) -> Result<(), Error> {
+    let n = sql::partitioned::check_months_ahead(months_ahead)?;
+    let stmt = sql::partitioned::ensure_partitions(table, n);
+    locked_ddl(pool, table, "partition maintenance", vec![stmt]).await
+}
+
+async fn locked_ddl(
+    pool: &PgPool,
+    table: &TableName,
+    during: &'static str,
+    ddl: Vec<String>,
+) -> Result<(), Error> {
     let db = |e: sqlx::Error| Error::Database {
-        during: "schema creation",
+        during,
         message: e.to_string(),
     };
     let stmts = Statements::new(table);
@@ -161,8 +220,8 @@ pub async fn create_schema(pool: &PgPool, table: &TableName) -> Result<(), Error
         .execute(&mut *tx)
         .await
         .map_err(db)?;
-    for s in sql::ddl(table) {
-        sqlx::query(AssertSqlSafe(s))
+    for s in ddl {
+        sqlx::raw_sql(AssertSqlSafe(s))
             .execute(&mut *tx)
             .await
             .map_err(db)?;
@@ -206,9 +265,23 @@ impl PgOutboxWriter {
         self.notify
     }
 
+    /// A writer for `table` with `layout` (which must match the table's, see
+    /// [`create_schema_with`]), notification off.
+    pub fn with_layout(table: &TableName, layout: Layout) -> Self {
+        Self {
+            stmts: Arc::new(Statements::with_layout(table, layout)),
+            notify: false,
+        }
+    }
+
     /// The table it writes to.
     pub fn table(&self) -> &TableName {
         &self.stmts.table
+    }
+
+    /// The layout it writes with.
+    pub fn layout(&self) -> Layout {
+        self.stmts.layout
     }
 
     /// Writes `events` in one insert statement: created_at is one `clock_timestamp()` for the
@@ -224,6 +297,18 @@ impl PgOutboxWriter {
             return Ok(Vec::new());
         }
         let plan = sql::dedupe_write(&events);
+        // Partitioned layout: serialize the writers of each key (R17) before the insert.
+        if let Some(lock) = &self.stmts.idempotency_lock {
+            let keys = sql::partitioned::lock_keys(&events, &plan);
+            if !keys.is_empty() {
+                let isolation: String = sqlx::query_scalar(AssertSqlSafe(lock.as_str()))
+                    .bind(keys)
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(|e| map_err(table, e))?;
+                shared::check_write_isolation(table, &isolation)?;
+            }
+        }
         let c = InsertColumns::new(plan.unique.iter().map(|&i| &events[i]));
         let rows = sqlx::query(AssertSqlSafe(self.stmts.insert.as_str()))
             .bind(c.id)
@@ -288,7 +373,7 @@ impl PgOutboxRepository {
     pub fn new(pool: PgPool, cfg: PgConfig) -> Self {
         Self {
             pool,
-            stmts: Arc::new(Statements::new(&cfg.table)),
+            stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout)),
             cfg,
             fail_next_commit: Arc::new(AtomicBool::new(false)),
         }
@@ -306,6 +391,16 @@ impl PgOutboxRepository {
     /// The pool.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The table's layout.
+    pub fn layout(&self) -> Layout {
+        self.cfg.layout
+    }
+
+    /// Partitioned layout: [`ensure_partitions`] on this repository's pool and table.
+    pub async fn ensure_partitions(&self, months_ahead: u32) -> Result<(), Error> {
+        ensure_partitions(&self.pool, &self.cfg.table, months_ahead).await
     }
 
     /// The table.

@@ -18,6 +18,9 @@ pub enum Error {
         /// What is wrong with it.
         reason: String,
     },
+    /// A partition setting of the partitioned layout is out of range.
+    #[error("invalid partition setting: {0}")]
+    Partitions(String),
     /// A database operation outside the repository trait failed (schema creation, connect).
     #[error("database error during {during}: {message}")]
     Database {

@@ -11,6 +11,9 @@ mod backend;
 pub mod testing;
 
 #[cfg(feature = "sqlx")]
-pub use backend::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema, map_err, raw_row};
+pub use backend::{
+    PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema, create_schema_with,
+    ensure_partitions, map_err, raw_row,
+};
 pub use error::Error;
-pub use sql::TableName;
+pub use sql::{Layout, TableName};

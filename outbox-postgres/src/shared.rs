@@ -167,3 +167,20 @@ pub fn write_results(
         })
         .collect())
 }
+
+/// Checks the isolation level that [`sql::Statements::idempotency_lock`] returned (partitioned
+/// layout, R17): the per-key locks make a second writer of a key see the first one's row only
+/// when its next statement takes a fresh snapshot (READ COMMITTED) or when the database aborts
+/// one of the two (SERIALIZABLE). Under REPEATABLE READ the transaction's snapshot can predate
+/// the other writer's commit, and the key would be stored twice, so the write is refused.
+pub fn check_write_isolation(
+    table: &sql::TableName,
+    isolation: &str,
+) -> Result<(), RepositoryError> {
+    if isolation == "repeatable read" {
+        return Err(RepositoryError::Other(format!(
+            "writing events with idempotency keys to the partitioned outbox table {table} needs a READ COMMITTED or SERIALIZABLE transaction, not REPEATABLE READ (its snapshot can miss a concurrent writer's row of the same key, R17); nothing was written: write in a READ COMMITTED transaction, or leave the keys out"
+        )));
+    }
+    Ok(())
+}

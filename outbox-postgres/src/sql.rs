@@ -47,6 +47,9 @@ use uuid::Uuid;
 
 use crate::error::Error;
 
+pub mod partitioned;
+pub use partitioned::Layout;
+
 /// The default table name (the ancestor's).
 pub const DEFAULT_TABLE: &str = "outbox_events";
 /// Longest table name (R78): every derived constraint and index name then fits 63 bytes.
@@ -303,8 +306,13 @@ pub fn key_order_index(table: &TableName) -> String {
     table.derived("idx_", "_pending_key_order")
 }
 
-fn create_table(table: &TableName, if_not_exists: bool) -> String {
+fn create_table(table: &TableName, if_not_exists: bool, layout: Layout) -> String {
     let t = table.table();
+    // A partitioned table's unique constraints must hold the partition key (created_at).
+    let (pkey, partition_by) = match layout {
+        Layout::Plain => ("id", ""),
+        Layout::Partitioned => ("id, created_at", " PARTITION BY RANGE (created_at)"),
+    };
     format!(
         "CREATE TABLE {ine}{q} (
     id              uuid          NOT NULL,
@@ -330,7 +338,7 @@ fn create_table(table: &TableName, if_not_exists: bool) -> String {
     aggregate_id    uuid          NOT NULL,
     topic           varchar(255)  NOT NULL,
     partition_key   varchar(255)  NOT NULL,
-    CONSTRAINT \"{t}_pkey\" PRIMARY KEY (id),
+    CONSTRAINT \"{t}_pkey\" PRIMARY KEY ({pkey}),
     CONSTRAINT \"ck_{t}_attempts_valid\"
         CHECK (attempts_made <= max_attempts),
     CONSTRAINT \"ck_{t}_completed_status_consistency\"
@@ -339,7 +347,7 @@ fn create_table(table: &TableName, if_not_exists: bool) -> String {
     CONSTRAINT \"ck_{t}_lock_consistency\"
         CHECK ((locked_at IS NULL AND locked_by IS NULL)
             OR (locked_at IS NOT NULL AND locked_by IS NOT NULL))
-)",
+){partition_by}",
         ine = if if_not_exists { "IF NOT EXISTS " } else { "" },
         q = table.qualified(),
     )
@@ -375,7 +383,7 @@ pub fn ddl(table: &TableName) -> Vec<String> {
     if let Some(s) = table.schema() {
         v.push(format!("CREATE SCHEMA IF NOT EXISTS \"{s}\""));
     }
-    v.push(create_table(table, true));
+    v.push(create_table(table, true, Layout::Plain));
     for ix in indexes(table) {
         v.push(create_index(table, &ix, true, false));
     }
@@ -395,7 +403,7 @@ pub fn create_key_order_index_concurrently(table: &TableName) -> String {
 /// The ancestor's DDL exactly as contract.md Appendix A writes it (no `IF NOT EXISTS`), with the
 /// table name replaced. For tests (PG-02, PG-10) and for users who copy the SQL.
 pub fn ancestor_ddl(table: &TableName) -> Vec<String> {
-    let mut v = vec![create_table(table, false)];
+    let mut v = vec![create_table(table, false, Layout::Plain)];
     for ix in indexes(table) {
         v.push(create_index(table, &ix, false, false));
     }
@@ -412,6 +420,18 @@ pub fn ancestor_ddl(table: &TableName) -> Vec<String> {
 pub struct Statements {
     /// The table.
     pub table: TableName,
+
+    /// The table's layout ([`Statements::with_layout`]); [`Layout::Plain`] from
+    /// [`Statements::new`].
+    pub layout: Layout,
+
+    /// Partitioned layout only (`None` for the plain one): the per-key advisory locks that
+    /// serialize writers of one idempotency key (R17). `$1 text[]` the distinct keys of the
+    /// write call, sorted ([`partitioned::lock_keys`]). Returns one row, one column
+    /// `isolation text` (the transaction's isolation level, to check with
+    /// `shared::check_write_isolation`). Run it in the caller's transaction before
+    /// [`Statements::insert`], as its own statement; see [`partitioned`].
+    pub idempotency_lock: Option<String>,
 
     /// `SELECT pg_advisory_xact_lock(hashtext($1))`; `$1 text` = [`Statements::schema_lock_key`].
     /// Take it in the schema-creation transaction so concurrent creators serialize.
@@ -491,6 +511,12 @@ pub struct Statements {
     ///   `H + p − 2 < $2` (position 1 holds `H` rows, and each level below `p` at least one),
     ///   so each read stops after `min($4 − 1, $2 − H)` rows: nothing is read when `$4` = 1 or
     ///   when the heads alone fill the batch.
+    /// * **Claims.** Each head is claimed with `pg_try_advisory_xact_lock` on a hash of its key
+    ///   (class [`fetch_claim_class`]) as it is taken, in head order; a key another fetch holds
+    ///   right now is passed over, so concurrent relays take different heads instead of
+    ///   selecting the same ones and losing them to `SKIP LOCKED`. The claim ends at commit,
+    ///   where the lease takes over. Path B runs only when path A found fewer than `$2` heads
+    ///   before claims (keys claimed elsewhere never send a fetch down the key walk).
     /// * **Lock.** `FOR UPDATE SKIP LOCKED` on the chosen rows, rechecking fetchability on the
     ///   latest row version; each run is cut again before its first row that could not be
     ///   locked, so no row goes out while an earlier row of its key is locked elsewhere (R28).
@@ -621,6 +647,18 @@ impl FetchParams {
     }
 }
 
+/// The class id (first key of the two-int4 advisory lock space) of the per-key claims the
+/// fetch takes ([`Statements::fetch`]): a 32-bit FNV-1a hash of `outbox-fetch:` + the dotted
+/// table name, so fetches of different tables never skip each other's keys.
+pub fn fetch_claim_class(table: &TableName) -> i32 {
+    let mut h: u32 = 0x811c_9dc5;
+    for b in format!("outbox-fetch:{}", table.dotted()).bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h as i32
+}
+
 /// A duration as whole microseconds, saturating at `i64::MAX`.
 pub fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
@@ -652,6 +690,18 @@ impl Statements {
             )
         };
 
+        // A per-key claim for the length of the fetch transaction: concurrent fetches skip the
+        // keys another fetch is choosing right now instead of selecting the same heads and then
+        // losing them to SKIP LOCKED. A transaction-level advisory lock in the two-int4 space,
+        // class = a hash of the table, object = a hash of the key; `try`, so it never waits,
+        // and it is gone at commit, when the lease (R21) takes over. A hash collision only
+        // makes a key wait for the next fetch.
+        let claim_class = fetch_claim_class(table);
+        let claim = |a: &str| {
+            format!(
+                "pg_try_advisory_xact_lock({claim_class}, hashtext({a}.topic || chr(31) || {a}.partition_key))"
+            )
+        };
         let fetch = format!(
             "WITH RECURSIVE
 cand AS (
@@ -674,7 +724,7 @@ cand AS (
     ORDER BY c.scheduled_at, c.created_at, c.id
     LIMIT $8::int8
 ),
-heads_a AS (
+heads_a0 AS (
     SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
     FROM (
         SELECT dd.* FROM (
@@ -695,7 +745,9 @@ heads_a AS (
     ) earlier ON true
     WHERE earlier.found IS NULL
     ORDER BY c.scheduled_at, c.created_at, c.id
-    LIMIT $2::int8
+),
+heads_a AS (
+    SELECT q.* FROM heads_a0 q WHERE {claim_q} LIMIT $2::int8
 ),
 firsts AS (
     (SELECT s.* FROM (
@@ -723,16 +775,22 @@ firsts AS (
        ) n)
 ),
 heads_b AS (
-    SELECT f.id, f.topic, f.partition_key, f.scheduled_at, f.created_at
-    FROM firsts f
-    WHERE {ff} AND {fff}
-    ORDER BY f.scheduled_at, f.created_at, f.id
+    SELECT q.* FROM (
+        SELECT f.id, f.topic, f.partition_key, f.scheduled_at, f.created_at
+          FROM firsts f
+         WHERE {ff} AND {fff}
+         ORDER BY f.scheduled_at, f.created_at, f.id
+    ) q
+    WHERE {claim_q}
     LIMIT $2::int8
 ),
+enough_a AS (
+    SELECT count(*) >= $2::int8 AS yes FROM (SELECT 1 FROM heads_a0 LIMIT $2::int8) n
+),
 heads AS (
-    SELECT * FROM heads_a WHERE (SELECT count(*) FROM heads_a) >= $2::int8
+    SELECT * FROM heads_a WHERE (SELECT yes FROM enough_a)
     UNION ALL
-    SELECT * FROM heads_b WHERE (SELECT count(*) FROM heads_a) < $2::int8
+    SELECT * FROM heads_b WHERE NOT (SELECT yes FROM enough_a)
 ),
 ranked AS (
     SELECT h.*, row_number() OVER (ORDER BY h.scheduled_at, h.created_at, h.id) AS head_rank
@@ -798,35 +856,20 @@ SELECT {cols} FROM upd ORDER BY head_rank__, pos__",
             fll = filters("l"),
             ill = in_line("l"),
             flk = fetchable("lk"),
+            claim_q = claim("q"),
         );
 
         let outcome_ret = "RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at";
 
         Statements {
             table: table.clone(),
+            layout: Layout::Plain,
+            idempotency_lock: None,
             schema_lock: "SELECT pg_advisory_xact_lock(hashtext($1::text))".into(),
             now: "SELECT now()".into(),
             notify: "SELECT pg_notify($1::text, '')".into(),
             get: format!("SELECT {cols} FROM {t} WHERE id = $1::uuid"),
-            insert: format!(
-                "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts)
-INSERT INTO {t} ({cols})
-SELECT u.id, u.event_type, u.payload::jsonb, u.headers::jsonb, u.trace_id, u.idempotency_key,
-       u.correlation_id, u.causation_id, u.schema_version, 'pending', 0, u.max_attempts, NULL,
-       COALESCE(u.scheduled_at, c.ts + COALESCE(u.delay_us, 0) * INTERVAL '1 microsecond'),
-       NULL, NULL, NULL, c.ts, c.ts, u.aggregate_type, u.aggregate_id, u.topic, u.partition_key
-  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
-              $8::text[], $9::text[], $10::int4[], $11::timestamptz[], $12::int8[], $13::text[],
-              $14::uuid[], $15::text[], $16::text[])
-       WITH ORDINALITY AS u(id, event_type, payload, headers, trace_id, idempotency_key,
-                            correlation_id, causation_id, schema_version, max_attempts,
-                            scheduled_at, delay_us, aggregate_type, aggregate_id, topic,
-                            partition_key, ord)
- CROSS JOIN c
- ORDER BY u.ord
-ON CONFLICT DO NOTHING
-RETURNING {cols}"
-            ),
+            insert: insert_statement(&t, &cols, ""),
             select_existing: format!(
                 "SELECT {cols} FROM {t} WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])"
             ),
@@ -962,6 +1005,47 @@ SELECT h.topic::text, h.partition_key::text, h.id AS head_id, h.attempts_made, h
     /// The key for [`Statements::schema_lock`]: `outbox-schema:` + the dotted table name.
     pub fn schema_lock_key(&self) -> String {
         format!("outbox-schema:{}", self.table.dotted())
+    }
+}
+
+/// The insert of [`Statements::insert`] for the quoted table `t` and column list `cols`;
+/// `guard` (empty, or `WHERE …` over the unnested row `u`) decides which rows are inserted.
+fn insert_statement(t: &str, cols: &str, guard: &str) -> String {
+    format!(
+        "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts)
+INSERT INTO {t} ({cols})
+SELECT u.id, u.event_type, u.payload::jsonb, u.headers::jsonb, u.trace_id, u.idempotency_key,
+       u.correlation_id, u.causation_id, u.schema_version, 'pending', 0, u.max_attempts, NULL,
+       COALESCE(u.scheduled_at, c.ts + COALESCE(u.delay_us, 0) * INTERVAL '1 microsecond'),
+       NULL, NULL, NULL, c.ts, c.ts, u.aggregate_type, u.aggregate_id, u.topic, u.partition_key
+  FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
+              $8::text[], $9::text[], $10::int4[], $11::timestamptz[], $12::int8[], $13::text[],
+              $14::uuid[], $15::text[], $16::text[])
+       WITH ORDINALITY AS u(id, event_type, payload, headers, trace_id, idempotency_key,
+                            correlation_id, causation_id, schema_version, max_attempts,
+                            scheduled_at, delay_us, aggregate_type, aggregate_id, topic,
+                            partition_key, ord)
+ CROSS JOIN c{guard}
+ ORDER BY u.ord
+ON CONFLICT DO NOTHING
+RETURNING {cols}"
+    )
+}
+
+impl Statements {
+    /// All statement texts for `table` with `layout`: for [`Layout::Partitioned`], the plain
+    /// statements with [`Statements::idempotency_lock`] set and [`Statements::insert`] /
+    /// [`Statements::select_existing`] replaced by [`partitioned::insert`] /
+    /// [`partitioned::select_existing`]; every other statement is the same text.
+    pub fn with_layout(table: &TableName, layout: Layout) -> Self {
+        let mut s = Self::new(table);
+        if layout == Layout::Partitioned {
+            s.layout = layout;
+            s.idempotency_lock = Some(partitioned::idempotency_lock(table));
+            s.insert = partitioned::insert(table);
+            s.select_existing = partitioned::select_existing(table);
+        }
+        s
     }
 }
 

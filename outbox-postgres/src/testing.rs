@@ -29,8 +29,10 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
-use crate::backend::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
-use crate::sql::{self, Statements, TableName};
+use crate::backend::{
+    PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema, create_schema_with,
+};
+use crate::sql::{self, Layout, Statements, TableName};
 
 /// The default database URL of the tests.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -73,6 +75,7 @@ pub struct PgFactory {
     url: String,
     table: String,
     ancestor: bool,
+    layout: Layout,
 }
 
 impl Default for PgFactory {
@@ -88,7 +91,16 @@ impl PgFactory {
             url: database_url(),
             table: sql::DEFAULT_TABLE.to_owned(),
             ancestor: false,
+            layout: Layout::Plain,
         }
+    }
+
+    /// Each trial's table has the partitioned layout ([`create_schema_with`] with
+    /// [`Layout::Partitioned`]), and the repository, its writer and `create_schema_for` use
+    /// that layout.
+    pub fn partitioned(mut self) -> Self {
+        self.layout = Layout::Partitioned;
+        self
     }
 
     /// Creates each trial's table with the ancestor's DDL exactly as contract.md Appendix A
@@ -112,7 +124,7 @@ impl Factory for PgFactory {
         if self.ancestor {
             Arc::new(PgHarness::create_ancestor(&self.url, &self.table).await)
         } else {
-            Arc::new(PgHarness::create(&self.url, &self.table).await)
+            Arc::new(PgHarness::create_with(&self.url, &self.table, self.layout).await)
         }
     }
 }
@@ -123,6 +135,7 @@ pub struct PgHarness {
     pool: PgPool,
     schema: String,
     table: TableName,
+    layout: Layout,
     stmts: Arc<Statements>,
     repo: Arc<PgOutboxRepository>,
     owns_schema: bool,
@@ -140,15 +153,37 @@ impl std::fmt::Debug for PgHarness {
 impl PgHarness {
     /// A fresh schema with the outbox table `table` (bare name) and the `aggregates` table.
     pub async fn create(url: &str, table: &str) -> Self {
+        Self::create_with(url, table, Layout::Plain).await
+    }
+
+    /// [`PgHarness::create`] with the table in `layout`.
+    pub async fn create_with(url: &str, table: &str, layout: Layout) -> Self {
         let schema = fresh_schema_name();
         let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
         let pool = trial_pool(url, 8).await;
-        create_schema(&pool, &table).await.expect("schema creation");
+        create_schema_with(&pool, &table, layout)
+            .await
+            .expect("schema creation");
         sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
             .execute(&pool)
             .await
             .expect("aggregates table");
-        Self::with_pool(url, pool, schema, table, true)
+        Self::with_pool(url, pool, schema, table, true).with_layout(layout)
+    }
+
+    /// The same harness with the repository (and its writer) in `layout`.
+    pub fn with_layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self.repo = Arc::new(PgOutboxRepository::new(
+            self.pool.clone(),
+            PgConfig::default().table(self.table.clone()).layout(layout),
+        ));
+        self
+    }
+
+    /// The trial table's layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// A fresh schema whose outbox table is created with the ancestor's exact DDL (Appendix A).
@@ -197,6 +232,7 @@ impl PgHarness {
             schema,
             stmts: Arc::new(Statements::new(&table)),
             table,
+            layout: Layout::Plain,
             repo,
             owns_schema: owns,
         }
@@ -459,7 +495,7 @@ impl Harness for PgHarness {
             Err(e) => return Some(Err(e.to_string())),
         };
         Some(
-            create_schema(&self.pool, &t)
+            create_schema_with(&self.pool, &t, self.layout)
                 .await
                 .map_err(|e| e.to_string()),
         )
