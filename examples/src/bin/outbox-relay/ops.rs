@@ -174,19 +174,9 @@ pub async fn requeue_failed(
         };
         return Err(CliError::refused(format!("{why}; nothing changed")));
     }
-    // The ids of the failed rows of a topic and/or key; each goes through the repository's
-    // requeue, which only moves rows that are still failed.
-    let sql = format!(
-        "SELECT id FROM {} WHERE status = 'failed' AND ($1::text IS NULL OR topic = $1) \
-         AND ($2::text IS NULL OR partition_key = $2) ORDER BY created_at, id",
-        s.table.qualified()
-    );
-    let ids: Vec<Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .bind(topic.as_deref())
-        .bind(key.as_deref())
-        .fetch_all(&s.pool)
-        .await
-        .map_err(|x| CliError::repo(&t, outbox_postgres::map_err(&s.table, x)))?;
+    // The ids of the failed rows of a topic and/or key (on the chosen store); each goes through
+    // the repository's requeue, which only moves rows that are still failed.
+    let ids = s.failed_ids(topic.as_deref(), key.as_deref()).await?;
     let what = match (&topic, &key) {
         (Some(tp), Some(k)) => format!("topic {tp:?} and key {k:?}"),
         (Some(tp), None) => format!("topic {tp:?}"),

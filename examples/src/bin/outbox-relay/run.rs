@@ -143,32 +143,11 @@ async fn listen(pool: &PgPool, table: &TableName, wakers: Vec<Arc<Notify>>) -> R
     Ok(())
 }
 
-/// Whether the table is drained: no pending row is held (by any relay, expired leases
-/// included), and no row is a due head (pending, due, attempts left, and no earlier row of its
-/// key in line: due, tried or held). One statement, so one snapshot: a fetch of another relay
-/// that has not committed yet leaves its heads due here. Rows waiting for a later retry, and
-/// the rows behind them, do not count.
-async fn drained(pool: &PgPool, table: &TableName) -> std::result::Result<bool, sqlx::Error> {
-    let sql = format!(
-        "SELECT NOT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending' AND locked_at IS NOT NULL) \
-         AND NOT EXISTS (SELECT 1 FROM {t} h WHERE h.status = 'pending' AND h.scheduled_at <= now() \
-           AND h.attempts_made < h.max_attempts \
-           AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.status = 'pending' AND p.topic = h.topic \
-             AND p.partition_key = h.partition_key AND (p.created_at, p.id) < (h.created_at, h.id) \
-             AND (p.scheduled_at <= now() OR p.last_error IS NOT NULL OR p.locked_at IS NOT NULL)))",
-        t = table.qualified()
-    );
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-        .fetch_one(pool)
-        .await
-}
-
 struct Shared {
     completed: AtomicU64,
     token: CancellationToken,
     until_drained: bool,
-    pool: PgPool,
-    table: TableName,
+    store: Arc<store::Store>,
 }
 
 fn fatal(table: &TableName, e: RepositoryError) -> Option<CliError> {
@@ -198,6 +177,17 @@ async fn relay_loop(relay: Relay, wake: Arc<Notify>, sh: Arc<Shared>) -> Result<
                 span.record("fetched", r.fetched.len());
                 span.record("completed", r.completed.len());
                 span.record("failed", r.counted.len() + r.transient.len());
+                if !r.fetched.is_empty() {
+                    // One line per cycle that fetched something (RUST_LOG=outbox_relay=debug),
+                    // inside the cycle's span so its fields come along.
+                    tracing::debug!(
+                        parent: &span,
+                        fetched = r.fetched.len(),
+                        completed = r.completed.len(),
+                        failed = r.counted.len() + r.transient.len(),
+                        "cycle"
+                    );
+                }
                 sh.completed
                     .fetch_add(r.completed.len() as u64, Ordering::Relaxed);
                 (
@@ -206,7 +196,7 @@ async fn relay_loop(relay: Relay, wake: Arc<Notify>, sh: Arc<Shared>) -> Result<
                 )
             }
             Err(e) => {
-                if let Some(f) = fatal(&sh.table, e.clone_shallow()) {
+                if let Some(f) = fatal(&sh.store.table, e.clone_shallow()) {
                     return Err(f);
                 }
                 tracing::warn!(error = %e, transient = e.is_transient(), "fetch failed; waiting for the next poll");
@@ -217,7 +207,7 @@ async fn relay_loop(relay: Relay, wake: Arc<Notify>, sh: Arc<Shared>) -> Result<
             continue;
         }
         if sh.until_drained && fetched == 0 {
-            match drained(&sh.pool, &sh.table).await {
+            match sh.store.drained().await {
                 Ok(true) => {
                     tracing::info!(%worker, "drained: nothing due or held");
                     return Ok(());
@@ -310,7 +300,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
     install_prometheus(a.metrics_addr)?;
 
     let pool_size = a.loops * 2 + 3;
-    let st = store::open(&a.db.database_url, a.db.store, &a.db.table, pool_size).await?;
+    let st = Arc::new(store::open(&a.db.database_url, a.db.store, &a.db.table, pool_size).await?);
     let broker = broker::build(&a.broker).await?;
     let token = CancellationToken::new();
     on_signals(token.clone());
@@ -347,8 +337,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
         completed: AtomicU64::new(0),
         token: token.clone(),
         until_drained: a.until_drained,
-        pool: st.pool.clone(),
-        table: st.table.clone(),
+        store: st.clone(),
     });
     let summary_task = (!a.summary_interval.is_zero()).then(|| {
         tokio::spawn(summary(

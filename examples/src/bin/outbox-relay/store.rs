@@ -9,6 +9,7 @@ use outbox_core::OutboxRepository;
 use outbox_postgres::{PgConfig, PgOutboxRepository, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
+use uuid::Uuid;
 
 use crate::error::{CliError, Result, code};
 
@@ -21,12 +22,119 @@ pub enum StoreKind {
     Diesel,
 }
 
-/// A connected store: the repository the relay and the ops commands use, and a sqlx pool for
-/// the checks and LISTEN (the same database; sqlx is always compiled in).
+/// A connected store: the repository the relay and the ops commands use, the queries the
+/// repository trait has no method for ([`Store::drained`], [`Store::failed_ids`]) on the same
+/// backend, and a sqlx pool (the same database; sqlx is always compiled in) for the first
+/// connection and table checks, so both stores fail alike, and for LISTEN, whose listener
+/// (`outbox_examples::wake::spawn_listener`) is written once on sqlx and reads no row.
 pub struct Store {
     pub repo: Arc<dyn OutboxRepository>,
     pub pool: PgPool,
     pub table: TableName,
+    direct: Direct,
+}
+
+/// The pool of the chosen backend, for the statements outside the repository trait.
+enum Direct {
+    Sqlx(PgPool),
+    #[cfg(feature = "diesel")]
+    Diesel(outbox_diesel::PgPool),
+}
+
+/// The drain check (see [`Store::drained`]); one statement, so one snapshot.
+fn drained_sql(table: &TableName) -> String {
+    format!(
+        "SELECT NOT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending' AND locked_at IS NOT NULL) \
+         AND NOT EXISTS (SELECT 1 FROM {t} h WHERE h.status = 'pending' AND h.scheduled_at <= now() \
+           AND h.attempts_made < h.max_attempts \
+           AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.status = 'pending' AND p.topic = h.topic \
+             AND p.partition_key = h.partition_key AND (p.created_at, p.id) < (h.created_at, h.id) \
+             AND (p.scheduled_at <= now() OR p.last_error IS NOT NULL OR p.locked_at IS NOT NULL))) \
+         AS drained",
+        t = table.qualified()
+    )
+}
+
+/// The ids of the failed rows of a topic and/or key (`$1`, `$2`, null = any), oldest first.
+fn failed_ids_sql(table: &TableName) -> String {
+    format!(
+        "SELECT id FROM {} WHERE status = 'failed' AND ($1::text IS NULL OR topic = $1) \
+         AND ($2::text IS NULL OR partition_key = $2) ORDER BY created_at, id",
+        table.qualified()
+    )
+}
+
+#[cfg(feature = "diesel")]
+mod diesel_rows {
+    #[derive(diesel::QueryableByName)]
+    pub struct Drained {
+        #[diesel(sql_type = diesel::sql_types::Bool)]
+        pub drained: bool,
+    }
+
+    #[derive(diesel::QueryableByName)]
+    pub struct Id {
+        #[diesel(sql_type = diesel::sql_types::Uuid)]
+        pub id: uuid::Uuid,
+    }
+}
+
+impl Store {
+    /// Whether the table is drained: no pending row is held (by any relay, expired leases
+    /// included), and no row is a due head (pending, due, attempts left, and no earlier row of
+    /// its key in line: due, tried or held). One statement, so one snapshot: a fetch of another
+    /// relay that has not committed yet leaves its heads due here. Rows waiting for a later
+    /// retry, and the rows behind them, do not count. Runs on the chosen backend.
+    pub async fn drained(&self) -> std::result::Result<bool, String> {
+        let sql = drained_sql(&self.table);
+        match &self.direct {
+            Direct::Sqlx(pool) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .fetch_one(pool)
+                .await
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "diesel")]
+            Direct::Diesel(pool) => {
+                use diesel_async::RunQueryDsl;
+                let mut conn = pool.get().await.map_err(|e| e.to_string())?;
+                diesel::sql_query(sql)
+                    .get_result::<diesel_rows::Drained>(&mut conn)
+                    .await
+                    .map(|r| r.drained)
+                    .map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    /// The ids of the failed rows of `topic` and/or `key` (none = any), oldest first, on the
+    /// chosen backend; errors map as the repository's do.
+    pub async fn failed_ids(&self, topic: Option<&str>, key: Option<&str>) -> Result<Vec<Uuid>> {
+        let sql = failed_ids_sql(&self.table);
+        let t = &self.table;
+        let res = match &self.direct {
+            Direct::Sqlx(pool) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                .bind(topic)
+                .bind(key)
+                .fetch_all(pool)
+                .await
+                .map_err(|e| outbox_postgres::map_err(t, e)),
+            #[cfg(feature = "diesel")]
+            Direct::Diesel(pool) => {
+                use diesel::sql_types::{Nullable, Text};
+                use diesel_async::RunQueryDsl;
+                match pool.get().await {
+                    Err(e) => Err(outbox_diesel::error::map_pool(e)),
+                    Ok(mut conn) => diesel::sql_query(sql)
+                        .bind::<Nullable<Text>, _>(topic)
+                        .bind::<Nullable<Text>, _>(key)
+                        .load::<diesel_rows::Id>(&mut conn)
+                        .await
+                        .map(|v| v.into_iter().map(|r| r.id).collect())
+                        .map_err(|e| outbox_diesel::error::map_diesel(t, e)),
+                }
+            }
+        };
+        res.map_err(|e| CliError::repo(&t.to_string(), e))
+    }
 }
 
 /// Parses the URL: a malformed one is a usage error (exit 2).
@@ -110,31 +218,42 @@ pub async fn require_table(pool: &PgPool, table: &TableName) -> Result<()> {
 pub async fn open(url: &str, kind: StoreKind, table: &TableName, pool_size: u32) -> Result<Store> {
     let pool = connect_pool(url, pool_size).await?;
     require_table(&pool, table).await?;
-    let repo: Arc<dyn OutboxRepository> = match kind {
-        StoreKind::Sqlx => Arc::new(PgOutboxRepository::new(
-            pool.clone(),
-            PgConfig::default().table(table.clone()),
-        )),
+    let (repo, direct): (Arc<dyn OutboxRepository>, Direct) = match kind {
+        StoreKind::Sqlx => (
+            Arc::new(PgOutboxRepository::new(
+                pool.clone(),
+                PgConfig::default().table(table.clone()),
+            )),
+            Direct::Sqlx(pool.clone()),
+        ),
         StoreKind::Diesel => diesel_repo(url, table, pool_size)?,
     };
     Ok(Store {
         repo,
         pool,
         table: table.clone(),
+        direct,
     })
 }
 
 #[cfg(feature = "diesel")]
-fn diesel_repo(url: &str, table: &TableName, pool_size: u32) -> Result<Arc<dyn OutboxRepository>> {
+fn diesel_repo(
+    url: &str,
+    table: &TableName,
+    pool_size: u32,
+) -> Result<(Arc<dyn OutboxRepository>, Direct)> {
     let settings = outbox_diesel::PoolSettings::default()
         .max_size(pool_size as usize)
         .map_err(|e| CliError::usage(e.to_string()))?;
     let pool = outbox_diesel::build_pool(url, &settings)
         .map_err(|e| CliError::usage(format!("diesel pool: {e}")))?;
-    Ok(Arc::new(outbox_diesel::DieselOutboxRepository::new(
-        pool,
-        outbox_diesel::DieselConfig::default().table(table.clone()),
-    )))
+    Ok((
+        Arc::new(outbox_diesel::DieselOutboxRepository::new(
+            pool.clone(),
+            outbox_diesel::DieselConfig::default().table(table.clone()),
+        )),
+        Direct::Diesel(pool),
+    ))
 }
 
 #[cfg(not(feature = "diesel"))]
@@ -142,7 +261,7 @@ fn diesel_repo(
     _url: &str,
     _table: &TableName,
     _pool_size: u32,
-) -> Result<Arc<dyn OutboxRepository>> {
+) -> Result<(Arc<dyn OutboxRepository>, Direct)> {
     Err(not_compiled())
 }
 
