@@ -38,6 +38,15 @@ pub enum Error {
         /// What failed.
         message: String,
     },
+    /// Partition maintenance of a partitioned table failed (`ensure_partitions`); the message
+    /// says why and what to do.
+    #[error("partition maintenance of the outbox table {table} failed: {message}")]
+    Partitions {
+        /// The table.
+        table: String,
+        /// What failed.
+        message: String,
+    },
     /// A backend operation failed.
     #[error(transparent)]
     Repository(#[from] RepositoryError),

@@ -10,8 +10,11 @@ pub mod schema;
 mod writer;
 
 pub use error::Error;
-pub use migrations::{OutboxMigrations, create_schema, run_migrations, run_migrations_url};
-pub use outbox_postgres::sql::TableName;
+pub use migrations::{
+    OutboxMigrations, create_schema, create_schema_with, ensure_partitions, run_migrations,
+    run_migrations_url, run_migrations_with,
+};
+pub use outbox_postgres::sql::{Layout, TableName};
 pub use pool::{PgPool, PoolSettings, PooledConnection, build_pool};
 pub use repository::{DieselConfig, DieselOutboxRepository};
 pub use writer::{DieselOutboxWriter, WriteError};

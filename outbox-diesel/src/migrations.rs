@@ -10,6 +10,16 @@
 //! output, and diesel_migrations records it in `__diesel_schema_migrations` as version
 //! `outbox_<table>_0001`, so it runs once per table.
 //!
+//! # The partitioned layout
+//!
+//! [`OutboxMigrations::with_layout`] with [`Layout::Partitioned`] runs
+//! `outbox_postgres::sql::partitioned::ddl` instead (the table `PARTITION BY RANGE
+//! (created_at)`, its default partition, the seven indexes, and the monthly partitions of the
+//! current month and the next three), recorded as version `outbox_<table>_p0001` so the two
+//! layouts' migrations are never taken for one another; over an existing plain table it fails
+//! and changes nothing. Later months come from [`ensure_partitions`], a maintenance call to run
+//! regularly (not a migration: it depends on the date).
+//!
 //! # Where the bookkeeping lives
 //!
 //! [`run_migrations`] puts `__diesel_schema_migrations` in the outbox table's own schema (for
@@ -37,7 +47,7 @@ use diesel_async::{
     AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
 };
 use diesel_migrations::MigrationHarness;
-use outbox_postgres::sql::{self, Statements, TableName};
+use outbox_postgres::sql::{self, Layout, Statements, TableName};
 
 use crate::error::Error;
 
@@ -47,19 +57,31 @@ use crate::error::Error;
 #[derive(Debug, Clone)]
 pub struct OutboxMigrations {
     table: TableName,
+    layout: Layout,
 }
 
 impl OutboxMigrations {
-    /// The migrations for `table`.
+    /// The migrations for `table` (plain layout).
     pub fn new(table: &TableName) -> Self {
+        Self::with_layout(table, Layout::Plain)
+    }
+
+    /// The migrations for `table` in `layout`.
+    pub fn with_layout(table: &TableName, layout: Layout) -> Self {
         Self {
             table: table.clone(),
+            layout,
         }
     }
 
-    /// The version recorded in `__diesel_schema_migrations`: `outbox_<table>_0001`.
+    /// The version recorded in `__diesel_schema_migrations`: `outbox_<table>_0001` for the
+    /// plain layout, `outbox_<table>_p0001` for the partitioned one (at most 44 characters,
+    /// within diesel's 50).
     pub fn version(&self) -> String {
-        format!("outbox_{}_0001", self.table.table())
+        match self.layout {
+            Layout::Plain => format!("outbox_{}_0001", self.table.table()),
+            Layout::Partitioned => format!("outbox_{}_p0001", self.table.table()),
+        }
     }
 
     /// The SQL the migration runs, as one script: the advisory lock, then the DDL.
@@ -73,7 +95,12 @@ impl OutboxMigrations {
             .schema_lock
             .replace("$1", &format!("'{}'", stmts.schema_lock_key()));
         let mut script = vec![lock];
-        script.extend(sql::ddl(&self.table));
+        script.extend(match self.layout {
+            Layout::Plain => sql::ddl(&self.table),
+            Layout::Partitioned => {
+                sql::partitioned::ddl(&self.table, sql::partitioned::DEFAULT_MONTHS_AHEAD)
+            }
+        });
         script.join(";\n") + ";\n"
     }
 }
@@ -156,8 +183,17 @@ fn ident(s: &str) -> String {
 /// is missing (R79), so running it over a table the sqlx backend or the ancestor created is
 /// safe. Needs a multi-thread tokio runtime.
 pub async fn run_migrations(
+    conn: AsyncPgConnection,
+    table: &TableName,
+) -> Result<AsyncPgConnection, Error> {
+    run_migrations_with(conn, table, Layout::Plain).await
+}
+
+/// [`run_migrations`] for either layout ([`OutboxMigrations::with_layout`]).
+pub async fn run_migrations_with(
     mut conn: AsyncPgConnection,
     table: &TableName,
+    layout: Layout,
 ) -> Result<AsyncPgConnection, Error> {
     let fail = |message: String| Error::Migration {
         table: table.dotted(),
@@ -182,7 +218,7 @@ pub async fn run_migrations(
     };
     let mut harness = AsyncMigrationHarness::new(conn);
     let ran = harness
-        .run_pending_migrations(OutboxMigrations::new(table))
+        .run_pending_migrations(OutboxMigrations::with_layout(table, layout))
         .map(|_| ())
         .map_err(|e| fail(e.to_string()));
     let mut conn = harness.into_inner();
@@ -215,11 +251,69 @@ pub async fn run_migrations_url(database_url: &str, table: &TableName) -> Result
 /// does. Use it when the application tracks migrations elsewhere; it is idempotent and on an
 /// existing table adds only what is missing (R79). Works on a current-thread runtime.
 pub async fn create_schema(conn: &mut AsyncPgConnection, table: &TableName) -> Result<(), Error> {
-    let script = OutboxMigrations::new(table).up_sql();
+    create_schema_with(conn, table, Layout::Plain).await
+}
+
+/// [`create_schema`] for either layout.
+pub async fn create_schema_with(
+    conn: &mut AsyncPgConnection,
+    table: &TableName,
+    layout: Layout,
+) -> Result<(), Error> {
+    let script = OutboxMigrations::with_layout(table, layout).up_sql();
     conn.transaction(async |c| c.batch_execute(&script).await)
         .await
         .map_err(|e: diesel::result::Error| Error::Migration {
             table: table.dotted(),
             message: e.to_string(),
         })
+}
+
+/// Partitioned layout: creates the missing monthly partitions from the current month (database
+/// clock, UTC months) through `months_ahead` months ahead (at most
+/// `outbox_postgres::sql::partitioned::MONTHS_AHEAD_MAX`), in one transaction under the schema
+/// advisory lock, like the sqlx backend's `ensure_partitions`. Run it regularly (daily, say).
+/// Fails with [`Error::Partitions`], creating nothing, when the default partition already
+/// holds rows of a missing month (the message says what to do). Works on a current-thread
+/// runtime.
+pub async fn ensure_partitions(
+    conn: &mut AsyncPgConnection,
+    table: &TableName,
+    months_ahead: u32,
+) -> Result<(), Error> {
+    let n = sql::partitioned::check_months_ahead(months_ahead)?;
+    let stmts = Statements::new(table);
+    let lock = stmts
+        .schema_lock
+        .replace("$1", &format!("'{}'", stmts.schema_lock_key()));
+    let script = format!(
+        "{lock};\n{};\n",
+        sql::partitioned::ensure_partitions(table, n)
+    );
+    conn.transaction(async |c| c.batch_execute(&script).await)
+        .await
+        .map_err(|e: diesel::result::Error| Error::Partitions {
+            table: table.dotted(),
+            message: e.to_string(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_differ_per_layout_and_fit_diesel() {
+        let t = TableName::new(&"t".repeat(31)).unwrap();
+        let plain = OutboxMigrations::new(&t).version();
+        let part = OutboxMigrations::with_layout(&t, Layout::Partitioned).version();
+        assert_ne!(plain, part);
+        assert!(part.len() <= 50 && plain.len() <= 50, "{part}");
+        assert!(
+            OutboxMigrations::with_layout(&t, Layout::Partitioned)
+                .up_sql()
+                .contains("PARTITION BY RANGE (created_at)")
+        );
+        assert!(!OutboxMigrations::new(&t).up_sql().contains("PARTITION"));
+    }
 }

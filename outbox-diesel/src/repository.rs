@@ -17,7 +17,7 @@ use outbox_core::repository::{
     check_backend_batch_size,
 };
 use outbox_postgres::shared;
-use outbox_postgres::sql::{self, FetchParams, Statements, TableName};
+use outbox_postgres::sql::{self, FetchParams, Layout, Statements, TableName};
 use uuid::Uuid;
 
 use crate::error::{Error, map_diesel, map_pool};
@@ -31,6 +31,7 @@ type SqlUuid = diesel::sql_types::Uuid;
 #[derive(Debug, Clone)]
 pub struct DieselConfig {
     table: TableName,
+    layout: Layout,
     batch_size: usize,
     error_max_length: usize,
 }
@@ -39,6 +40,7 @@ impl Default for DieselConfig {
     fn default() -> Self {
         Self {
             table: TableName::default(),
+            layout: Layout::Plain,
             batch_size: DEFAULT_BACKEND_BATCH_SIZE,
             error_max_length: outbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
         }
@@ -56,6 +58,18 @@ impl DieselConfig {
     pub fn table(mut self, table: TableName) -> Self {
         self.table = table;
         self
+    }
+
+    /// The table's layout (default [`Layout::Plain`]); it must match how the table was created
+    /// ([`crate::run_migrations_with`]). The repository's writer writes with it.
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The configured layout.
+    pub fn layout_ref(&self) -> Layout {
+        self.layout
     }
 
     /// Maintenance batch size (R63): 1 to 10,000, default 1000.
@@ -114,13 +128,13 @@ impl DieselOutboxRepository {
     pub fn new(pool: PgPool, cfg: DieselConfig) -> Self {
         Self {
             pool,
-            stmts: Arc::new(Statements::new(&cfg.table)),
+            stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout)),
             cfg,
             fail_next_commit: Arc::new(AtomicBool::new(false)),
         }
     }
 
-    /// The writer for this repository's table.
+    /// The writer for this repository's table and layout.
     pub fn writer(&self) -> DieselOutboxWriter {
         DieselOutboxWriter::from_statements(self.stmts.clone())
     }

@@ -9,13 +9,20 @@ use outbox_core::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent};
 use outbox_core::repository::WriteResult;
 use outbox_postgres::shared;
-use outbox_postgres::sql::{self, InsertColumns, Statements, TableName};
+use outbox_postgres::sql::{self, InsertColumns, Layout, Statements, TableName};
 use uuid::Uuid;
 
 use crate::error::map_diesel;
 use crate::row::OutboxRow;
 
 type SqlUuid = diesel::sql_types::Uuid;
+
+/// The row of `Statements::idempotency_lock`.
+#[derive(diesel::QueryableByName)]
+struct IsolationRow {
+    #[diesel(sql_type = Text)]
+    isolation: String,
+}
 
 /// Writes events inside the caller's open transaction: pass the `&mut AsyncPgConnection` that
 /// `conn.transaction(async |conn| …)` hands you. It never begins, commits or rolls back (R12);
@@ -71,6 +78,18 @@ impl DieselOutboxWriter {
         Self::from_statements(Arc::new(Statements::new(table)))
     }
 
+    /// A writer for `table` with `layout` (which must match the table's, see
+    /// [`crate::run_migrations_with`]). On the partitioned layout a write with idempotency keys
+    /// first takes one advisory lock per key (R17; `outbox_postgres::sql::partitioned`).
+    pub fn with_layout(table: &TableName, layout: Layout) -> Self {
+        Self::from_statements(Arc::new(Statements::with_layout(table, layout)))
+    }
+
+    /// The layout it writes with.
+    pub fn layout(&self) -> Layout {
+        self.stmts.layout
+    }
+
     pub(crate) fn from_statements(stmts: Arc<Statements>) -> Self {
         Self {
             stmts,
@@ -123,6 +142,18 @@ impl DieselOutboxWriter {
             return Ok(Vec::new());
         }
         let plan = sql::dedupe_write(&events);
+        // Partitioned layout: serialize the writers of each key (R17) before the insert.
+        if let Some(lock) = &self.stmts.idempotency_lock {
+            let keys = sql::partitioned::lock_keys(&events, &plan);
+            if !keys.is_empty() {
+                let row: IsolationRow = diesel::sql_query(lock.as_str())
+                    .bind::<Array<Text>, _>(keys)
+                    .get_result(conn)
+                    .await
+                    .map_err(|e| map_diesel(table, e))?;
+                shared::check_write_isolation(table, &row.isolation)?;
+            }
+        }
         let c = InsertColumns::new(plan.unique.iter().map(|&i| &events[i]));
         let rows: Vec<OutboxRow> = diesel::sql_query(self.stmts.insert.as_str())
             .into_boxed()

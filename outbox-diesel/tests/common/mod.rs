@@ -19,8 +19,8 @@ use outbox_core::event::NewEvent;
 use outbox_core::repository::{OutboxRepository, WriteResult};
 use outbox_diesel::error::map_diesel;
 use outbox_diesel::{
-    DieselConfig, DieselOutboxRepository, DieselOutboxWriter, PgPool, PoolSettings,
-    PooledConnection, TableName, build_pool, run_migrations,
+    DieselConfig, DieselOutboxRepository, DieselOutboxWriter, Layout, PgPool, PoolSettings,
+    PooledConnection, TableName, build_pool, run_migrations_with,
 };
 use outbox_postgres::sql::{self, Statements};
 use outbox_postgres::testing::{PgHarness, database_url, fresh_schema_name};
@@ -37,6 +37,7 @@ pub fn url_in_new_york(url: &str) -> String {
 #[derive(Debug, Clone)]
 pub struct DieselFactory {
     url: String,
+    layout: Layout,
 }
 
 impl DieselFactory {
@@ -44,6 +45,16 @@ impl DieselFactory {
     pub fn new() -> Self {
         Self {
             url: database_url(),
+            layout: Layout::Plain,
+        }
+    }
+
+    /// Each trial's table has the partitioned layout (created by the partitioned migration);
+    /// both repositories, their writers and `create_schema_for` use it.
+    pub fn partitioned() -> Self {
+        Self {
+            layout: Layout::Partitioned,
+            ..Self::new()
         }
     }
 }
@@ -51,7 +62,7 @@ impl DieselFactory {
 #[async_trait]
 impl Factory for DieselFactory {
     async fn create(&self) -> Arc<dyn Harness> {
-        Arc::new(DieselHarness::create(&self.url).await)
+        Arc::new(DieselHarness::create_with(&self.url, self.layout).await)
     }
 }
 
@@ -62,6 +73,7 @@ pub struct DieselHarness {
     url: String,
     schema: String,
     table: TableName,
+    layout: Layout,
     stmts: Arc<Statements>,
     pool: PgPool,
     repo: Arc<DieselOutboxRepository>,
@@ -71,12 +83,17 @@ pub struct DieselHarness {
 impl DieselHarness {
     /// A fresh trial on `url`.
     pub async fn create(url: &str) -> Self {
+        Self::create_with(url, Layout::Plain).await
+    }
+
+    /// A fresh trial on `url` whose table has `layout`.
+    pub async fn create_with(url: &str, layout: Layout) -> Self {
         let schema = fresh_schema_name();
         let table = TableName::new(&format!("{schema}.{}", sql::DEFAULT_TABLE)).expect("valid");
         let conn = AsyncPgConnection::establish(url)
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"));
-        let mut conn = run_migrations(conn, &table)
+        let mut conn = run_migrations_with(conn, &table, layout)
             .await
             .expect("diesel migrations");
         conn.batch_execute(&sql::fixtures::create_aggregates(&schema))
@@ -90,14 +107,15 @@ impl DieselHarness {
         .expect("pool");
         let repo = Arc::new(DieselOutboxRepository::new(
             pool.clone(),
-            DieselConfig::default().table(table.clone()),
+            DieselConfig::default().table(table.clone()).layout(layout),
         ));
-        let peer = PgHarness::attach(url, &table).await;
+        let peer = PgHarness::attach(url, &table).await.with_layout(layout);
         Self {
             url: url.to_owned(),
             schema,
             stmts: Arc::new(Statements::new(&table)),
             table,
+            layout,
             pool,
             repo,
             peer,
@@ -359,7 +377,7 @@ impl Harness for DieselHarness {
             Err(e) => return Some(Err(e.to_string())),
         };
         Some(
-            run_migrations(conn, &t)
+            run_migrations_with(conn, &t, self.layout)
                 .await
                 .map(drop)
                 .map_err(|e| e.to_string()),
