@@ -32,22 +32,126 @@ async fn migrate_creates_the_table_and_is_idempotent() {
     db.drop_schema().await;
 }
 
+/// `migrate --partitioned` creates the partitioned table (default partition and this month
+/// plus --months-ahead, on each store), adds months when run again, refuses a plain table and
+/// a bad --months-ahead; bad table names are refused as before.
 #[tokio::test(flavor = "multi_thread")]
-async fn migrate_refuses_partitioned_and_bad_names_and_creates_nothing() {
+async fn migrate_partitioned_creates_the_partitioned_table_and_refuses_bad_names() {
     let db = Db::fresh().await;
+    let kind = |t: String| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)",
+            )
+            .bind(t)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
+    let parts = |t: String| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(
+                "SELECT count(*) FROM pg_inherits WHERE inhparent = to_regclass($1)",
+            )
+            .bind(t)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+        }
+    };
     let out = relay(&args(&db, &["migrate", "--partitioned"])).await;
-    assert_eq!(out.code, 2, "{}", out.stderr);
-    assert!(
-        out.stderr.contains("--partitioned is not supported"),
-        "{}",
-        out.stderr
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("partitioned"), "{}", out.stdout);
+    assert_eq!(kind(db.table_arg()).await.as_deref(), Some("p"));
+    assert_eq!(
+        parts(db.table_arg()).await,
+        1 + 4,
+        "default + this month + 3"
     );
-    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
-        .bind(db.table_arg())
-        .fetch_one(&db.pool)
-        .await
+    let out = relay(&args(
+        &db,
+        &["migrate", "--partitioned", "--months-ahead", "5"],
+    ))
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert_eq!(parts(db.table_arg()).await, 1 + 6);
+    let out = relay(&args(
+        &db,
+        &["migrate", "--partitioned", "--months-ahead", "121"],
+    ))
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("--months-ahead"), "{}", out.stderr);
+    assert_eq!(parts(db.table_arg()).await, 1 + 6);
+
+    // The relay's commands work on it: stats sees rows written by the partitioned writer.
+    let w = outbox_postgres::PgOutboxWriter::with_layout(
+        &db.table,
+        outbox_postgres::Layout::Partitioned,
+    );
+    let mut tx = db.pool.begin().await.unwrap();
+    let ev = outbox_core::NewEvent::builder()
+        .topic("ops")
+        .partition_key("k")
+        .event_type("e")
+        .idempotency_key("once")
+        .payload_json(serde_json::json!({"n": 1}))
+        .aggregate("a", Uuid::new_v4())
+        .build()
         .unwrap();
-    assert!(!exists, "no table after a refused migrate");
+    w.write(&mut tx, vec![ev.clone(), ev]).await.unwrap();
+    tx.commit().await.unwrap();
+    let out = relay(&args(&db, &["stats", "--json"])).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let stats: serde_json::Value = serde_json::from_str(&out.stdout).expect("JSON");
+    assert_eq!(stats["pending"], 1, "{stats}");
+
+    // An existing plain table is never converted.
+    let plain = format!("{}.plain_events", db.schema);
+    let out = relay(&["migrate", "--table", &plain]).await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    let out = relay(&["migrate", "--partitioned", "--table", &plain]).await;
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(out.stderr.contains("is not partitioned"), "{}", out.stderr);
+    assert_eq!(kind(plain).await.as_deref(), Some("r"));
+
+    #[cfg(feature = "diesel")]
+    {
+        let t = format!("{}.diesel_events", db.schema);
+        let out = relay(&[
+            "migrate",
+            "--store",
+            "diesel",
+            "--partitioned",
+            "--table",
+            &t,
+        ])
+        .await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(kind(t.clone()).await.as_deref(), Some("p"));
+        assert_eq!(parts(t.clone()).await, 1 + 4);
+        let out = relay(&[
+            "migrate",
+            "--store",
+            "diesel",
+            "--partitioned",
+            "--months-ahead",
+            "6",
+            "--table",
+            &t,
+        ])
+        .await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(
+            parts(t).await,
+            1 + 7,
+            "months are added after the one-time migration"
+        );
+    }
+    db.drop_schema().await;
 
     for bad in ["Outbox", "a.b.c", "x-y", "t;drop table x"] {
         let out = relay(&["migrate", "--table", bad]).await;

@@ -77,10 +77,17 @@ enum Command {
     Migrate {
         #[command(flatten)]
         db: DbArgs,
-        /// A partitioned table. Not supported by these backends (the contract does not carry the
-        /// ancestor's partitioned variant over); the flag fails with exit 2.
+        /// The partitioned layout: `PARTITION BY RANGE (created_at)` with a default partition and
+        /// monthly partitions (UTC) from this month through --months-ahead more. Run it again
+        /// regularly (daily) to add the coming months; it changes nothing else. Writers must use
+        /// the partitioned layout too (`PgOutboxWriter::with_layout`,
+        /// `DieselOutboxWriter::with_layout`). An existing plain table is refused (exit 1).
         #[arg(long)]
         partitioned: bool,
+        /// With --partitioned: how many months after the current one get a partition (0 to 120).
+        #[arg(long, default_value_t = outbox_postgres::sql::partitioned::DEFAULT_MONTHS_AHEAD,
+              requires = "partitioned")]
+        months_ahead: u32,
     },
     /// Row counts per topic and status, blocked keys, and the age of the oldest due row.
     Stats {
@@ -184,7 +191,11 @@ fn init_tracing(json: bool) {
 async fn dispatch(cmd: Command) -> Result<(), CliError> {
     match cmd {
         Command::Run(a) => run::run(*a).await,
-        Command::Migrate { db, partitioned } => ops::migrate(&db, partitioned).await,
+        Command::Migrate {
+            db,
+            partitioned,
+            months_ahead,
+        } => ops::migrate(&db, partitioned, months_ahead).await,
         Command::Stats { db, json, lease } => ops::stats(&db, json, lease).await,
         Command::BlockedKeys {
             db,

@@ -6,6 +6,8 @@ use outbox_core::event::Status;
 use outbox_core::repository::{DEFAULT_CLEANUP_MAX_ITERATIONS, check_backend_batch_size};
 use uuid::Uuid;
 
+use outbox_postgres::Layout;
+
 use crate::DbArgs;
 use crate::error::{CliError, Result, code};
 use crate::store::{self, StoreKind};
@@ -21,37 +23,88 @@ fn fmt_age(d: Option<Duration>) -> String {
     }
 }
 
-pub async fn migrate(db: &DbArgs, partitioned: bool) -> Result<()> {
-    if partitioned {
-        return Err(CliError::usage(
-            "--partitioned is not supported: neither the sqlx nor the diesel backend has a partitioned table variant (the contract does not carry the ancestor's partitioned tables over); run `outbox-relay migrate` without it",
-        ));
-    }
+pub async fn migrate(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()> {
+    let layout = if partitioned {
+        outbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
+            .map_err(|e| CliError::usage(format!("--months-ahead: {e}")))?;
+        Layout::Partitioned
+    } else {
+        Layout::Plain
+    };
     let t = &db.table;
+    if partitioned {
+        refuse_plain_table(db).await?;
+    }
     match db.store {
         StoreKind::Sqlx => {
             let pool = store::connect_pool(&db.database_url, 2).await?;
-            outbox_postgres::create_schema(&pool, t)
+            outbox_postgres::create_schema_with(&pool, t, layout)
                 .await
                 .map_err(|e| CliError::new(code::OTHER, e.to_string()))?;
+            if partitioned {
+                outbox_postgres::ensure_partitions(&pool, t, months_ahead)
+                    .await
+                    .map_err(|e| CliError::new(code::OTHER, e.to_string()))?;
+            }
         }
-        StoreKind::Diesel => migrate_diesel(db).await?,
+        StoreKind::Diesel => migrate_diesel(db, layout, months_ahead).await?,
     }
-    println!("outbox table {t} is ready");
+    match layout {
+        Layout::Plain => println!("outbox table {t} is ready"),
+        Layout::Partitioned => println!(
+            "outbox table {t} is ready (partitioned by created_at; monthly partitions through {months_ahead} months ahead)"
+        ),
+    }
     Ok(())
 }
 
+/// `migrate --partitioned` on an existing table that is not partitioned: exit 1, nothing
+/// changed (the schema creation would refuse it too, as a failure).
+async fn refuse_plain_table(db: &DbArgs) -> Result<()> {
+    let pool = store::connect_pool(&db.database_url, 1).await?;
+    let kind: Option<String> =
+        sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
+            .bind(db.table.dotted())
+            .fetch_optional(&pool)
+            .await
+            .map_err(|e| {
+                CliError::new(code::DATABASE, format!("checking table {}: {e}", db.table))
+            })?;
+    match kind.as_deref() {
+        None | Some("p") => Ok(()),
+        Some(_) => Err(CliError::new(
+            code::REFUSED,
+            format!(
+                "the outbox table {} exists and is not partitioned; --partitioned never converts a table: migrate it without --partitioned, or pick another --table for the partitioned one",
+                db.table
+            ),
+        )),
+    }
+}
+
 #[cfg(feature = "diesel")]
-async fn migrate_diesel(db: &DbArgs) -> Result<()> {
+async fn migrate_diesel(db: &DbArgs, layout: Layout, months_ahead: u32) -> Result<()> {
+    use diesel_async::AsyncConnection;
+    let fail = |e: String| CliError::new(code::OTHER, e);
     // Checks the URL and the connection first, for the same messages and exit codes as sqlx.
     store::connect_pool(&db.database_url, 1).await?;
-    outbox_diesel::run_migrations_url(&db.database_url, &db.table)
+    let conn = diesel_async::AsyncPgConnection::establish(&db.database_url)
         .await
-        .map_err(|e| CliError::new(code::OTHER, e.to_string()))
+        .map_err(|e| fail(format!("could not connect: {e}")))?;
+    let mut conn = outbox_diesel::run_migrations_with(conn, &db.table, layout)
+        .await
+        .map_err(|e| fail(e.to_string()))?;
+    // The migration runs once per table; the coming months are added on every run.
+    if layout == Layout::Partitioned {
+        outbox_diesel::ensure_partitions(&mut conn, &db.table, months_ahead)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+    }
+    Ok(())
 }
 
 #[cfg(not(feature = "diesel"))]
-async fn migrate_diesel(_db: &DbArgs) -> Result<()> {
+async fn migrate_diesel(_db: &DbArgs, _layout: Layout, _months_ahead: u32) -> Result<()> {
     Err(store::not_compiled())
 }
 
