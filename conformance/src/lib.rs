@@ -16,7 +16,7 @@ pub use harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
 /// evaluated per test whose value implements [`Factory`].
 ///
 /// `suite!(postgres_partitioned: FACTORY)` is for a Postgres harness whose table has the
-/// partitioned layout: the [all] and [pg] scenarios except PG-02 (the table equals Appendix A's,
+/// partitioned layout: the `[all]` and `[pg]` scenarios except PG-02 (the table equals Appendix A's,
 /// which a partitioned table cannot: its primary key holds created_at and its idempotency-key
 /// index is not unique) and PG-10 (schema creation over an existing plain ancestor table,
 /// which the partitioned layout refuses instead of converting). The backend's own tests cover
