@@ -21,8 +21,9 @@
 //!
 //! # Idempotency (R16, R17)
 //!
-//! Before inserting, a write call takes `pg_advisory_xact_lock` on a 64-bit hash of
-//! `outbox-idem:<schema.table>:<key>` for each distinct idempotency key of the call, in sorted
+//! Before inserting, a write call takes `pg_advisory_xact_lock` on a 64-bit hash of the key,
+//! seeded with the table's OID (so writers that name one table differently, `t` and
+//! `public.t`, share the locks), for each distinct idempotency key of the call, in sorted
 //! order (two calls with overlapping keys lock in the same order, so they cannot deadlock)
 //! ([`idempotency_lock`]). The locks are held until the caller's transaction ends. Then, as its
 //! own statement (so, under READ COMMITTED, with a snapshot taken after the locks were granted),
@@ -224,9 +225,10 @@ pub fn idempotency_lock(table: &TableName) -> String {
     // locks) the keys in order; an aggregate argument is evaluated for every input row.
     format!(
         "SELECT current_setting('transaction_isolation')::text AS isolation,
-       count(pg_advisory_xact_lock(hashtextextended('outbox-idem:{d}:' || s.k, 0))::text) AS locked
+       count(pg_advisory_xact_lock(hashtextextended(s.k, '{q}'::regclass::oid::int8))::text)
+         AS locked
   FROM (SELECT u.k FROM unnest($1::text[]) WITH ORDINALITY AS u(k, o) ORDER BY u.o) s",
-        d = table.dotted()
+        q = table.qualified()
     )
 }
 
