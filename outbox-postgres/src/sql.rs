@@ -495,7 +495,8 @@ pub struct Statements {
     ///   fills the window costs one probe, not `$8`). A candidate is a head when a probe of
     ///   `idx_<t>_pending_key_order` finds no earlier in-line row of its key (filters ignored,
     ///   R29); the probe is a `LATERAL … LIMIT 1`, a nested loop per candidate in head order,
-    ///   never a join of all pairs of a key's rows. Path A stops at `$2` heads.
+    ///   never a join of all pairs of a key's rows. Heads are produced lazily in head order
+    ///   and path A stops once `$2` of them are claimed and locked (below).
     /// * **Path B, only when A found fewer than `$2` heads** (a one-time filter; B is not
     ///   executed otherwise). A recursive walk over `idx_<t>_pending_key_order` that jumps from
     ///   key to key and returns, per key, its first in-line row in one index descent (ties on
@@ -517,9 +518,12 @@ pub struct Statements {
     ///   selecting the same ones and losing them to `SKIP LOCKED`. The claim ends at commit,
     ///   where the lease takes over. Path B runs only when path A found fewer than `$2` heads
     ///   before claims (keys claimed elsewhere never send a fetch down the key walk).
-    /// * **Lock.** `FOR UPDATE SKIP LOCKED` on the chosen rows, rechecking fetchability on the
-    ///   latest row version; each run is cut again before its first row that could not be
-    ///   locked, so no row goes out while an earlier row of its key is locked elsewhere (R28).
+    /// * **Lock.** Heads are row-locked as they are taken (`FOR UPDATE SKIP LOCKED` in a
+    ///   `LATERAL` per head, rechecking fetchability on the latest row version): a head that
+    ///   another relay leased after this statement's snapshot is passed over for the next one,
+    ///   so the batch still fills. The run rows behind the heads are locked the same way in one
+    ///   statement; each run is cut before its first row that could not be locked, so no row
+    ///   goes out while an earlier row of its key is locked elsewhere (R28).
     ///   Then one `UPDATE … RETURNING` stamps the lease with `now()` (R72).
     pub fetch: String,
 
@@ -747,7 +751,12 @@ heads_a0 AS (
     ORDER BY c.scheduled_at, c.created_at, c.id
 ),
 heads_a AS (
-    SELECT q.* FROM heads_a0 q WHERE {claim_q} LIMIT $2::int8
+    SELECT q.* FROM heads_a0 q
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM {t} hl WHERE hl.id = q.id AND {fhl} FOR UPDATE SKIP LOCKED
+    ) held
+    WHERE {claim_q}
+    LIMIT $2::int8
 ),
 firsts AS (
     (SELECT s.* FROM (
@@ -781,6 +790,9 @@ heads_b AS (
          WHERE {ff} AND {fff}
          ORDER BY f.scheduled_at, f.created_at, f.id
     ) q
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM {t} hl WHERE hl.id = q.id AND {fhl} FOR UPDATE SKIP LOCKED
+    ) held
     WHERE {claim_q}
     LIMIT $2::int8
 ),
@@ -824,14 +836,15 @@ picked AS (
 ),
 locked AS (
     SELECT lk.id FROM {t} lk
-     WHERE lk.id = ANY(ARRAY(SELECT id FROM picked))
+     WHERE lk.id = ANY(ARRAY(SELECT id FROM picked WHERE pos > 1))
        AND {flk}
      FOR UPDATE SKIP LOCKED
 ),
 final AS (
     SELECT z.id, z.head_rank, z.pos FROM (
         SELECT p.id, p.head_rank, p.pos,
-               bool_and(lk.id IS NOT NULL) OVER (PARTITION BY p.head_rank ORDER BY p.pos) AS still_ok
+               bool_and(p.pos = 1 OR lk.id IS NOT NULL)
+                   OVER (PARTITION BY p.head_rank ORDER BY p.pos) AS still_ok
           FROM picked p LEFT JOIN locked lk ON lk.id = p.id
     ) z
     WHERE z.still_ok
@@ -857,6 +870,7 @@ SELECT {cols} FROM upd ORDER BY head_rank__, pos__",
             ill = in_line("l"),
             flk = fetchable("lk"),
             claim_q = claim("q"),
+            fhl = fetchable("hl"),
         );
 
         let outcome_ret = "RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at";
