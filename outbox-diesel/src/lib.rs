@@ -4,6 +4,7 @@
 pub mod error;
 pub mod migrations;
 pub mod pool;
+mod prepared;
 mod repository;
 mod row;
 pub mod schema;

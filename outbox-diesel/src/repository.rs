@@ -22,6 +22,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, map_diesel, map_pool};
 use crate::pool::{PgPool, PooledConnection};
+use crate::prepared::Prepared;
 use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, NowRow, OutboxRow};
 use crate::writer::DieselOutboxWriter;
 
@@ -193,7 +194,7 @@ async fn load_applied(
     conn: &mut AsyncPgConnection,
     out: &mut Vec<AppliedRow>,
 ) -> Result<(), diesel::result::Error> {
-    out.extend(q.load::<AppliedRow>(conn).await?);
+    out.extend(Prepared(q).load::<AppliedRow>(conn).await?);
     Ok(())
 }
 
@@ -239,18 +240,20 @@ impl OutboxRepository for DieselOutboxRepository {
         // Its own transaction, committed at once (R76).
         let rows: Vec<OutboxRow> = conn
             .transaction(async |c| {
-                diesel::sql_query(fetch)
-                    .into_boxed()
-                    .bind::<Text, _>(worker)
-                    .bind::<BigInt, _>(p.limit)
-                    .bind::<BigInt, _>(p.lease_us)
-                    .bind::<BigInt, _>(p.max_per_key)
-                    .bind::<Nullable<Array<Text>>, _>(p.topics)
-                    .bind::<Nullable<Array<Text>>, _>(p.aggregate_types)
-                    .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids)
-                    .bind::<BigInt, _>(p.scan_limit)
-                    .load::<OutboxRow>(c)
-                    .await
+                Prepared(
+                    diesel::sql_query(fetch)
+                        .into_boxed()
+                        .bind::<Text, _>(worker)
+                        .bind::<BigInt, _>(p.limit)
+                        .bind::<BigInt, _>(p.lease_us)
+                        .bind::<BigInt, _>(p.max_per_key)
+                        .bind::<Nullable<Array<Text>>, _>(p.topics)
+                        .bind::<Nullable<Array<Text>>, _>(p.aggregate_types)
+                        .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids)
+                        .bind::<BigInt, _>(p.scan_limit),
+                )
+                .load::<OutboxRow>(c)
+                .await
             })
             .await
             .map_err(|e| self.err(e))?;

@@ -9,6 +9,8 @@ use outbox_core::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent};
 use outbox_core::repository::WriteResult;
 use outbox_postgres::shared;
+
+use crate::prepared::Prepared;
 use outbox_postgres::sql::{self, InsertColumns, Layout, Statements, TableName};
 use uuid::Uuid;
 
@@ -155,27 +157,29 @@ impl DieselOutboxWriter {
             }
         }
         let c = InsertColumns::new(plan.unique.iter().map(|&i| &events[i]));
-        let rows: Vec<OutboxRow> = diesel::sql_query(self.stmts.insert.as_str())
-            .into_boxed()
-            .bind::<Array<SqlUuid>, _>(c.id)
-            .bind::<Array<Text>, _>(c.event_type)
-            .bind::<Array<Text>, _>(c.payload)
-            .bind::<Array<Nullable<Text>>, _>(c.headers)
-            .bind::<Array<Nullable<Text>>, _>(c.trace_id)
-            .bind::<Array<Nullable<Text>>, _>(c.idempotency_key)
-            .bind::<Array<Nullable<Text>>, _>(c.correlation_id)
-            .bind::<Array<Nullable<Text>>, _>(c.causation_id)
-            .bind::<Array<Nullable<Text>>, _>(c.schema_version)
-            .bind::<Array<Int4>, _>(c.max_attempts)
-            .bind::<Array<Nullable<Timestamptz>>, _>(c.scheduled_at)
-            .bind::<Array<Nullable<Int8>>, _>(c.delay_us)
-            .bind::<Array<Text>, _>(c.aggregate_type)
-            .bind::<Array<SqlUuid>, _>(c.aggregate_id)
-            .bind::<Array<Text>, _>(c.topic)
-            .bind::<Array<Text>, _>(c.partition_key)
-            .load(conn)
-            .await
-            .map_err(|e| map_diesel(table, e))?;
+        let rows: Vec<OutboxRow> = Prepared(
+            diesel::sql_query(self.stmts.insert.as_str())
+                .into_boxed()
+                .bind::<Array<SqlUuid>, _>(c.id)
+                .bind::<Array<Text>, _>(c.event_type)
+                .bind::<Array<Text>, _>(c.payload)
+                .bind::<Array<Nullable<Text>>, _>(c.headers)
+                .bind::<Array<Nullable<Text>>, _>(c.trace_id)
+                .bind::<Array<Nullable<Text>>, _>(c.idempotency_key)
+                .bind::<Array<Nullable<Text>>, _>(c.correlation_id)
+                .bind::<Array<Nullable<Text>>, _>(c.causation_id)
+                .bind::<Array<Nullable<Text>>, _>(c.schema_version)
+                .bind::<Array<Int4>, _>(c.max_attempts)
+                .bind::<Array<Nullable<Timestamptz>>, _>(c.scheduled_at)
+                .bind::<Array<Nullable<Int8>>, _>(c.delay_us)
+                .bind::<Array<Text>, _>(c.aggregate_type)
+                .bind::<Array<SqlUuid>, _>(c.aggregate_id)
+                .bind::<Array<Text>, _>(c.topic)
+                .bind::<Array<Text>, _>(c.partition_key),
+        )
+        .load(conn)
+        .await
+        .map_err(|e| map_diesel(table, e))?;
         let mut inserted: HashMap<Uuid, OutboxEvent> = HashMap::with_capacity(rows.len());
         for r in rows {
             let e = r.into_event()?;

@@ -361,3 +361,56 @@ async fn the_diesel_writer_notifies_at_commit_only_when_asked_and_inserting() {
     .unwrap();
     assert_eq!(probe.wakeups().await, 0, "notify is off by default");
 }
+
+#[derive(QueryableByName)]
+struct Count {
+    #[diesel(sql_type = diesel::sql_types::BigInt)]
+    n: i64,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_outbox_statements_are_prepared_once_per_connection() {
+    let h = common::DieselHarness::create(&database_url()).await;
+    // A pool of one connection, so every call below runs on the same session.
+    let pool = build_pool(
+        &database_url(),
+        &PoolSettings::default().max_size(1).unwrap(),
+    )
+    .unwrap();
+    let repo = DieselOutboxRepository::new(
+        pool.clone(),
+        DieselConfig::default().table(h.table().clone()),
+    );
+    let req = outbox_core::repository::FetchRequest::new(
+        outbox_core::event::WorkerId::new("w1").unwrap(),
+        10,
+    );
+    for _ in 0..3 {
+        let mut conn = pool.get().await.unwrap();
+        conn.transaction(async |c| {
+            repo.writer().write(c, vec![event("k")]).await?;
+            Ok::<_, WriteError>(())
+        })
+        .await
+        .unwrap();
+        drop(conn);
+        repo.fetch_and_lock(&req).await.unwrap();
+    }
+    let mut conn = pool.get().await.unwrap();
+    let count = |needle: &'static str| {
+        diesel::sql_query(
+            "SELECT count(*) AS n FROM pg_prepared_statements WHERE strpos(statement, $1) > 0",
+        )
+        .bind::<Text, _>(needle)
+    };
+    let fetches: Count = count("heads_a0").get_result(&mut conn).await.unwrap();
+    assert_eq!(
+        fetches.n, 1,
+        "the fetch is prepared once and reused, not re-planned per call"
+    );
+    let inserts: Count = count("INSERT INTO").get_result(&mut conn).await.unwrap();
+    assert_eq!(
+        inserts.n, 1,
+        "the writer's insert is prepared once and reused"
+    );
+}
