@@ -168,7 +168,7 @@ async fn diesel_store_migrates_drains_in_key_order_and_runs_the_operator_command
         )
         .await as usize;
     assert_eq!(failed, written["key-3"].len());
-    let out = relay(&[
+    let requeue_key_3 = [
         "requeue-failed",
         "--store",
         "diesel",
@@ -176,8 +176,8 @@ async fn diesel_store_migrates_drains_in_key_order_and_runs_the_operator_command
         "key-3",
         "--table",
         &table,
-    ])
-    .await;
+    ];
+    let out = relay(&requeue_key_3).await;
     assert_eq!(out.code, 0, "requeue-failed --store diesel: {}", out.stderr);
     assert!(
         out.stdout
@@ -201,16 +201,7 @@ async fn diesel_store_migrates_drains_in_key_order_and_runs_the_operator_command
     );
     // Nothing failed is left for that key: refused (exit 1), nothing changed.
     let before = db.digest().await;
-    let out = relay(&[
-        "requeue-failed",
-        "--store",
-        "diesel",
-        "--key",
-        "key-3",
-        "--table",
-        &table,
-    ])
-    .await;
+    let out = relay(&requeue_key_3).await;
     assert_eq!(out.code, 1, "{}", out.stderr);
     assert!(out.stderr.contains("no failed rows"), "{}", out.stderr);
     assert_eq!(db.digest().await, before);

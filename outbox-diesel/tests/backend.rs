@@ -3,9 +3,10 @@
 
 mod common;
 
+use common::{Count, Name, connect};
 use diesel::sql_types::Text;
-use diesel::{QueryDsl, Queryable, QueryableByName, Selectable, SelectableHelper};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
+use diesel::{QueryDsl, Queryable, Selectable, SelectableHelper};
+use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
 use outbox_core::RepositoryError;
 use outbox_core::event::NewEvent;
 use outbox_core::repository::OutboxRepository;
@@ -50,19 +51,6 @@ struct TypedRow {
     partition_key: String,
 }
 
-#[derive(QueryableByName)]
-struct Name {
-    #[diesel(sql_type = Text)]
-    name: String,
-}
-
-async fn connect() -> AsyncPgConnection {
-    let url = database_url();
-    AsyncPgConnection::establish(&url)
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
-}
-
 async fn drop_schema(schema: &str) {
     connect()
         .await
@@ -72,14 +60,7 @@ async fn drop_schema(schema: &str) {
 }
 
 fn event(key: &str) -> NewEvent {
-    NewEvent::builder()
-        .event_type("test.event")
-        .aggregate("agg", Uuid::new_v4())
-        .topic("t")
-        .partition_key(key)
-        .payload_json(serde_json::json!({"n": 1}))
-        .build()
-        .expect("valid")
+    common::event(key, None)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -360,12 +341,6 @@ async fn the_diesel_writer_notifies_at_commit_only_when_asked_and_inserting() {
     .await
     .unwrap();
     assert_eq!(probe.wakeups().await, 0, "notify is off by default");
-}
-
-#[derive(QueryableByName)]
-struct Count {
-    #[diesel(sql_type = diesel::sql_types::BigInt)]
-    n: i64,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

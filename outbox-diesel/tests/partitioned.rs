@@ -7,38 +7,16 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use diesel::QueryableByName;
-use diesel::sql_types::{BigInt, Text};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use common::{Count, Name, connect, event};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use outbox_conformance::harness::Harness;
 use outbox_core::RepositoryError;
-use outbox_core::event::NewEvent;
 use outbox_diesel::{
     DieselOutboxWriter, Error, Layout, OutboxMigrations, TableName, WriteError, ensure_partitions,
     run_migrations, run_migrations_with,
 };
 use outbox_postgres::sql;
 use outbox_postgres::testing::{database_url, fresh_schema_name};
-use uuid::Uuid;
-
-#[derive(QueryableByName)]
-struct Count {
-    #[diesel(sql_type = BigInt)]
-    n: i64,
-}
-
-#[derive(QueryableByName)]
-struct Name {
-    #[diesel(sql_type = Text)]
-    name: String,
-}
-
-async fn connect() -> AsyncPgConnection {
-    let url = database_url();
-    AsyncPgConnection::establish(&url)
-        .await
-        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
-}
 
 async fn count(conn: &mut AsyncPgConnection, q: &str) -> i64 {
     diesel::sql_query(q)
@@ -46,21 +24,6 @@ async fn count(conn: &mut AsyncPgConnection, q: &str) -> i64 {
         .await
         .unwrap_or_else(|e| panic!("{q}: {e}"))
         .n
-}
-
-fn event(key: &str, idem: Option<&str>) -> NewEvent {
-    let b = NewEvent::builder()
-        .event_type("test.event")
-        .aggregate("agg", Uuid::new_v4())
-        .topic("t")
-        .partition_key(key)
-        .payload_json(serde_json::json!({"n": 1}));
-    match idem {
-        Some(k) => b.idempotency_key(k),
-        None => b,
-    }
-    .build()
-    .unwrap()
 }
 
 /// The partitioned migration creates a partitioned table with the default partition and this

@@ -390,3 +390,41 @@ impl Harness for DieselHarness {
         self.peer.sql(statement).await
     }
 }
+
+/// One `count(*) AS n` row.
+#[derive(diesel::QueryableByName)]
+pub struct Count {
+    #[diesel(sql_type = BigInt)]
+    pub n: i64,
+}
+
+/// One text column `name`.
+#[derive(diesel::QueryableByName)]
+pub struct Name {
+    #[diesel(sql_type = Text)]
+    pub name: String,
+}
+
+/// A plain connection to the test database; panics when it is unreachable.
+pub async fn connect() -> AsyncPgConnection {
+    let url = database_url();
+    AsyncPgConnection::establish(&url)
+        .await
+        .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
+}
+
+/// A valid event of key `key` on topic `t`, with an idempotency key when given.
+pub fn event(key: &str, idem: Option<&str>) -> NewEvent {
+    let b = NewEvent::builder()
+        .event_type("test.event")
+        .aggregate("agg", Uuid::new_v4())
+        .topic("t")
+        .partition_key(key)
+        .payload_json(serde_json::json!({"n": 1}));
+    match idem {
+        Some(k) => b.idempotency_key(k),
+        None => b,
+    }
+    .build()
+    .unwrap()
+}
