@@ -102,6 +102,25 @@ fn published_in_log(stderr: &str) -> usize {
         .unwrap_or_else(|| panic!("no final count in the log: {stderr}"))
 }
 
+/// A `--until-drained` run with the stdout broker published every written event exactly once,
+/// in per-key write order, completed every row, and logged the same count when it stopped.
+async fn assert_drained_once_in_order(
+    db: &Db,
+    written: &HashMap<String, Vec<Uuid>>,
+    out: &common::Out,
+) {
+    let n = total(written);
+    let got = stdout_events(&out.stdout);
+    assert_eq!(
+        check_order(written, &got),
+        0,
+        "an event was published twice"
+    );
+    assert_eq!(got.len(), n);
+    assert_eq!(completed(db).await, n, "every row completed");
+    assert_eq!(published_in_log(&out.stderr), n);
+}
+
 /// Sends SIGTERM to the child.
 fn sigterm(child: &tokio::process::Child) {
     let pid = child.id().expect("the relay is running");
@@ -140,15 +159,7 @@ async fn diesel_store_migrates_drains_in_key_order_and_runs_the_operator_command
         "the relay did not run on the diesel store: {}",
         out.stderr
     );
-    let got = stdout_events(&out.stdout);
-    assert_eq!(
-        check_order(&written, &got),
-        0,
-        "an event was published twice"
-    );
-    assert_eq!(got.len(), n);
-    assert_eq!(completed(&db).await, n, "every row completed");
-    assert_eq!(published_in_log(&out.stderr), n);
+    assert_drained_once_in_order(&db, &written, &out).await;
 
     // stats --store diesel sees the drained table.
     let out = relay(&["stats", "--store", "diesel", "--json", "--table", &table]).await;
@@ -295,17 +306,8 @@ async fn three_loops_in_one_process_publish_every_event_once_in_key_order() {
     let db = Db::fresh().await;
     db.migrate().await;
     let written = db.write_events(TOPIC, 30, 10, 30).await;
-    let n = total(&written);
     let out = drain_to_stdout(&db, &["--loops", "3", "--worker-id", "lp"]).await;
-    let got = stdout_events(&out.stdout);
-    assert_eq!(
-        check_order(&written, &got),
-        0,
-        "an event was published twice"
-    );
-    assert_eq!(got.len(), n);
-    assert_eq!(completed(&db).await, n, "every row completed");
-    assert_eq!(published_in_log(&out.stderr), n);
+    assert_drained_once_in_order(&db, &written, &out).await;
     // Three loops ran, each under its own worker id, and each saw the table drained.
     for i in 1..=3 {
         let id = format!("worker=lp-{i}");

@@ -83,13 +83,7 @@ async fn migrations_run_once_per_table_and_restore_search_path() {
         .await
         .unwrap();
     assert_eq!(after.name, before.name, "search_path restored");
-    let versions: Vec<Name> = diesel::sql_query(format!(
-        "SELECT version::text AS name FROM \"{schema}\".__diesel_schema_migrations ORDER BY version"
-    ))
-    .load(&mut conn)
-    .await
-    .unwrap();
-    let versions: Vec<String> = versions.into_iter().map(|v| v.name).collect();
+    let versions = common::migration_versions(&mut conn, &schema).await;
     assert_eq!(
         versions,
         vec![

@@ -39,13 +39,7 @@ async fn partitioned_migration_and_partition_maintenance() {
     let mut conn = run_migrations_with(conn, &table, Layout::Partitioned)
         .await
         .expect("second run");
-    let versions: Vec<Name> = diesel::sql_query(format!(
-        "SELECT version::text AS name FROM \"{schema}\".__diesel_schema_migrations ORDER BY 1"
-    ))
-    .load(&mut conn)
-    .await
-    .unwrap();
-    let versions: Vec<String> = versions.into_iter().map(|v| v.name).collect();
+    let versions = common::migration_versions(&mut conn, &schema).await;
     assert_eq!(
         versions,
         vec![OutboxMigrations::with_layout(&table, Layout::Partitioned).version(),]

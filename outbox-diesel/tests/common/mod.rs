@@ -428,3 +428,14 @@ pub fn event(key: &str, idem: Option<&str>) -> NewEvent {
     .build()
     .unwrap()
 }
+
+/// The diesel migration versions recorded in `schema`, in order.
+pub async fn migration_versions(conn: &mut AsyncPgConnection, schema: &str) -> Vec<String> {
+    let rows: Vec<Name> = diesel::sql_query(format!(
+        "SELECT version::text AS name FROM \"{schema}\".__diesel_schema_migrations ORDER BY 1"
+    ))
+    .load(conn)
+    .await
+    .expect("migration versions");
+    rows.into_iter().map(|v| v.name).collect()
+}
