@@ -13,6 +13,7 @@ use std::time::Instant;
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
+use outbox_postgres::bind_fetch;
 use outbox_postgres::sql::FetchParams;
 use outbox_postgres::testing::shapes::{self, Shape};
 use outbox_postgres::testing::{PgHarness, database_url};
@@ -56,17 +57,7 @@ async fn main() {
         for per_key in [1usize, 16] {
             let req = FetchRequest::new(WorkerId::new("bench").unwrap(), 100).max_per_key(per_key);
             let p = FetchParams::new(&req);
-            let q = |text: String| {
-                sqlx::query(AssertSqlSafe(text))
-                    .bind("bench")
-                    .bind(p.limit)
-                    .bind(p.lease_us)
-                    .bind(p.max_per_key)
-                    .bind(p.topics.clone())
-                    .bind(p.aggregate_types.clone())
-                    .bind(p.aggregate_ids.clone())
-                    .bind(p.scan_limit)
-            };
+            let q = |text: String| bind_fetch(sqlx::query(AssertSqlSafe(text)), "bench", p.clone());
             let (mut server, mut wall, mut buffers, mut rows) =
                 (Vec::new(), Vec::new(), Vec::new(), 0);
             for i in 0..runs + 2 {

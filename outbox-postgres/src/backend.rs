@@ -359,6 +359,25 @@ impl PgOutboxWriter {
     }
 }
 
+/// Binds the parameters of [`Statements::fetch`] to `query` in their order: `$1` the worker,
+/// `$2`–`$8` from `p`. The one place that knows the bind order; the repository uses it, and so
+/// do the plan test and the benchmarks, which may put `EXPLAIN …` before the statement text.
+pub fn bind_fetch<'q>(
+    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    worker: &str,
+    p: FetchParams,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    query
+        .bind(worker.to_owned())
+        .bind(p.limit)
+        .bind(p.lease_us)
+        .bind(p.max_per_key)
+        .bind(p.topics)
+        .bind(p.aggregate_types)
+        .bind(p.aggregate_ids)
+        .bind(p.scan_limit)
+}
+
 /// The sqlx repository (relay and operator side) on a pool.
 #[derive(Debug, Clone)]
 pub struct PgOutboxRepository {
@@ -483,18 +502,14 @@ impl OutboxRepository for PgOutboxRepository {
         req.validate()?;
         let p = FetchParams::new(req);
         let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
-        let rows = sqlx::query(AssertSqlSafe(self.stmts.fetch.as_str()))
-            .bind(req.worker.as_str())
-            .bind(p.limit)
-            .bind(p.lease_us)
-            .bind(p.max_per_key)
-            .bind(p.topics)
-            .bind(p.aggregate_types)
-            .bind(p.aggregate_ids)
-            .bind(p.scan_limit)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(|e| self.err(e))?;
+        let rows = bind_fetch(
+            sqlx::query(AssertSqlSafe(self.stmts.fetch.as_str())),
+            req.worker.as_str(),
+            p,
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(|e| self.err(e))?;
         tx.commit().await.map_err(|e| self.err(e))?;
         rows.iter()
             .map(|r| {

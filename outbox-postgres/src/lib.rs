@@ -12,7 +12,7 @@ pub mod testing;
 
 #[cfg(feature = "sqlx")]
 pub use backend::{
-    PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema, create_schema_with,
+    PgConfig, PgOutboxRepository, PgOutboxWriter, bind_fetch, create_schema, create_schema_with,
     ensure_partitions, map_err, raw_row,
 };
 pub use error::Error;

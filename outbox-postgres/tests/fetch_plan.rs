@@ -4,6 +4,7 @@
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
+use outbox_postgres::bind_fetch;
 use outbox_postgres::sql::{FetchParams, TableName};
 use outbox_postgres::testing::PgHarness;
 use outbox_postgres::testing::shapes::{self, Shape};
@@ -42,18 +43,14 @@ async fn check(shape: Shape) {
                 "FORMAT JSON"
             };
             let mut tx = h.pool().begin().await.unwrap();
-            let row = sqlx::query(AssertSqlSafe(format!("EXPLAIN ({opts}) {}", stmts.fetch)))
-                .bind("w1")
-                .bind(p.limit)
-                .bind(p.lease_us)
-                .bind(p.max_per_key)
-                .bind(p.topics.clone())
-                .bind(p.aggregate_types.clone())
-                .bind(p.aggregate_ids.clone())
-                .bind(p.scan_limit)
-                .fetch_one(&mut *tx)
-                .await
-                .expect("explain");
+            let row = bind_fetch(
+                sqlx::query(AssertSqlSafe(format!("EXPLAIN ({opts}) {}", stmts.fetch))),
+                "w1",
+                p.clone(),
+            )
+            .fetch_one(&mut *tx)
+            .await
+            .expect("explain");
             tx.rollback().await.unwrap();
             let plan: serde_json::Value = row.try_get(0).unwrap();
             let mut found = Vec::new();
@@ -153,21 +150,14 @@ async fn fetched_heads_match_the_head_rule_on_random_tables() {
             let mut p = FetchParams::new(&req);
             p.scan_limit = 2 * batch as i64;
             let mut tx = h.pool().begin().await.unwrap();
-            let got: Vec<uuid::Uuid> = sqlx::query(AssertSqlSafe(stmts.fetch.clone()))
-                .bind("w1")
-                .bind(p.limit)
-                .bind(p.lease_us)
-                .bind(p.max_per_key)
-                .bind(p.topics.clone())
-                .bind(p.aggregate_types.clone())
-                .bind(p.aggregate_ids.clone())
-                .bind(p.scan_limit)
-                .fetch_all(&mut *tx)
-                .await
-                .expect("fetch")
-                .iter()
-                .map(|r| r.try_get("id").unwrap())
-                .collect();
+            let got: Vec<uuid::Uuid> =
+                bind_fetch(sqlx::query(AssertSqlSafe(stmts.fetch.clone())), "w1", p)
+                    .fetch_all(&mut *tx)
+                    .await
+                    .expect("fetch")
+                    .iter()
+                    .map(|r| r.try_get("id").unwrap())
+                    .collect();
             tx.rollback().await.unwrap();
             assert_eq!(got, want, "seed {seed}, batch {batch}");
             compared += 1;

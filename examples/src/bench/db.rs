@@ -229,7 +229,7 @@ pub async fn reference_drain(
         "UPDATE {t} SET status = 'completed', completed_at = now(), updated_at = now()
           WHERE id = ANY($1::uuid[])"
     );
-    sql_drain(url, conns, batch, fetch, mark).await
+    sql_drain(url, conns, batch, fetch, mark, false).await
 }
 
 /// The ceiling of any relay that stamps a lease (R19) and publishes with no transaction open
@@ -261,7 +261,7 @@ pub async fn lease_reference_drain(
                 locked_by = NULL, updated_at = now()
           WHERE id = ANY($1::uuid[]) AND status = 'pending' AND locked_by = 'bench-lease'"
     );
-    sql_drain_two(url, conns, batch, fetch, mark).await
+    sql_drain(url, conns, batch, fetch, mark, true).await
 }
 
 /// The library's own fetch and completion statements ([`Statements::fetch`],
@@ -288,18 +288,14 @@ pub async fn statement_profile(
         let t0 = Instant::now();
         let mut tx = conn.begin().await.map_err(db("begin"))?;
         let t1 = Instant::now();
-        let rows = sqlx::query(AssertSqlSafe(stmts.fetch.as_str()))
-            .bind("bench-profile")
-            .bind(p.limit)
-            .bind(p.lease_us)
-            .bind(p.max_per_key)
-            .bind(p.topics.clone())
-            .bind(p.aggregate_types.clone())
-            .bind(p.aggregate_ids.clone())
-            .bind(p.scan_limit)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db("fetch"))?;
+        let rows = outbox_postgres::bind_fetch(
+            sqlx::query(AssertSqlSafe(stmts.fetch.as_str())),
+            "bench-profile",
+            p.clone(),
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db("fetch"))?;
         let t2 = Instant::now();
         tx.commit().await.map_err(db("commit"))?;
         let t3 = Instant::now();
@@ -331,13 +327,22 @@ pub async fn statement_profile(
     Ok(out)
 }
 
+/// Drains the table with plain SQL on `conns` connections: `fetch` (`$1` batch) then `mark`
+/// (`$1` ids) in one transaction per cycle, or, with `two_transactions`, each in its own (the
+/// lease-reference mode).
 async fn sql_drain(
     url: &str,
     conns: usize,
     batch: usize,
     fetch: String,
     mark: String,
+    two_transactions: bool,
 ) -> Result<SqlDrain, BenchError> {
+    let what = if two_transactions {
+        "lease reference"
+    } else {
+        "reference"
+    };
     let pool = pool(url, conns as u32).await?;
     // Open every connection before the clock starts.
     let mut held = Vec::new();
@@ -358,76 +363,30 @@ async fn sql_drain(
                     .bind(batch as i64)
                     .fetch_all(&mut *tx)
                     .await
-                    .map_err(db("reference fetch"))?;
+                    .map_err(db(if two_transactions {
+                        "lease fetch"
+                    } else {
+                        "reference fetch"
+                    }))?;
                 if rows.is_empty() {
                     tx.commit().await.map_err(db("commit"))?;
                     return Ok::<(), BenchError>(());
                 }
-                let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
-                sqlx::query(AssertSqlSafe(mark.as_str()))
-                    .bind(&ids)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("reference mark"))?;
-                tx.commit().await.map_err(db("commit"))?;
-                events.fetch_add(ids.len(), Ordering::Relaxed);
-                cycles.fetch_add(1, Ordering::Relaxed);
-            }
-        }));
-    }
-    for t in tasks {
-        t.await
-            .map_err(|e| BenchError(format!("reference task: {e}")))??;
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    pool.close().await;
-    Ok(SqlDrain {
-        events: events.load(Ordering::Relaxed),
-        cycles: cycles.load(Ordering::Relaxed),
-        seconds,
-        phases: [0.0; 4],
-    })
-}
-
-/// Like [`sql_drain`], with the fetch and the mark in two transactions.
-async fn sql_drain_two(
-    url: &str,
-    conns: usize,
-    batch: usize,
-    fetch: String,
-    mark: String,
-) -> Result<SqlDrain, BenchError> {
-    let pool = pool(url, conns as u32).await?;
-    let mut held = Vec::new();
-    for _ in 0..conns {
-        held.push(pool.acquire().await.map_err(db("acquire"))?);
-    }
-    let events = Arc::new(AtomicUsize::new(0));
-    let cycles = Arc::new(AtomicUsize::new(0));
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for mut conn in held {
-        let (fetch, mark) = (fetch.clone(), mark.clone());
-        let (events, cycles) = (events.clone(), cycles.clone());
-        tasks.push(tokio::spawn(async move {
-            loop {
-                let mut tx = conn.begin().await.map_err(db("begin"))?;
-                let rows = sqlx::query(AssertSqlSafe(fetch.as_str()))
-                    .bind(batch as i64)
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err(db("lease fetch"))?;
-                tx.commit().await.map_err(db("commit"))?;
-                if rows.is_empty() {
-                    return Ok::<(), BenchError>(());
+                if two_transactions {
+                    // The lease commits on its own (R76); the mark is a second transaction.
+                    tx.commit().await.map_err(db("commit"))?;
+                    tx = conn.begin().await.map_err(db("begin"))?;
                 }
                 let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
-                let mut tx = conn.begin().await.map_err(db("begin"))?;
                 sqlx::query(AssertSqlSafe(mark.as_str()))
                     .bind(&ids)
                     .execute(&mut *tx)
                     .await
-                    .map_err(db("lease mark"))?;
+                    .map_err(db(if two_transactions {
+                        "lease mark"
+                    } else {
+                        "reference mark"
+                    }))?;
                 tx.commit().await.map_err(db("commit"))?;
                 events.fetch_add(ids.len(), Ordering::Relaxed);
                 cycles.fetch_add(1, Ordering::Relaxed);
@@ -436,7 +395,7 @@ async fn sql_drain_two(
     }
     for t in tasks {
         t.await
-            .map_err(|e| BenchError(format!("lease reference task: {e}")))??;
+            .map_err(|e| BenchError(format!("{what} task: {e}")))??;
     }
     let seconds = started.elapsed().as_secs_f64();
     pool.close().await;
