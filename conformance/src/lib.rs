@@ -26,6 +26,7 @@ macro_rules! suite {
     (memory: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@paused $f; outage::t_11, lease::l_09);
+        $crate::suite!(@tests $f; lease::l_10);
     };
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
@@ -45,6 +46,7 @@ macro_rules! suite {
             order::o_01, order::o_02, order::o_03, order::o_04, order::o_05, order::o_06,
             order::o_07, order::o_08, order::o_09, order::o_10, order::o_11, order::o_12,
             order::o_13, order::o_14, order::o_16, order::o_17, order::o_18, order::o_19,
+            order::o_20,
             writing::w_01, writing::w_02, writing::w_03, writing::w_04, writing::w_05,
             writing::i_01, writing::i_02, writing::i_03, writing::i_04,
             validation::v_01_to_v_12, validation::v_13, validation::v_14, validation::v_14_stored,
@@ -56,11 +58,11 @@ macro_rules! suite {
             outage::t_01, outage::t_02, outage::t_03, outage::t_04, outage::t_05, outage::t_06,
             outage::t_07, outage::t_08, outage::t_10,
             lease::l_01, lease::l_02, lease::l_03, lease::l_04, lease::l_05, lease::l_06,
-            lease::l_07, lease::l_08,
-            maint::r_01, maint::r_02, maint::c_01, maint::c_02,
+            lease::l_07, lease::l_08, lease::l_11, lease::l_12,
+            maint::r_01, maint::r_02, maint::c_01, maint::c_02, maint::c_03,
             runs::q_01, runs::q_02, runs::q_03, runs::q_04, runs::q_05, runs::q_06, runs::q_07,
-            runs::q_08, runs::q_09, runs::x_01, runs::x_02, runs::x_03, runs::x_04,
-            pipeline::p_02, pipeline::p_03, pipeline::p_06, pipeline::p_07,
+            runs::q_08, runs::q_09, runs::q_10, runs::x_01, runs::x_02, runs::x_03, runs::x_04,
+            pipeline::p_02, pipeline::p_03, pipeline::p_06, pipeline::p_07, pipeline::p_09,
             pipeline::m_01, pipeline::m_02, pipeline::m_03,
             stand::s_01, stand::s_02
         );

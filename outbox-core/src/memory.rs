@@ -130,6 +130,7 @@ impl InMemoryRepository {
             id: self.inner.next_tx.fetch_add(1, Ordering::Relaxed),
             rows: Vec::new(),
             claims: HashSet::new(),
+            started_at: None,
             done: false,
         }
     }
@@ -187,16 +188,34 @@ pub struct MemTransaction {
     id: u64,
     rows: Vec<OutboxEvent>,
     claims: HashSet<String>,
+    started_at: Option<DateTime<Utc>>,
     done: bool,
 }
 
 impl MemTransaction {
+    /// Runs the unit of work's first statement, if it has not run yet: fixes its start instant
+    /// ([`started_at`](Self::started_at)), as a database fixes `now()` at a transaction's first
+    /// statement. created_at never comes from it: it is the clock at each write call (R73;
+    /// conformance scenario W-04 advances the clock between a start and a later write).
+    pub fn touch(&mut self) {
+        if self.started_at.is_none() {
+            self.started_at = Some(self.repo.now_sync());
+        }
+    }
+
+    /// The instant of the unit of work's first statement (a [`touch`](Self::touch) or a
+    /// [`write`](Self::write)), or none before it.
+    pub fn started_at(&self) -> Option<DateTime<Utc>> {
+        self.started_at
+    }
+
     /// Writes events (R13 to R17). created_at is the clock's now, raised to 1 µs after the
     /// previous write call's value; the call's events share it.
     pub async fn write(
         &mut self,
         events: Vec<NewEvent>,
     ) -> Result<Vec<WriteResult>, RepositoryError> {
+        self.touch();
         // Wait until no other open transaction claims one of our idempotency keys (R17).
         loop {
             let inner = self.repo.inner.clone();

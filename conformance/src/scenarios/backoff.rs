@@ -128,12 +128,15 @@ pub async fn b_04(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
     c.broker.script(a, [rej("x"), rej("x")]);
+    // Time passes before the failure, so "kept" and "moved to now" differ.
+    c.advance(Duration::from_secs(5)).await;
     let before = c.get(a).await;
     let cfg = Cfg::default().base(0.0);
-    c.cycle(&cfg).await;
+    let c1 = c.cycle(&cfg).await;
     let r = c.get(a).await;
     assert_eq!(r.attempts_made, 1);
     assert_eq!(r.scheduled_at, before.scheduled_at);
+    assert!(r.scheduled_at < c1.t0, "base 0 moved the schedule");
     let c2 = c.cycle(&cfg).await;
     assert_eq!(c2.report.fetched, vec![a]);
     assert_eq!(c.get(a).await.attempts_made, 2);
@@ -322,10 +325,12 @@ pub async fn b_14(f: &dyn Factory) {
     }
 }
 
-/// One cycle over one row (with attempts_made set by fixture when > 0) under this config.
+/// One cycle over one row (with attempts_made set by fixture when > 0) under this config. The
+/// clock moves 5 s between the write and the cycle, so a kept schedule differs from now.
 async fn one_row(f: &dyn Factory, cfg: Cfg, attempts: i32) -> (Ctx, Uuid, OutboxEvent, Cycle) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
+    c.advance(Duration::from_secs(5)).await;
     if attempts > 0 {
         c.set(
             a,
@@ -417,11 +422,12 @@ pub async fn h_11(f: &dyn Factory) {
 
 /// H-12 A counted failure with base 0.
 pub async fn h_12(f: &dyn Factory) {
-    let (c, a, before, _) =
+    let (c, a, before, cy) =
         one_row(f, Cfg::default().base(0.0).step(fail("x", true, None)), 0).await;
     let r = c.get(a).await;
     assert_eq!(r.attempts_made, 1);
     assert_eq!(r.scheduled_at, before.scheduled_at);
+    assert!(r.scheduled_at < cy.t0, "base 0 moved the schedule");
 }
 
 /// H-13 A counted failure with an explicit time T = now + 42 s.

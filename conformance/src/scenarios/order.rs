@@ -100,6 +100,9 @@ pub async fn o_06(f: &dyn Factory) {
     let e = c.puts(&["k", "k", "x", "y"]).await;
     let (a, b, cx, dy) = (e[0], e[1], e[2], e[3]);
     c.broker.script(a, [Action::Transient("down".into())]);
+    // Time passes between the writes and the cycle, so a deferral that kept the schedule and one
+    // that moved it to now give different values.
+    c.advance(Duration::from_secs(5)).await;
     let before: Vec<_> = futures::future::join_all([cx, dy].map(|id| c.get(id))).await;
     let c1 = c.cycle1().await;
     assert!(c1.sent.is_empty());
@@ -107,6 +110,10 @@ pub async fn o_06(f: &dyn Factory) {
     assert_eq!(
         (ra.attempts_made, ra.last_error.as_deref()),
         (0, Some("down"))
+    );
+    assert!(
+        ra.locked_at.is_none() && ra.locked_by.is_none(),
+        "A is still held after its transient failure"
     );
     c.assert_next_try_after(&c1, ra.scheduled_at, 1.0);
     for b0 in &before {
@@ -409,4 +416,39 @@ pub async fn o_19(f: &dyn Factory) {
     c.assert_untouched(&before1).await;
     c.assert_untouched(&before2).await;
     assert_eq!(c.cycle(&cfg).await.sent, ids.to_vec());
+}
+
+/// O-20 A held row stays in line, before a force-unlock and after its lease expired.
+pub async fn o_20(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    // A is not due and has no last_error: only its lock puts it in line (R27).
+    let a = c.put(c.ev("k").delay(Duration::from_secs(3600))).await;
+    let b = c.put(c.ev("k")).await;
+    let o = c.put(c.ev("o")).await;
+    c.set(a, RowPatch::held("w9", c.now().await)).await;
+    let b_before = c.get(b).await;
+    for per_key in [1, 3] {
+        let cy = c.cycle(&Cfg::default().per_key(per_key)).await;
+        assert!(
+            !cy.report.fetched.contains(&b),
+            "B was fetched while A, earlier on its key, was held (max_per_key {per_key})"
+        );
+        assert!(!cy.report.fetched.contains(&a));
+    }
+    c.assert_untouched(&b_before).await;
+    assert_eq!(c.broker.accepted_ids(), vec![o]);
+    // The lease expires; A is still held (not released), so it stays in line.
+    c.advance(Duration::from_secs(301)).await;
+    let cy = c.cycle(&Cfg::default().per_key(3)).await;
+    assert!(
+        cy.report.fetched.is_empty(),
+        "fetched {:?} while A held an expired lease",
+        cy.report.fetched
+    );
+    // After the force-unlock A has a last_error, so it still holds its key until due.
+    c.repo().force_unlock(a, "ops").await.unwrap();
+    assert!(c.cycle1().await.report.fetched.is_empty());
+    c.advance(Duration::from_secs(3600)).await;
+    assert_eq!(c.cycle1().await.sent, vec![a]);
+    assert_eq!(c.cycle1().await.sent, vec![b]);
 }

@@ -62,29 +62,34 @@ pub async fn w_03(f: &dyn Factory) {
 }
 
 /// W-04 A serialized writer that began first but wrote second goes second.
+///
+/// The clock moves 1 s between T2's first statement and T1's write, so a created_at taken from
+/// T2's start would be a full second before a's (on a database the transaction's `now()`; in
+/// memory [`MemTransaction::started_at`](outbox_core::memory::MemTransaction::started_at)).
 pub async fn w_04(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let mut t2 = c.begin().await;
     t2.touch().await;
+    c.advance(Duration::from_secs(1)).await;
     let mut t1 = c.begin().await;
     t1.lock_app("L").await;
     let ev_b = c.ev("k").build().unwrap();
     let b_id = ev_b.id();
+    // T2 is polled first, so it asks for L (and waits) before T1 writes; T1 holds L already,
+    // so T2's write comes after T1's commit whatever the timing.
     let waiter = async move {
         t2.lock_app("L").await;
         t2.write(vec![ev_b]).await.unwrap();
         t2.commit().await.unwrap();
     };
     let first = async {
-        // Give T2 a chance to block on L before T1 writes.
-        tokio::time::sleep(Duration::from_millis(50)).await;
         let a = c.ev("k").build().unwrap();
         let a_id = a.id();
         t1.write(vec![a]).await.unwrap();
         t1.commit().await.unwrap();
         a_id
     };
-    let (a_id, ()) = tokio::join!(first, waiter);
+    let ((), a_id) = tokio::join!(waiter, first);
     let (ra, rb) = (c.get(a_id).await, c.get(b_id).await);
     assert!(
         ra.created_at < rb.created_at,
