@@ -606,6 +606,40 @@ impl EventBuilder {
     }
 }
 
+/// Whether `c` is whitespace to the ancestor: what Python's `str.isspace()` accepts, and so what
+/// its `str.strip()` removes. That is Unicode White_Space (Rust's [`char::is_whitespace`]) plus
+/// the information separators U+001C to U+001F, which Python also counts as whitespace.
+pub fn is_ancestor_whitespace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// `s` without leading and trailing [ancestor whitespace](is_ancestor_whitespace): every text the
+/// contract trims (R6, R7, R9, R10, R66) is trimmed this way, so a value accepted here reads back
+/// the same through the ancestor's model.
+pub fn trim_ancestor(s: &str) -> &str {
+    s.trim_matches(is_ancestor_whitespace)
+}
+
+/// The window an absolute schedule must meet at insert (R8, D2): `[created_at − 60 s,
+/// created_at + 365 days]`, created_at being the backend clock when the row is inserted. It is
+/// the ancestor's load check with its default skew; a row outside it would make the ancestor's
+/// relay fail on the whole table (R78). Backends call this (or do the same in SQL) before they
+/// insert anything, and refuse the write with
+/// [`ValidationError::ScheduleOutsideInsertWindow`].
+pub fn check_insert_window(
+    id: Uuid,
+    at: DateTime<Utc>,
+    created_at: DateTime<Utc>,
+) -> Result<(), ValidationError> {
+    let earliest =
+        created_at - chrono::Duration::seconds(limits::DEFAULT_SCHEDULE_SKEW_SECS as i64);
+    let latest = created_at + chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS);
+    if at < earliest || at > latest {
+        return Err(ValidationError::ScheduleOutsideInsertWindow { id, at, created_at });
+    }
+    Ok(())
+}
+
 fn check_len(field: &'static str, v: &str, max: usize) -> Result<(), ValidationError> {
     let n = v.chars().count();
     if n == 0 {
@@ -623,7 +657,7 @@ fn check_len(field: &'static str, v: &str, max: usize) -> Result<(), ValidationE
 
 fn required(field: &'static str, v: Option<String>, max: usize) -> Result<String, ValidationError> {
     let v = v.ok_or(ValidationError::Missing { field })?;
-    let t = v.trim();
+    let t = trim_ancestor(&v);
     check_len(field, t, max)?;
     Ok(t.to_owned())
 }
@@ -636,7 +670,7 @@ fn optional(
     match v {
         None => Ok(None),
         Some(v) => {
-            let t = v.trim();
+            let t = trim_ancestor(&v);
             check_len(field, t, max)?;
             Ok(Some(t.to_owned()))
         }
@@ -700,8 +734,8 @@ pub fn validate_headers(
     let mut out = BTreeMap::new();
     let mut folded = std::collections::HashSet::new();
     for (k, v) in raw {
-        let k = k.trim();
-        let v = v.trim();
+        let k = trim_ancestor(&k);
+        let v = trim_ancestor(&v);
         if k.is_empty() {
             return Err(header_err(k, "key must not be empty or blank"));
         }
@@ -758,7 +792,7 @@ impl WorkerId {
     /// Validates a worker id; anything else is `Invalid worker_id format: '<value>'`.
     pub fn new(v: impl AsRef<str>) -> Result<Self, ValidationError> {
         let raw = v.as_ref();
-        let t = raw.trim();
+        let t = trim_ancestor(raw);
         let ok = !t.is_empty()
             && t.chars().count() <= limits::WORKER_ID_MAX
             && t.chars()
@@ -807,7 +841,7 @@ impl AsRef<str> for WorkerId {
 /// Normalizes a failure text for last_error (R9): trimmed, `Unknown error` when empty, and cut
 /// on a character boundary with the suffix `... [TRUNCATED]` when longer than `max_bytes`.
 pub fn normalize_error(text: &str, max_bytes: usize) -> String {
-    let t = text.trim();
+    let t = trim_ancestor(text);
     if t.is_empty() {
         return limits::UNKNOWN_ERROR.to_owned();
     }
@@ -835,7 +869,7 @@ pub fn check_error_max_length(v: usize) -> Result<usize, crate::error::ConfigErr
 
 /// Validates a force-unlock reason (R66) and returns the text stored as last_error.
 pub fn force_unlock_text(reason: &str) -> Result<String, ValidationError> {
-    let r = reason.trim();
+    let r = trim_ancestor(reason);
     if r.is_empty() {
         return Err(ValidationError::Argument(
             "force_unlock reason must not be empty".into(),

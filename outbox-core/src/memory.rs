@@ -210,7 +210,9 @@ impl MemTransaction {
     }
 
     /// Writes events (R13 to R17). created_at is the clock's now, raised to 1 µs after the
-    /// previous write call's value; the call's events share it.
+    /// previous write call's value; the call's events share it. An absolute schedule outside
+    /// [created_at − 60 s, created_at + 365 days] refuses the call, which then changes nothing
+    /// ([`check_insert_window`](crate::event::check_insert_window)).
     pub async fn write(
         &mut self,
         events: Vec<NewEvent>,
@@ -227,19 +229,30 @@ impl MemTransaction {
                     !st.idem.contains_key(k) && st.claims.get(k).is_some_and(|tx| *tx != self.id)
                 });
                 if !blocked {
-                    return Ok(self.write_locked(&mut st, events));
+                    return self.write_locked(&mut st, events);
                 }
             }
             notified.await;
         }
     }
 
-    fn write_locked(&mut self, st: &mut State, events: Vec<NewEvent>) -> Vec<WriteResult> {
+    fn write_locked(
+        &mut self,
+        st: &mut State,
+        events: Vec<NewEvent>,
+    ) -> Result<Vec<WriteResult>, RepositoryError> {
         let now = self.repo.inner.clock.now();
         let created = match st.last_created {
             Some(prev) if now <= prev => prev + chrono::Duration::microseconds(1),
             _ => now,
         };
+        // An absolute schedule must fit the window around this created_at (R8, D2); one that
+        // does not refuses the whole call before anything changes.
+        for e in &events {
+            if let Some(at) = e.scheduled_at() {
+                crate::event::check_insert_window(e.id(), at, created)?;
+            }
+        }
         st.last_created = Some(created);
         let mut out = Vec::with_capacity(events.len());
         for e in events {
@@ -283,7 +296,7 @@ impl MemTransaction {
                 inserted: true,
             });
         }
-        out
+        Ok(out)
     }
 
     /// Makes the written events visible.

@@ -1022,15 +1022,35 @@ SELECT h.topic::text, h.partition_key::text, h.id AS head_id, h.attempts_made, h
     }
 }
 
+/// Marks the error the insert raises for an absolute schedule outside the insert window; see
+/// [`schedule_refusal`].
+pub const SCHEDULE_REFUSED: &str = "outbox-schedule-refused";
+
 /// The insert of [`Statements::insert`] for the quoted table `t` and column list `cols`;
 /// `guard` (empty, or `WHERE …` over the unnested row `u`) decides which rows are inserted.
+///
+/// An absolute scheduled_at is checked against created_at, the database clock at insert: outside
+/// [created_at − 60 s, created_at + 365 days] (R8, D2; the ancestor's load check) the statement
+/// fails before it inserts anything, by casting a marked text to timestamptz (plain SQL has no
+/// RAISE); [`schedule_refusal`] turns that error into
+/// [`ValidationError::ScheduleOutsideInsertWindow`].
 fn insert_statement(t: &str, cols: &str, guard: &str) -> String {
+    let skew = outbox_core::event::limits::DEFAULT_SCHEDULE_SKEW_SECS;
+    let ahead = outbox_core::event::limits::SCHEDULE_MAX_AHEAD_SECS;
     format!(
         "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts)
 INSERT INTO {t} ({cols})
 SELECT u.id, u.event_type, u.payload::jsonb, u.headers::jsonb, u.trace_id, u.idempotency_key,
        u.correlation_id, u.causation_id, u.schema_version, 'pending', 0, u.max_attempts, NULL,
-       COALESCE(u.scheduled_at, c.ts + COALESCE(u.delay_us, 0) * INTERVAL '1 microsecond'),
+       CASE WHEN u.scheduled_at IS NULL
+                 THEN c.ts + COALESCE(u.delay_us, 0) * INTERVAL '1 microsecond'
+            WHEN u.scheduled_at >= c.ts - INTERVAL '{skew} seconds'
+             AND u.scheduled_at <= c.ts + INTERVAL '{ahead} seconds'
+                 THEN u.scheduled_at
+            ELSE ('{SCHEDULE_REFUSED} ' || u.id::text
+                  || ' ' || (EXTRACT(EPOCH FROM u.scheduled_at) * 1000000)::int8::text
+                  || ' ' || (EXTRACT(EPOCH FROM c.ts) * 1000000)::int8::text)::timestamptz
+       END,
        NULL, NULL, NULL, c.ts, c.ts, u.aggregate_type, u.aggregate_id, u.topic, u.partition_key
   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
               $8::text[], $9::text[], $10::int4[], $11::timestamptz[], $12::int8[], $13::text[],
@@ -1044,6 +1064,27 @@ SELECT u.id, u.event_type, u.payload::jsonb, u.headers::jsonb, u.trace_id, u.ide
 ON CONFLICT DO NOTHING
 RETURNING {cols}"
     )
+}
+
+/// The refusal of an absolute schedule by the insert ([`SCHEDULE_REFUSED`]), read back from a
+/// database error message; `None` for any other error. Both Postgres backends map their insert
+/// errors through this first.
+pub fn schedule_refusal(message: &str) -> Option<outbox_core::ValidationError> {
+    let rest = &message[message.find(SCHEDULE_REFUSED)? + SCHEDULE_REFUSED.len()..];
+    let mut parts = rest
+        .split(|c: char| c.is_whitespace() || c == '"')
+        .filter(|p| !p.is_empty());
+    let id = parts.next()?.parse::<Uuid>().ok()?;
+    let mut micros = || {
+        parts
+            .next()?
+            .parse::<i64>()
+            .ok()
+            .and_then(DateTime::<Utc>::from_timestamp_micros)
+    };
+    let at = micros()?;
+    let created_at = micros()?;
+    Some(outbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
 }
 
 impl Statements {

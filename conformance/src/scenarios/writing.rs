@@ -230,3 +230,71 @@ pub async fn i_04(f: &dyn Factory) {
     let total = c.total_rows().await;
     assert_eq!(total, 3);
 }
+
+/// W-06 An absolute schedule is checked again at insert, against the backend clock (R8, D2).
+///
+/// The builder checks scheduled_at against its own clock; created_at is the backend clock at
+/// insert. A builder clock 2 minutes behind lets through a schedule 90 s before the backend's
+/// now; a builder clock 1 day ahead lets through one 365 days + 1 day after it. The ancestor
+/// refuses both rows when it loads them, so the write refuses them, with the window in the
+/// error, and changes nothing; a schedule inside the window is stored as given.
+pub async fn w_06(f: &dyn Factory) {
+    use std::sync::Arc;
+
+    use outbox_core::clock::ManualClock;
+    use outbox_core::error::{RepositoryError, ValidationError};
+    use outbox_core::event::BuildSettings;
+
+    let c = Ctx::new(f).await;
+    let now = c.now().await;
+    let at_clock = |offset: chrono::Duration| {
+        BuildSettings::new().with_clock(Arc::new(ManualClock::new(now + offset)))
+    };
+    let behind = at_clock(-chrono::Duration::seconds(120));
+    let ahead = at_clock(chrono::Duration::days(1));
+    let early = c
+        .ev("k")
+        .scheduled_at(now - chrono::Duration::seconds(90))
+        .build_with(&behind)
+        .expect("within the builder's window");
+    let late = c
+        .ev("k")
+        .scheduled_at(now + chrono::Duration::days(366))
+        .build_with(&ahead)
+        .expect("within the builder's window");
+    for (bad, what) in [(early, "90 s early"), (late, "366 days ahead")] {
+        let bad_id = bad.id();
+        let good = c.ev("k").build().unwrap();
+        let good_id = good.id();
+        let mut tx = c.begin().await;
+        let err = tx.write(vec![good, bad]).await.expect_err(&format!(
+            "a schedule {what} of the backend clock was written"
+        ));
+        match &err {
+            RepositoryError::Validation(ValidationError::ScheduleOutsideInsertWindow {
+                id,
+                ..
+            }) => assert_eq!(*id, bad_id, "{what}: {err}"),
+            other => panic!("{what}: expected ScheduleOutsideInsertWindow, got {other}"),
+        }
+        assert!(err.to_string().contains("scheduled_at"), "{err}");
+        tx.rollback().await.unwrap();
+        assert_eq!(
+            c.total_rows().await,
+            0,
+            "{what}: the refused write left rows"
+        );
+        assert!(c.repo().get(good_id).await.unwrap().is_none());
+    }
+    // Inside the window: 59 s before the backend clock's now, from a builder clock that agrees.
+    let t = c.now().await - chrono::Duration::seconds(59);
+    let ok = c
+        .ev("k")
+        .scheduled_at(t)
+        .build_with(&at_clock(chrono::Duration::zero()))
+        .unwrap();
+    let id = c.write(vec![ok]).await[0].event.id;
+    let r = c.get(id).await;
+    assert_eq!(r.scheduled_at, t);
+    assert!(r.scheduled_at >= r.created_at - chrono::Duration::seconds(60));
+}
