@@ -332,6 +332,21 @@ pub async fn l_11(f: &dyn Factory) {
     assert_eq!(c.fetch("w2", 10, 3).await, vec![e[0], e[1]]);
     assert!(!c.repo().refresh_lock(e[0], &w("w1")).await.unwrap());
     assert_eq!(c.get(e[0]).await.locked_by.as_deref(), Some("w2"));
+    // W1's outcome for the row W2 now holds is refused by the guard (R55).
+    let before = c.get(e[0]).await;
+    let res = c
+        .repo()
+        .write_outcomes(
+            &w("w1"),
+            &[Outcome {
+                id: e[0],
+                kind: OutcomeKind::Completed,
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(res[0].result, OutcomeResult::LeaseLost);
+    assert_eq!(c.get(e[0]).await, before);
 }
 
 /// L-12 The bulk release: every id held by the worker, or an error and nothing released (R24).

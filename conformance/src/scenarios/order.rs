@@ -421,17 +421,31 @@ pub async fn o_19(f: &dyn Factory) {
 /// O-20 A held row stays in line, before a force-unlock and after its lease expired.
 pub async fn o_20(f: &dyn Factory) {
     let c = Ctx::new(f).await;
-    // A is not due and has no last_error: only its lock puts it in line (R27).
-    let a = c.put(c.ev("k").delay(Duration::from_secs(3600))).await;
+    // A is not due and has no last_error: only its lock puts it in line (R27). It has another
+    // aggregate type, so a filtered fetch that leaves it out must still see it (R29).
+    let a = c
+        .put(
+            c.ev("k")
+                .aggregate("held", Uuid::new_v4())
+                .delay(Duration::from_secs(3600)),
+        )
+        .await;
     let b = c.put(c.ev("k")).await;
     let o = c.put(c.ev("o")).await;
     c.set(a, RowPatch::held("w9", c.now().await)).await;
     let b_before = c.get(b).await;
-    for per_key in [1, 3] {
-        let cy = c.cycle(&Cfg::default().per_key(per_key)).await;
+    let only_agg = FetchFilter::aggregate_types(["agg"]);
+    for cfg in [
+        Cfg::default(),
+        Cfg::default().per_key(3),
+        Cfg::default().filter(only_agg),
+    ] {
+        let per_key = cfg.max_per_key;
+        let cy = c.cycle(&cfg).await;
         assert!(
             !cy.report.fetched.contains(&b),
-            "B was fetched while A, earlier on its key, was held (max_per_key {per_key})"
+            "B was fetched while A, earlier on its key, was held (max_per_key {per_key}, filter {:?})",
+            cfg.filter
         );
         assert!(!cy.report.fetched.contains(&a));
     }
@@ -451,4 +465,12 @@ pub async fn o_20(f: &dyn Factory) {
     c.advance(Duration::from_secs(3600)).await;
     assert_eq!(c.cycle1().await.sent, vec![a]);
     assert_eq!(c.cycle1().await.sent, vec![b]);
+    // A held row in the middle of a line ends the run in front of it: m1 is a head, m2 is held
+    // by w9, so a fetch with max_per_key 3 takes m1 only (R74).
+    let c = Ctx::new(f).await;
+    let m = c.puts(&["m", "m", "m"]).await;
+    c.set(m[1], RowPatch::held("w9", c.now().await)).await;
+    let cy = c.cycle(&Cfg::default().per_key(3)).await;
+    assert_eq!(cy.report.fetched, vec![m[0]]);
+    assert_eq!(c.get(m[1]).await.locked_by.as_deref(), Some("w9"));
 }

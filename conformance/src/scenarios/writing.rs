@@ -76,11 +76,18 @@ pub async fn w_04(f: &dyn Factory) {
     let ev_b = c.ev("k").build().unwrap();
     let b_id = ev_b.id();
     // T2 is polled first, so it asks for L (and waits) before T1 writes; T1 holds L already,
-    // so T2's write comes after T1's commit whatever the timing.
+    // so T2's write comes after T1's commit whatever the timing. Once T2 has L, the clock moves
+    // another second and T2 reads the backend's now just before it writes b: b's created_at must
+    // not be earlier (in memory a created_at from T2's start would otherwise hide behind the
+    // 1 µs raise over a's, R73).
+    let ctx = &c;
     let waiter = async move {
         t2.lock_app("L").await;
+        ctx.advance(Duration::from_secs(1)).await;
+        let before_b = ctx.now().await;
         t2.write(vec![ev_b]).await.unwrap();
         t2.commit().await.unwrap();
+        before_b
     };
     let first = async {
         let a = c.ev("k").build().unwrap();
@@ -89,12 +96,19 @@ pub async fn w_04(f: &dyn Factory) {
         t1.commit().await.unwrap();
         a_id
     };
-    let ((), a_id) = tokio::join!(waiter, first);
+    let (before_b, a_id) = tokio::join!(waiter, first);
     let (ra, rb) = (c.get(a_id).await, c.get(b_id).await);
     assert!(
         ra.created_at < rb.created_at,
         "{} !< {}",
         ra.created_at,
+        rb.created_at
+    );
+    // On a database clock the advance shifted b's created_at back by nothing (b came after it)
+    // and a's by 1 s; `before_b` was read after the advance, so it bounds b from below either way.
+    assert!(
+        rb.created_at >= before_b,
+        "b's created_at {} is before the backend clock {before_b} read just before its write",
         rb.created_at
     );
     assert_eq!(c.cycle1().await.sent, vec![a_id]);
