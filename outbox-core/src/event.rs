@@ -1118,6 +1118,49 @@ mod tests {
     }
 
     #[test]
+    fn ancestor_whitespace_is_pythons_isspace_set() {
+        // The code points for which Python 3's str.isspace() is true (checked over all of
+        // Unicode with CPython 3): Unicode White_Space plus U+001C..U+001F.
+        let python: Vec<u32> = [
+            0x9, 0xa, 0xb, 0xc, 0xd, 0x1c, 0x1d, 0x1e, 0x1f, 0x20, 0x85, 0xa0,
+        ]
+        .into_iter()
+        .chain([0x1680])
+        .chain(0x2000..=0x200a)
+        .chain([0x2028, 0x2029, 0x202f, 0x205f, 0x3000])
+        .collect();
+        let ours: Vec<u32> = (0..=0x10ffff)
+            .filter_map(char::from_u32)
+            .filter(|c| is_ancestor_whitespace(*c))
+            .map(|c| c as u32)
+            .collect();
+        assert_eq!(ours, python);
+        assert_eq!(trim_ancestor("\u{1f}\u{1c} k \u{3000}\u{1e}"), "k");
+        assert_eq!(trim_ancestor("\u{200b}k"), "\u{200b}k");
+    }
+
+    #[test]
+    fn insert_window_is_checked_against_created_at() {
+        let c = Utc::now();
+        let id = Uuid::nil();
+        let s = chrono::Duration::seconds;
+        assert!(check_insert_window(id, c - s(60), c).is_ok());
+        assert!(check_insert_window(id, c + s(31_536_000), c).is_ok());
+        for at in [c - s(61), c + s(31_536_001)] {
+            let e = check_insert_window(id, at, c).unwrap_err();
+            assert_eq!(
+                e,
+                ValidationError::ScheduleOutsideInsertWindow {
+                    id,
+                    at,
+                    created_at: c
+                }
+            );
+            assert!(e.to_string().contains("nothing was written"), "{e}");
+        }
+    }
+
+    #[test]
     fn error_text_normalization() {
         let x = normalize_error(&"x".repeat(3000), 2000);
         assert_eq!(x.len(), 2000);

@@ -1087,6 +1087,47 @@ pub fn schedule_refusal(message: &str) -> Option<outbox_core::ValidationError> {
     Some(outbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
 }
 
+#[cfg(test)]
+mod schedule_refusal_tests {
+    use super::*;
+
+    #[test]
+    fn the_insert_refusal_is_read_back_and_other_errors_are_not() {
+        let id = Uuid::now_v7();
+        let msg = format!(
+            "invalid input syntax for type timestamp with time zone: \"{SCHEDULE_REFUSED} {id} 1700000000000000 1700000090000001\""
+        );
+        let at = DateTime::<Utc>::from_timestamp_micros(1_700_000_000_000_000).unwrap();
+        let created_at = DateTime::<Utc>::from_timestamp_micros(1_700_000_090_000_001).unwrap();
+        assert_eq!(
+            schedule_refusal(&msg),
+            Some(outbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
+        );
+        assert_eq!(
+            schedule_refusal("invalid input syntax for type timestamp"),
+            None
+        );
+        assert_eq!(
+            schedule_refusal(&format!("{SCHEDULE_REFUSED} not-a-uuid 1 2")),
+            None
+        );
+    }
+
+    #[test]
+    fn both_layouts_check_an_absolute_schedule_at_insert() {
+        let t = TableName::new("outbox_events").unwrap();
+        for layout in [Layout::Plain, Layout::Partitioned] {
+            let s = Statements::with_layout(&t, layout).insert;
+            assert!(s.contains(SCHEDULE_REFUSED), "{layout:?}");
+            assert!(s.contains("c.ts - INTERVAL '60 seconds'"), "{layout:?}");
+            assert!(
+                s.contains("c.ts + INTERVAL '31536000 seconds'"),
+                "{layout:?}"
+            );
+        }
+    }
+}
+
 impl Statements {
     /// All statement texts for `table` with `layout`: for [`Layout::Partitioned`], the plain
     /// statements with [`Statements::idempotency_lock`] set and [`Statements::insert`] /
