@@ -114,8 +114,10 @@ pub async fn p_09(f: &dyn Factory) {
     for id in [e[0], e[1], e[2], e[5], e[6]] {
         c.broker.script(id, [Action::Reject("no".into())]);
     }
-    let mut cfg = Cfg::default();
-    cfg.breaker = Some(BreakerConfig::new(3, 60.0).unwrap());
+    let cfg = Cfg {
+        breaker: Some(BreakerConfig::new(3, 60.0).unwrap()),
+        ..Cfg::default()
+    };
     let relay = c.relay(&cfg);
     let c1 = c.run(&relay).await;
     assert_eq!(c1.report.counted.len(), 3);
