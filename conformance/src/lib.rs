@@ -30,12 +30,13 @@ macro_rules! suite {
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
-            pg::pg_06, pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_10, pg::p_08);
+            pg::pg_06, pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12,
+            pg::p_08);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
-            pg::pg_07, pg::pg_08, pg::pg_09, pg::p_08);
+            pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08);
     };
     (other: $f:expr) => {
         $crate::suite!(@all $f);

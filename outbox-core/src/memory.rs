@@ -21,9 +21,9 @@ use crate::error::{ConfigError, RepositoryError};
 use crate::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text, normalize_error};
 use crate::ordering;
 use crate::repository::{
-    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult,
-    WrittenOutcome, args, check_backend_batch_size,
+    BLOCKED_WAITING_CAP, BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest,
+    Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES,
+    StatusCount, WriteResult, WrittenOutcome, args, check_backend_batch_size,
 };
 
 #[derive(Debug, Default)]
@@ -572,7 +572,8 @@ impl OutboxRepository for InMemoryRepository {
                             && r.partition_key == key.partition_key
                             && ordering::write_order(r) > ordering::write_order(h)
                     })
-                    .count() as i64;
+                    .count()
+                    .min(BLOCKED_WAITING_CAP as usize) as i64;
                 BlockedKey {
                     topic: key.topic,
                     partition_key: key.partition_key,

@@ -302,9 +302,14 @@ pub struct BlockedKey {
     pub locked_by: Option<String>,
     /// The lock time, when held.
     pub locked_at: Option<DateTime<Utc>>,
-    /// Pending rows behind the head.
+    /// Pending rows behind the head, counted up to [`BLOCKED_WAITING_CAP`] (a value equal to
+    /// the cap means at least that many), so listing keys costs what it returns (R85).
     pub waiting: i64,
 }
+
+/// Where [`BlockedKey::waiting`] stops counting: listing a blocked key reads at most this many
+/// rows behind its head, whatever the backlog (R85).
+pub const BLOCKED_WAITING_CAP: i64 = 10_000;
 
 /// Rows per topic and status (R80).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]

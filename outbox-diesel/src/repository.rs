@@ -17,13 +17,15 @@ use outbox_core::repository::{
     check_backend_batch_size,
 };
 use outbox_postgres::shared;
-use outbox_postgres::sql::{self, FetchParams, Layout, Statements, TableName};
+use outbox_postgres::sql::{
+    self, BlockedKeysParams, FetchParams, HeadRows, Layout, Statements, TableName, WalkCursor,
+};
 use uuid::Uuid;
 
 use crate::error::{Error, map_diesel, map_pool};
 use crate::pool::{PgPool, PooledConnection};
 use crate::prepared::Prepared;
-use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, NowRow, OutboxRow};
+use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, HeadRow, NowRow, OutboxRow};
 use crate::writer::DieselOutboxWriter;
 
 type SqlUuid = diesel::sql_types::Uuid;
@@ -98,6 +100,7 @@ pub struct DieselOutboxRepository {
     pool: PgPool,
     stmts: Arc<Statements>,
     cfg: DieselConfig,
+    cursor: WalkCursor,
     fail_next_commit: Arc<AtomicBool>,
 }
 
@@ -131,6 +134,7 @@ impl DieselOutboxRepository {
             pool,
             stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout)),
             cfg,
+            cursor: WalkCursor::default(),
             fail_next_commit: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -235,24 +239,18 @@ impl OutboxRepository for DieselOutboxRepository {
         req.validate()?;
         let p = FetchParams::new(req);
         let worker = req.worker.as_str().to_owned();
-        let fetch = self.stmts.fetch.as_str();
         let mut conn = self.conn().await?;
         // Its own transaction, committed at once (R76).
         let rows: Vec<OutboxRow> = conn
             .transaction(async |c| {
-                Prepared(
-                    diesel::sql_query(fetch)
-                        .into_boxed()
-                        .bind::<Text, _>(worker)
-                        .bind::<BigInt, _>(p.limit)
-                        .bind::<BigInt, _>(p.lease_us)
-                        .bind::<BigInt, _>(p.max_per_key)
-                        .bind::<Nullable<Array<Text>>, _>(p.topics)
-                        .bind::<Nullable<Array<Text>>, _>(p.aggregate_types)
-                        .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids)
-                        .bind::<BigInt, _>(p.scan_limit),
+                fetch_in(
+                    c,
+                    &self.stmts,
+                    &self.stmts.fetch_take,
+                    worker,
+                    &p,
+                    &self.cursor,
                 )
-                .load::<OutboxRow>(c)
                 .await
             })
             .await
@@ -423,9 +421,12 @@ impl OutboxRepository for DieselOutboxRepository {
         limit: usize,
     ) -> Result<Vec<BlockedKey>, RepositoryError> {
         let mut conn = self.conn().await?;
+        let b = BlockedKeysParams::new(lease_ttl, limit);
         let rows: Vec<BlockedRow> = diesel::sql_query(self.stmts.blocked_keys.as_str())
-            .bind::<BigInt, _>(sql::micros(lease_ttl))
-            .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind::<BigInt, _>(b.lease_us)
+            .bind::<BigInt, _>(b.limit)
+            .bind::<BigInt, _>(b.candidates)
+            .bind::<BigInt, _>(b.waiting_cap)
             .load(&mut conn)
             .await
             .map_err(|e| self.err(e))?;
@@ -451,4 +452,56 @@ impl OutboxRepository for DieselOutboxRepository {
             .map_err(|e| self.err(e))?;
         Ok(r.age_us.map(|u| Duration::from_micros(u.max(0) as u64)))
     }
+}
+
+/// The two fetch statements on `c`, inside the caller's transaction: the heads
+/// (`fetch_heads`, from `cursor`, which it advances), then `take` (`fetch_take` or
+/// `fetch_take_transaction`), both prepared once per connection.
+pub(crate) async fn fetch_in(
+    c: &mut AsyncPgConnection,
+    stmts: &Statements,
+    take: &str,
+    worker: String,
+    p: &FetchParams,
+    cursor: &WalkCursor,
+) -> Result<Vec<OutboxRow>, diesel::result::Error> {
+    let (ct, ck) = cursor.get();
+    let heads: Vec<HeadRow> = Prepared(
+        diesel::sql_query(stmts.fetch_heads.as_str())
+            .into_boxed()
+            .bind::<BigInt, _>(p.limit)
+            .bind::<BigInt, _>(p.lease_us)
+            .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
+            .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
+            .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
+            .bind::<BigInt, _>(p.window)
+            .bind::<BigInt, _>(p.walk_limit)
+            .bind::<Text, _>(ct)
+            .bind::<Text, _>(ck),
+    )
+    .load(c)
+    .await?;
+    let heads = HeadRows::new(
+        heads
+            .into_iter()
+            .map(|h| (h.head_id, h.topic, h.partition_key)),
+    );
+    cursor.advance(heads.walked_to);
+    if heads.ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    Prepared(
+        diesel::sql_query(take)
+            .into_boxed()
+            .bind::<Text, _>(worker)
+            .bind::<BigInt, _>(p.limit)
+            .bind::<BigInt, _>(p.lease_us)
+            .bind::<BigInt, _>(p.max_per_key)
+            .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
+            .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
+            .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
+            .bind::<Array<SqlUuid>, _>(heads.ids),
+    )
+    .load(c)
+    .await
 }

@@ -22,7 +22,8 @@ use uuid::Uuid;
 use crate::error::Error;
 use crate::shared;
 use crate::sql::{
-    self, ErrorClass, FetchParams, InsertColumns, Layout, RawRow, Statements, TableName,
+    self, BlockedKeysParams, ErrorClass, FetchParams, HeadRows, InsertColumns, Layout, RawRow,
+    Statements, TableName, WalkCursor,
 };
 
 /// Settings of the sqlx backend.
@@ -359,23 +360,85 @@ impl PgOutboxWriter {
     }
 }
 
-/// Binds the parameters of [`Statements::fetch`] to `query` in their order: `$1` the worker,
-/// `$2`–`$8` from `p`. The one place that knows the bind order; the repository uses it, and so
-/// do the plan test and the benchmarks, which may put `EXPLAIN …` before the statement text.
-pub fn bind_fetch<'q>(
-    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// Binds the parameters of [`Statements::fetch_heads`] in their order (`$1`–`$9`). The one
+/// place that knows that bind order: the repository uses it through [`fetch_rows`], and so do
+/// the plan test and the benchmarks, which may put `EXPLAIN …` before the statement text.
+pub fn bind_fetch_heads<'q>(
+    query: PgQuery<'q>,
+    p: &FetchParams,
+    cursor: (String, String),
+) -> PgQuery<'q> {
+    query
+        .bind(p.limit)
+        .bind(p.lease_us)
+        .bind(p.topics.clone())
+        .bind(p.aggregate_types.clone())
+        .bind(p.aggregate_ids.clone())
+        .bind(p.window)
+        .bind(p.walk_limit)
+        .bind(cursor.0)
+        .bind(cursor.1)
+}
+
+/// Binds the parameters of [`Statements::fetch_take`] / [`Statements::fetch_take_transaction`]
+/// in their order (`$1`–`$8`): the worker, `p`, and the candidate heads from
+/// [`Statements::fetch_heads`].
+pub fn bind_fetch_take<'q>(
+    query: PgQuery<'q>,
     worker: &str,
-    p: FetchParams,
-) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    p: &FetchParams,
+    heads: Vec<Uuid>,
+) -> PgQuery<'q> {
     query
         .bind(worker.to_owned())
         .bind(p.limit)
         .bind(p.lease_us)
         .bind(p.max_per_key)
-        .bind(p.topics)
-        .bind(p.aggregate_types)
-        .bind(p.aggregate_ids)
-        .bind(p.scan_limit)
+        .bind(p.topics.clone())
+        .bind(p.aggregate_types.clone())
+        .bind(p.aggregate_ids.clone())
+        .bind(heads)
+}
+
+/// Runs the two fetch statements on `conn`, inside the caller's transaction: the heads
+/// ([`Statements::fetch_heads`], from `cursor`, which it then advances), then `take` (the text of
+/// [`Statements::fetch_take`] or [`Statements::fetch_take_transaction`]). Returns the taken
+/// rows ([`sql::COLUMNS`]) in return order.
+pub async fn fetch_rows(
+    conn: &mut sqlx::PgConnection,
+    stmts: &Statements,
+    take: &str,
+    worker: &str,
+    p: &FetchParams,
+    cursor: &WalkCursor,
+) -> Result<Vec<PgRow>, sqlx::Error> {
+    let heads = bind_fetch_heads(
+        sqlx::query(AssertSqlSafe(stmts.fetch_heads.as_str())),
+        p,
+        cursor.get(),
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let heads = HeadRows::new(
+        heads
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .collect::<Result<Vec<_>, sqlx::Error>>()?,
+    );
+    cursor.advance(heads.walked_to);
+    if heads.ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    bind_fetch_take(
+        sqlx::query(AssertSqlSafe(take.to_owned())),
+        worker,
+        p,
+        heads.ids,
+    )
+    .fetch_all(&mut *conn)
+    .await
 }
 
 /// The sqlx repository (relay and operator side) on a pool.
@@ -384,6 +447,7 @@ pub struct PgOutboxRepository {
     pool: PgPool,
     stmts: Arc<Statements>,
     cfg: PgConfig,
+    cursor: WalkCursor,
     fail_next_commit: Arc<AtomicBool>,
 }
 
@@ -394,6 +458,7 @@ impl PgOutboxRepository {
             pool,
             stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout)),
             cfg,
+            cursor: WalkCursor::default(),
             fail_next_commit: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -502,12 +567,14 @@ impl OutboxRepository for PgOutboxRepository {
         req.validate()?;
         let p = FetchParams::new(req);
         let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
-        let rows = bind_fetch(
-            sqlx::query(AssertSqlSafe(self.stmts.fetch.as_str())),
+        let rows = fetch_rows(
+            &mut tx,
+            &self.stmts,
+            &self.stmts.fetch_take,
             req.worker.as_str(),
-            p,
+            &p,
+            &self.cursor,
         )
-        .fetch_all(&mut *tx)
         .await
         .map_err(|e| self.err(e))?;
         tx.commit().await.map_err(|e| self.err(e))?;
@@ -666,9 +733,12 @@ impl OutboxRepository for PgOutboxRepository {
         lease_ttl: Duration,
         limit: usize,
     ) -> Result<Vec<BlockedKey>, RepositoryError> {
+        let b = BlockedKeysParams::new(lease_ttl, limit);
         let rows = sqlx::query(AssertSqlSafe(self.stmts.blocked_keys.as_str()))
-            .bind(sql::micros(lease_ttl))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(b.lease_us)
+            .bind(b.limit)
+            .bind(b.candidates)
+            .bind(b.waiting_cap)
             .fetch_all(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
