@@ -11,9 +11,9 @@ use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text};
 use outbox_core::repository::{
-    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult, WrittenOutcome, args,
-    check_backend_batch_size,
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery, DeliveryBound, FetchRequest,
+    Fetched, OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount,
+    WriteResult, WrittenOutcome, args, check_backend_batch_size,
 };
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
@@ -544,6 +544,7 @@ impl OutboxRepository for PgOutboxRepository {
             name: "postgres-sqlx",
             database_clock: true,
             undecodable_rows: true,
+            transaction_delivery: true,
         }
     }
 
@@ -587,6 +588,48 @@ impl OutboxRepository for PgOutboxRepository {
                 })
             })
             .collect()
+    }
+
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        bound: DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
+        req.validate()?;
+        let p = FetchParams::new(req);
+        let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
+        sqlx::query(AssertSqlSafe(self.stmts.delivery_begin.as_str()))
+            .bind(bound.server_timeout.as_millis().max(1).to_string())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        let rows = fetch_rows(
+            &mut tx,
+            &self.stmts,
+            &self.stmts.fetch_take_transaction,
+            req.worker.as_str(),
+            &p,
+            &self.cursor,
+        )
+        .await
+        .map_err(|e| self.err(e))?;
+        let rows = rows
+            .iter()
+            .map(|r| {
+                let raw = raw_row(r).map_err(|e| self.err(e))?;
+                Ok(match raw.decode() {
+                    Ok(e) => Fetched::Row(e),
+                    Err(u) => Fetched::Undecodable(u),
+                })
+            })
+            .collect::<Result<Vec<_>, RepositoryError>>()?;
+        let delivery = PgDelivery {
+            tx: Some(tx),
+            repo: self.clone(),
+            worker: req.worker.clone(),
+            fetched: shared::fetched_state(&rows),
+        };
+        Ok((rows, Box::new(delivery)))
     }
 
     async fn write_outcomes(
@@ -789,5 +832,65 @@ impl OutboxRepository for PgOutboxRepository {
             .await
             .map_err(|e| self.err(e))?;
         Ok(us.map(|u| Duration::from_micros(u.max(0) as u64)))
+    }
+}
+
+/// An open delivery transaction of the sqlx backend (R84). Dropping it rolls back.
+struct PgDelivery {
+    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+    repo: PgOutboxRepository,
+    worker: WorkerId,
+    fetched: HashMap<Uuid, OutcomeResult>,
+}
+
+#[async_trait]
+impl Delivery for PgDelivery {
+    async fn commit(
+        mut self: Box<Self>,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        let repo = self.repo.clone();
+        let mut tx = self.tx.take().expect("a delivery commits once");
+        let b = shared::OutcomeBinds::new(
+            &shared::delivery_writes(outcomes),
+            repo.cfg.error_max_length,
+        );
+        let mut results: HashMap<Uuid, OutcomeResult> = HashMap::new();
+        if !b.done.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(repo.stmts.complete_in_delivery.as_str()))
+                .bind(&b.done)
+                .bind(self.worker.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| repo.err(e))?;
+            applied(&rows, &mut results).map_err(|e| repo.err(e))?;
+        }
+        if !b.fail_ids.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(repo.stmts.fail_in_delivery.as_str()))
+                .bind(&b.fail_ids)
+                .bind(&b.fail_counted)
+                .bind(&b.fail_errors)
+                .bind(&b.fail_after_us)
+                .bind(&b.fail_at)
+                .bind(self.worker.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| repo.err(e))?;
+            applied(&rows, &mut results).map_err(|e| repo.err(e))?;
+        }
+        if repo.fail_next_commit.swap(false, Ordering::SeqCst) {
+            tx.rollback().await.map_err(|e| repo.err(e))?;
+            return Err(RepositoryError::Other(
+                "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
+            ));
+        }
+        tx.commit().await.map_err(|e| repo.err(e))?;
+        Ok(shared::delivery_outcomes(outcomes, &results, &self.fetched))
+    }
+
+    async fn rollback(mut self: Box<Self>) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.rollback().await;
+        }
     }
 }

@@ -526,6 +526,18 @@ pub struct Statements {
     /// base 0, deferral). Returns like [`Statements::complete`].
     pub fail: String,
 
+    /// Delivery in one transaction (R84): [`Statements::complete`] guarded by the row lock the
+    /// delivery holds instead of the lease holder (same parameters and result).
+    pub complete_in_delivery: String,
+
+    /// Delivery in one transaction (R84): [`Statements::fail`] guarded by the row lock the
+    /// delivery holds (same parameters and result). Only counted failures are written there.
+    pub fail_in_delivery: String,
+
+    /// The first statement of a delivery transaction (R84, `statements/delivery_begin.sql`):
+    /// `$1 text` the idle timeout in milliseconds after which the server ends the transaction.
+    pub delivery_begin: String,
+
     /// Releases rows untouched (R77), guarded. `$1 uuid[]` ids, `$2 text` worker. Returns like
     /// [`Statements::complete`].
     pub release: String,
@@ -728,6 +740,7 @@ mod text {
     pub const COUNTS: &str = include_str!("sql/statements/counts.sql");
     pub const OLDEST_DUE_AGE: &str = include_str!("sql/statements/oldest_due_age.sql");
     pub const SHIFT_CLOCK: &str = include_str!("sql/statements/shift_clock.sql");
+    pub const DELIVERY_BEGIN: &str = include_str!("sql/statements/delivery_begin.sql");
 }
 
 /// A statement file made ready to send: comment lines (`--`) dropped, `{table}` replaced by
@@ -785,8 +798,19 @@ impl Statements {
                 table,
                 &[("finish", text::FETCH_TAKE_TRANSACTION)],
             ),
-            complete: r(text::COMPLETE),
-            fail: r(text::FAIL),
+            complete: render(
+                text::COMPLETE,
+                table,
+                &[("holder", "t.locked_by = $2::text")],
+            ),
+            fail: render(text::FAIL, table, &[("holder", "t.locked_by = $6::text")]),
+            complete_in_delivery: render(
+                text::COMPLETE,
+                table,
+                &[("holder", "$2::text IS NOT NULL")],
+            ),
+            fail_in_delivery: render(text::FAIL, table, &[("holder", "$6::text IS NOT NULL")]),
+            delivery_begin: r(text::DELIVERY_BEGIN),
             release: r(text::RELEASE),
             refresh_lock: r(text::REFRESH_LOCK),
             release_lock: r(text::RELEASE_LOCK),
@@ -1189,6 +1213,8 @@ mod tests {
             ("get", &s.get),
             ("complete", &s.complete),
             ("fail", &s.fail),
+            ("complete_in_delivery", &s.complete_in_delivery),
+            ("fail_in_delivery", &s.fail_in_delivery),
             ("release", &s.release),
             ("refresh_lock", &s.refresh_lock),
             ("release_lock", &s.release_lock),

@@ -88,13 +88,13 @@ fn peer(cfg: Cfg) -> Cfg {
     Cfg { peer: true, ..cfg }
 }
 
-async fn sql(c: &Ctx, statement: &str) -> Vec<Value> {
+pub(crate) async fn sql(c: &Ctx, statement: &str) -> Vec<Value> {
     c.h.sql(statement)
         .await
         .unwrap_or_else(|e| panic!("SQL failed: {e}\n{statement}"))
 }
 
-async fn one(c: &Ctx, statement: &str) -> Value {
+pub(crate) async fn one(c: &Ctx, statement: &str) -> Value {
     let mut v = sql(c, statement).await;
     assert_eq!(v.len(), 1, "expected one row from {statement}");
     v.remove(0)

@@ -5,6 +5,8 @@
 -- after this many microseconds from now() (NULL elements), $5 timestamptz[] explicit retry
 -- time (NULL elements; wins over $4); then $6 text worker. Both NULL keep scheduled_at (backoff
 -- base 0, deferral).
+-- {holder}: lease delivery guards each row by its holder (t.locked_by = $6); delivery in one
+-- transaction (R84) by the row lock it already holds ($6 unused but typed).
 -- Returns (id uuid, status text, attempts_made int4, scheduled_at timestamptz) of the rows
 -- written; ids not returned lost their lease (R55).
 UPDATE {table} t
@@ -19,5 +21,5 @@ UPDATE {table} t
        locked_at = NULL, locked_by = NULL, updated_at = now()
   FROM unnest($1::uuid[], $2::bool[], $3::text[], $4::int8[], $5::timestamptz[])
        AS o(id, counted, error, after_us, retry_at)
- WHERE t.id = o.id AND t.status = 'pending' AND t.locked_by = $6::text
+ WHERE t.id = o.id AND t.status = 'pending' AND {holder}
 RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at
