@@ -81,8 +81,8 @@ macro_rules! suite {
             runs::q_01, runs::q_02, runs::q_06, runs::q_07, runs::q_08, runs::q_09, runs::x_01,
             runs::x_03, runs::x_04, pipeline::p_02, pipeline::p_03, pipeline::p_07, pipeline::m_01,
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
-            writing::w_06, validation::v_18, validation::v_19, order::o_20, maint::c_03,
-            pipeline::p_09
+            writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
+            maint::c_03, pipeline::p_09
         );
     };
     // The scenarios about what the lease mode writes: a transient failure's last_error and

@@ -474,3 +474,28 @@ pub async fn o_20(f: &dyn Factory) {
     assert_eq!(cy.report.fetched, vec![m[0]]);
     assert_eq!(c.get(m[1]).await.locked_by.as_deref(), Some("w9"));
 }
+
+/// O-21 A pending row at its attempt budget is not fetched, and holds its key.
+///
+/// Outcomes never leave a row pending with attempts_made = max_attempts (it becomes `failed`),
+/// but rows written by others can be in that state (the ancestor's check allows it): such a row
+/// is not fetchable (R19: attempts_made < max_attempts) and, being pending and due, is in line.
+pub async fn o_21(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k", "k", "o"]).await;
+    c.set(
+        e[0],
+        RowPatch {
+            attempts_made: Some(6),
+            last_error: Some(Some("spent".into())),
+            ..RowPatch::default()
+        },
+    )
+    .await;
+    let before = [c.get(e[0]).await, c.get(e[1]).await];
+    let cy = c.cycle(&Cfg::default().per_key(3)).await;
+    assert_eq!(cy.report.fetched, vec![e[2]]);
+    for b in &before {
+        c.assert_untouched(b).await;
+    }
+}
