@@ -192,22 +192,25 @@ async fn kill_9_then_restart(mode: &str) {
     .into_iter()
     .collect();
 
-    let mut args = vec![
-        "--worker-id",
-        "relay-b",
-        "--until-drained",
-        "--delivery",
-        mode,
-    ];
+    let mut args = run_args(
+        &db,
+        &st,
+        &[
+            "--worker-id",
+            "relay-b",
+            "--until-drained",
+            "--delivery",
+            mode,
+        ],
+    );
     if mode == "transaction" {
         // Nothing of the dead relay is leased: no row may need a lease to expire.
         assert!(held.is_empty(), "transaction delivery stamps no lease");
-        args.extend(["--lease", "600s"]);
+        let at = args.iter().position(|a| a == "--lease").expect("--lease");
+        args[at + 1] = "600s".into();
     }
     let started = std::time::Instant::now();
-    let second = command(&strs(&run_args(&db, &st, &args)))
-        .spawn()
-        .expect("spawn");
+    let second = command(&strs(&args)).spawn().expect("spawn");
     let out = wait(second, Duration::from_secs(120)).await;
     let drain_secs = started.elapsed().as_secs_f64();
     assert_eq!(out.code, 0, "restarted relay: {}", out.stderr);
