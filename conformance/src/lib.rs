@@ -25,7 +25,7 @@ pub use harness::{BackendKind, Factory, Harness, InTransaction, RowPatch, WriteT
 macro_rules! suite {
     (memory: $f:expr) => {
         $crate::suite!(@all $f);
-        $crate::suite!(@paused $f; outage::t_11, lease::l_09);
+        $crate::suite!(@paused $f; outage::t_11, lease::l_09, lease::l_13);
         $crate::suite!(@tests $f; lease::l_10);
     };
     (postgres: $f:expr) => {
@@ -82,7 +82,7 @@ macro_rules! suite {
             runs::x_03, runs::x_04, pipeline::p_02, pipeline::p_03, pipeline::p_07, pipeline::m_01,
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
             writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
-            maint::c_03, pipeline::p_09
+            maint::c_03, pipeline::p_09, backoff::h_15
         );
     };
     // The scenarios about what the lease mode writes: a transient failure's last_error and

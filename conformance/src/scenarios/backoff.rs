@@ -461,3 +461,34 @@ pub async fn h_14(f: &dyn Factory) {
         c.assert_next_try_after(&cy, r.scheduled_at, 1.0);
     }
 }
+
+/// H-15 An explicit retry time is used only within [created_at, created_at + 365 days], both
+/// ends included; outside it the backoff applies (R44).
+pub async fn h_15(f: &dyn Factory) {
+    for (offset, used) in [
+        (chrono::Duration::seconds(-1), false),
+        (chrono::Duration::zero(), true),
+        (chrono::Duration::days(365), true),
+        (
+            chrono::Duration::days(365) + chrono::Duration::seconds(1),
+            false,
+        ),
+    ] {
+        let c = Ctx::new(f).await;
+        let a = c.put(c.ev("k")).await;
+        let t = c.get(a).await.created_at + offset;
+        let cy = c
+            .cycle(&Cfg::default().step(fail("x", true, Some(t))))
+            .await;
+        let r = c.get(a).await;
+        assert_eq!(r.attempts_made, 1);
+        if used {
+            assert_eq!(
+                r.scheduled_at, t,
+                "offset {offset}: the explicit time was not used"
+            );
+        } else {
+            c.assert_next_try_within(&cy, r.scheduled_at, 5.0, 10.0);
+        }
+    }
+}

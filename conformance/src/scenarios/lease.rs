@@ -394,3 +394,22 @@ pub async fn l_12(f: &dyn Factory) {
     }
     assert_eq!(c.cycle1().await.sent, e);
 }
+
+/// L-13 The lease margin at its boundary [mem] (paused clock): with exactly the publish timeout
+/// left on the lease, the next publish still starts (R49: "at least").
+pub async fn l_13(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let ids = c.puts(&["k", "k"]).await;
+    c.broker
+        .script(ids[0], [Action::Delay(Duration::from_secs(1))]);
+    let cfg = Cfg {
+        lease: Duration::from_secs(2),
+        ..Cfg::default().timeout(Duration::from_secs(1)).per_key(2)
+    };
+    let cy = c.cycle(&cfg).await;
+    assert_eq!(cy.report.fetched, ids);
+    assert_eq!(
+        cy.report.completed, ids,
+        "the second publish, with exactly 1 s of lease left, was not started"
+    );
+}
