@@ -108,7 +108,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     stop.cancel();
-    running.await?;
+    running.await??;
 
     let client = redis::Client::open(redis_url)?;
     let mut rc = client.get_multiplexed_async_connection().await?;

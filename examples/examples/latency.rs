@@ -135,7 +135,7 @@ async fn measure(
         }
     }
     stop.cancel();
-    running.await?;
+    running.await??;
     let _ = js.delete_stream(&stream).await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA \"{schema}\" CASCADE"

@@ -116,6 +116,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     stop.cancel();
-    running.await?;
+    running.await??;
     Ok(())
 }

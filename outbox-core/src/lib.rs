@@ -17,10 +17,12 @@ pub mod step;
 
 pub use backoff::{Backoff, Jitter};
 pub use broker::{Ack, Broker, Message};
-pub use error::{BrokerError, ConfigError, RepositoryError, StepError, ValidationError};
+pub use error::{BrokerError, ConfigError, RepositoryError, RunError, StepError, ValidationError};
 pub use event::{EventBuilder, NewEvent, OutboxEvent, Schedule, Status, WorkerId};
 pub use memory::InMemoryRepository;
-pub use relay::{CycleReport, Relay, RelayBuilder};
+pub use relay::{
+    CycleReport, LoopBackoff, LoopControl, LoopHooks, Relay, RelayBuilder, RunOptions,
+};
 pub use repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository};
 pub use step::{PipelineStep, StepDecision};
 
