@@ -14,6 +14,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use async_trait::async_trait;
+use outbox_core::broker::{ReconnectSignal, ReconnectWatch};
 use outbox_core::{Ack, Broker, BrokerError, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -33,6 +34,7 @@ pub struct NatsBroker {
     js: jetstream::Context,
     config: Arc<NatsBrokerConfig>,
     state_changed: Arc<Notify>,
+    reconnected: ReconnectSignal,
 }
 
 impl std::fmt::Debug for NatsBroker {
@@ -52,14 +54,15 @@ impl NatsBroker {
     pub async fn connect(config: NatsBrokerConfig) -> Result<Self, NatsBrokerError> {
         config.validate()?;
         let notify = Arc::new(Notify::new());
-        let client = options(&config, &notify)
+        let signal = ReconnectSignal::new();
+        let client = options(&config, &notify, &signal)
             .connect(config.url.as_str())
             .await
             .map_err(|e| NatsBrokerError::Connect {
                 url: config.url.clone(),
                 message: e.to_string(),
             })?;
-        let broker = Self::assemble(client, config, notify);
+        let broker = Self::assemble(client, config, notify, signal);
         broker.ensure_stream().await?;
         Ok(broker)
     }
@@ -76,7 +79,8 @@ impl NatsBroker {
             ));
         }
         let notify = Arc::new(Notify::new());
-        let client = options(&config, &notify)
+        let signal = ReconnectSignal::new();
+        let client = options(&config, &notify, &signal)
             .retry_on_initial_connect()
             .connect(config.url.as_str())
             .await
@@ -84,7 +88,7 @@ impl NatsBroker {
                 url: config.url.clone(),
                 message: e.to_string(),
             })?;
-        Ok(Self::assemble(client, config, notify))
+        Ok(Self::assemble(client, config, notify, signal))
     }
 
     /// Uses a client the application already has. [`wait_connected`](Self::wait_connected)
@@ -94,12 +98,22 @@ impl NatsBroker {
         config: NatsBrokerConfig,
     ) -> Result<Self, NatsBrokerError> {
         config.validate()?;
-        let broker = Self::assemble(client, config, Arc::new(Notify::new()));
+        let broker = Self::assemble(
+            client,
+            config,
+            Arc::new(Notify::new()),
+            ReconnectSignal::new(),
+        );
         broker.ensure_stream().await?;
         Ok(broker)
     }
 
-    fn assemble(client: async_nats::Client, config: NatsBrokerConfig, notify: Arc<Notify>) -> Self {
+    fn assemble(
+        client: async_nats::Client,
+        config: NatsBrokerConfig,
+        notify: Arc<Notify>,
+        reconnected: ReconnectSignal,
+    ) -> Self {
         let js = jetstream::ContextBuilder::new()
             .timeout(config.timeout)
             .backpressure_on_inflight(true)
@@ -109,6 +123,7 @@ impl NatsBroker {
             js,
             config: Arc::new(config),
             state_changed: notify,
+            reconnected,
         }
     }
 
@@ -332,8 +347,13 @@ fn is_temporary(e: &jetstream::Error) -> bool {
         .contains(&e.error_code())
 }
 
-fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::ConnectOptions {
+fn options(
+    config: &NatsBrokerConfig,
+    notify: &Arc<Notify>,
+    signal: &ReconnectSignal,
+) -> async_nats::ConnectOptions {
     let n = notify.clone();
+    let signal = signal.clone();
     let max = config.reconnect_delay_max;
     let mut o = async_nats::ConnectOptions::new()
         .connection_timeout(config.connect_timeout)
@@ -349,9 +369,13 @@ fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::Conne
         })
         .event_callback(move |event| {
             let n = n.clone();
+            let signal = signal.clone();
             async move {
                 match event {
-                    async_nats::Event::Connected => tracing::info!("NATS connected"),
+                    async_nats::Event::Connected => {
+                        tracing::info!("NATS connected");
+                        signal.connected();
+                    }
                     async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
                     other => tracing::debug!("NATS event: {other}"),
                 }
@@ -366,6 +390,12 @@ fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::Conne
 
 #[async_trait]
 impl Broker for NatsBroker {
+    /// Moves on every `Connected` event of the client (clients made by this crate; a client
+    /// given to [`from_client`](NatsBroker::from_client) reports none).
+    fn reconnects(&self) -> Option<ReconnectWatch> {
+        Some(self.reconnected.watch())
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let subject = self.subject(m)?;
         let headers = self.headers(m)?;
