@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{Db, check_order, command, wait};
+use common::{Db, check_order, command, stderr_lines, wait};
 use uuid::Uuid;
 
 const TOPIC: &str = "flags";
@@ -327,22 +327,6 @@ async fn three_loops_in_one_process_publish_every_event_once_in_key_order() {
     db.drop_schema().await;
 }
 
-/// Reads the child's stderr lines into a channel as they come.
-fn stderr_lines(child: &mut tokio::process::Child) -> tokio::sync::mpsc::UnboundedReceiver<String> {
-    use tokio::io::AsyncBufReadExt;
-    let err = child.stderr.take().expect("stderr piped");
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut lines = tokio::io::BufReader::new(err).lines();
-        while let Ok(Some(l)) = lines.next_line().await {
-            if tx.send(l).is_err() {
-                return;
-            }
-        }
-    });
-    rx
-}
-
 /// Parses a JSON log line and checks its shape: an object with a level and `fields.message`.
 fn json_line(l: &str) -> serde_json::Value {
     let v: serde_json::Value =
@@ -385,7 +369,7 @@ async fn json_logs(how: &str) {
         extra.push("--log-json");
     }
     let mut cmd = command(&strs(&run_args(&db, &extra)));
-    cmd.env("RUST_LOG", "info,outbox_relay=debug")
+    cmd.env("RUST_LOG", "info,outbox_core::relay=debug")
         .stdout(Stdio::null());
     match how {
         "flag" => cmd.env_remove("OUTBOX_LOG_JSON"),

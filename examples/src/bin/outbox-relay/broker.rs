@@ -73,7 +73,26 @@ pub fn compiled_in() -> Vec<&'static str> {
     v
 }
 
-/// Connects the broker (exit 4 when unreachable, 2 for a bad setting).
+/// The URL of the chosen broker, password redacted, for log lines (`-` for stdout and noop).
+pub fn redacted_url(a: &BrokerArgs) -> String {
+    match a.broker {
+        BrokerKind::Nats => outbox_examples::redact_url(&a.nats_url),
+        BrokerKind::Redis => outbox_examples::redact_url(&a.redis_url),
+        BrokerKind::Stdout | BrokerKind::Noop => "-".to_owned(),
+    }
+}
+
+/// Whether the chosen broker is compiled into this binary.
+pub fn compiled(kind: BrokerKind) -> bool {
+    match kind {
+        BrokerKind::Nats => cfg!(feature = "nats"),
+        BrokerKind::Redis => cfg!(feature = "redis"),
+        BrokerKind::Stdout | BrokerKind::Noop => true,
+    }
+}
+
+/// Connects the broker (exit 4 when unreachable, 2 for a bad setting; an unreachable server is
+/// marked retryable).
 pub async fn build(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match a.broker {
         BrokerKind::Stdout => Ok(Arc::new(StdoutBroker)),
@@ -98,10 +117,21 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match NatsBroker::connect(cfg).await {
         Ok(b) => Ok(Arc::new(b)),
         Err(e @ NatsBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
+        Err(e @ NatsBrokerError::Connect { .. }) => Err(CliError::new(
+            code::BROKER,
+            outbox_examples::redact_urls_in(
+                &format!("{e}; check --nats-url (NATS_URL) and that nats-server runs"),
+                &a.nats_url,
+            ),
+        )
+        .retryable()),
         Err(e) => Err(CliError::new(
             code::BROKER,
-            format!(
-                "{e}; check --nats-url (NATS_URL) and that nats-server runs with JetStream (-js)"
+            outbox_examples::redact_urls_in(
+                &format!(
+                    "{e}; check --nats-url (NATS_URL) and that nats-server runs with JetStream (-js)"
+                ),
+                &a.nats_url,
             ),
         )),
     }
@@ -124,7 +154,15 @@ async fn redis(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match RedisBroker::connect(cfg).await {
         Ok(b) => Ok(Arc::new(b)),
         Err(e @ RedisBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
-        Err(e) => Err(CliError::new(code::BROKER, e.to_string())),
+        Err(e @ RedisBrokerError::Connect { .. }) => Err(CliError::new(
+            code::BROKER,
+            outbox_examples::redact_urls_in(&e.to_string(), &a.redis_url),
+        )
+        .retryable()),
+        Err(e) => Err(CliError::new(
+            code::BROKER,
+            outbox_examples::redact_urls_in(&e.to_string(), &a.redis_url),
+        )),
     }
 }
 

@@ -36,6 +36,9 @@ pub struct CliError {
     pub code: i32,
     /// What went wrong and what to do.
     pub message: String,
+    /// Whether trying again later can help (a server that cannot be reached yet): `run` waits
+    /// and retries these at start-up instead of exiting.
+    pub retryable: bool,
 }
 
 impl CliError {
@@ -43,7 +46,14 @@ impl CliError {
         Self {
             code,
             message: message.into(),
+            retryable: false,
         }
+    }
+
+    /// The same error, marked as one that trying again later can fix.
+    pub fn retryable(mut self) -> Self {
+        self.retryable = true;
+        self
     }
 
     pub fn usage(message: impl Into<String>) -> Self {
