@@ -2,7 +2,6 @@
 #![deny(missing_docs)]
 
 pub mod metrics;
-pub mod wake;
 
 /// `url` with its password replaced by `***` (`scheme://user:***@host/...`), for log lines and
 /// error messages. A URL without a password, or text that is no URL, comes back unchanged.

@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod listen;
 pub mod migrations;
 pub mod pool;
 mod prepared;
@@ -11,6 +12,7 @@ pub mod schema;
 mod writer;
 
 pub use error::Error;
+pub use listen::WakeListener;
 pub use migrations::{
     OutboxMigrations, create_schema, create_schema_with, ensure_partitions, run_migrations,
     run_migrations_url, run_migrations_with,

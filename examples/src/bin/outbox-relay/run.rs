@@ -141,14 +141,51 @@ fn on_signals(token: CancellationToken) {
     });
 }
 
-/// LISTENs on the table's channel and wakes every loop on each notification.
-async fn listen(pool: &PgPool, table: &TableName, wakers: Vec<Arc<Notify>>) -> Result<()> {
+/// The LISTEN task of the chosen store (kept alive while the relay runs).
+enum Listener {
+    Sqlx(#[allow(dead_code)] outbox_postgres::WakeListener),
+    #[cfg(feature = "diesel")]
+    Diesel(#[allow(dead_code)] outbox_diesel::WakeListener),
+}
+
+/// LISTENs on the table's channel with the chosen store's listener (sqlx's `PgListener`, or
+/// diesel-async's notification stream) and wakes every loop on each notification; the
+/// listener reconnects by itself and wakes the loops once when it is back.
+async fn listen(
+    a: &RunArgs,
+    pool: &PgPool,
+    table: &TableName,
+    wakers: Vec<Arc<Notify>>,
+) -> Result<Listener> {
     let channel = table.notify_channel();
-    outbox_examples::wake::spawn_listener(pool, table, wakers)
-        .await
-        .map_err(|e| CliError::new(code::DATABASE, format!("LISTEN {channel}: {e}")))?;
-    tracing::info!(%channel, "listening for wake-ups");
-    Ok(())
+    let fail = |e: String| {
+        CliError::new(
+            code::DATABASE,
+            format!("LISTEN {channel}: {e}; pass --no-listen to poll only"),
+        )
+    };
+    let l = match a.db.store {
+        store::StoreKind::Sqlx => Listener::Sqlx(
+            outbox_postgres::WakeListener::spawn(pool, table, wakers)
+                .await
+                .map_err(|e| fail(e.to_string()))?,
+        ),
+        #[cfg(feature = "diesel")]
+        store::StoreKind::Diesel => Listener::Diesel(
+            outbox_diesel::WakeListener::spawn(&a.db.database_url, table, wakers)
+                .await
+                .map_err(|e| {
+                    fail(outbox_examples::redact_urls_in(
+                        &e.to_string(),
+                        &a.db.database_url,
+                    ))
+                })?,
+        ),
+        #[cfg(not(feature = "diesel"))]
+        store::StoreKind::Diesel => return Err(store::not_compiled()),
+    };
+    tracing::info!(%channel, store = ?a.db.store, "listening for wake-ups");
+    Ok(l)
 }
 
 struct Shared {
@@ -343,9 +380,11 @@ pub async fn run(a: RunArgs) -> Result<()> {
         relays.push(relay);
     }
     let wakers: Vec<Arc<Notify>> = relays.iter().map(|r| r.waker()).collect();
-    if !a.no_listen {
-        listen(&st.pool, &st.table, wakers.clone()).await?;
-    }
+    let _listener = if a.no_listen {
+        None
+    } else {
+        Some(listen(&a, &st.pool, &st.table, wakers).await?)
+    };
     tracing::info!(
         table = %st.table,
         store = ?a.db.store,

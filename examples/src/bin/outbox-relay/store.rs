@@ -25,8 +25,8 @@ pub enum StoreKind {
 /// A connected store: the repository the relay and the ops commands use, the queries the
 /// repository trait has no method for ([`Store::drained`], [`Store::failed_ids`]) on the same
 /// backend, and a sqlx pool (the same database; sqlx is always compiled in) for the first
-/// connection and table checks, so both stores fail alike, and for LISTEN, whose listener
-/// (`outbox_examples::wake::spawn_listener`) is written once on sqlx and reads no row.
+/// connection and table checks, so both stores fail alike, and for LISTEN with `--store sqlx`
+/// (`outbox_postgres::WakeListener`; with `--store diesel` it is `outbox_diesel::WakeListener`).
 pub struct Store {
     pub repo: Arc<dyn OutboxRepository>,
     pub pool: PgPool,
