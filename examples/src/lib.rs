@@ -1,8 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
-pub mod metrics;
-
 /// `url` with its password replaced by `***` (`scheme://user:***@host/...`), for log lines and
 /// error messages. A URL without a password, or text that is no URL, comes back unchanged.
 /// Comma-separated URLs (NATS server lists) are redacted one by one.

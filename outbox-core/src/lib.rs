@@ -9,6 +9,8 @@ pub mod event;
 mod finite;
 pub mod ids;
 pub mod memory;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 pub mod ordering;
 pub mod relay;
 pub mod repository;

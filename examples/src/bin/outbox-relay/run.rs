@@ -6,9 +6,9 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox_core::backoff::Backoff;
+use outbox_core::metrics::MetricsStep;
 use outbox_core::relay::{CycleReport, LoopBackoff, LoopControl, LoopHooks, RunOptions};
 use outbox_core::{CancellationToken, OutboxRepository, Relay, RunError};
-use outbox_examples::metrics::MetricsStep;
 use outbox_postgres::TableName;
 use sqlx::PgPool;
 use tokio::sync::Notify;
@@ -70,7 +70,8 @@ pub struct RunArgs {
     /// Polls only: no LISTEN on the table's channel.
     #[arg(long, env = "OUTBOX_NO_LISTEN")]
     pub no_listen: bool,
-    /// Interval of the one-line summary (events/s, backlog, blocked keys, oldest due age); 0 = off.
+    /// Interval of the one-line summary (events/s, backlog, blocked keys, oldest due age); 0 = off
+    /// (with --metrics-addr the backlog gauges are still updated, every 10 s).
     #[arg(long, env = "OUTBOX_SUMMARY_INTERVAL", default_value = "10s", value_parser = parse_dur)]
     pub summary_interval: Duration,
     /// Prefix of the metric names (R70: ^[a-zA-Z_][a-zA-Z0-9_]*$, joined with `_`).
@@ -101,12 +102,23 @@ fn worker_ids(a: &RunArgs) -> Result<Vec<String>> {
     Ok(ids)
 }
 
+/// The buckets of every `_seconds` histogram (publish duration, write-to-ack lag, handler
+/// duration): 1 ms to 5 min.
+#[cfg(feature = "prometheus")]
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+];
+
 fn install_prometheus(addr: Option<std::net::SocketAddr>) -> Result<()> {
     let Some(addr) = addr else { return Ok(()) };
     #[cfg(feature = "prometheus")]
     {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
+        use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+        PrometheusBuilder::new()
             .with_http_listener(addr)
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+            .map_err(|e| CliError::usage(format!("--metrics-addr {addr}: {e}")))?
             .install()
             .map_err(|e| CliError::usage(format!("--metrics-addr {addr}: {e}")))?;
         tracing::info!(%addr, "serving Prometheus metrics on /metrics");
@@ -269,10 +281,13 @@ where
     }
 }
 
+/// Every `every`: queries the backlog and sets the gauges (kept up to date whether or not the
+/// summary line is on), and with `log` logs the one-line summary.
 async fn summary(
     repo: Arc<dyn OutboxRepository>,
     sh: Arc<Shared>,
     every: Duration,
+    log: bool,
     lease: Duration,
     metrics: MetricsStep,
 ) {
@@ -286,26 +301,17 @@ async fn summary(
         let n = sh.completed.load(Ordering::Relaxed);
         let rate = (n - last_n) as f64 / last.elapsed().as_secs_f64().max(1e-9);
         (last, last_n) = (Instant::now(), n);
-        let counts = repo.counts().await;
-        let blocked = repo.blocked_keys(lease, 10_000).await;
-        let oldest = repo.oldest_due_age().await;
-        match (counts, blocked, oldest) {
-            (Ok(c), Ok(b), Ok(o)) => {
-                let backlog: i64 = c
-                    .iter()
-                    .filter(|c| c.status == outbox_core::Status::Pending)
-                    .map(|c| c.count)
-                    .sum();
-                metrics.record_backlog(backlog.max(0) as u64, b.len() as u64, o);
-                tracing::info!(
-                    "summary: {rate:.1} events/s, backlog {backlog}, blocked keys {}, oldest due {}",
-                    b.len(),
-                    o.map_or("-".to_string(), |d| format!("{:.1}s", d.as_secs_f64()))
-                );
-            }
-            (c, b, o) => {
-                let e = c.err().or(b.err()).or(o.err()).map(|e| e.to_string());
-                tracing::warn!(error = ?e, "summary: {rate:.1} events/s; backlog query failed");
+        match metrics.update_backlog(repo.as_ref(), lease).await {
+            Ok(b) if log => tracing::info!(
+                "summary: {rate:.1} events/s, backlog {}, blocked keys {}, oldest due {}",
+                b.pending,
+                b.blocked_keys,
+                b.oldest_due
+                    .map_or("-".to_string(), |d| format!("{:.1}s", d.as_secs_f64()))
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "summary: {rate:.1} events/s; backlog query failed")
             }
         }
     }
@@ -400,11 +406,20 @@ pub async fn run(a: RunArgs) -> Result<()> {
         until_drained: a.until_drained,
         store: st.clone(),
     });
-    let summary_task = (!a.summary_interval.is_zero()).then(|| {
+    // The backlog gauges are kept up to date when metrics are served, even with the summary
+    // line off (then every 10 s).
+    let log_summary = !a.summary_interval.is_zero();
+    let summary_task = (log_summary || a.metrics_addr.is_some()).then(|| {
+        let every = if log_summary {
+            a.summary_interval
+        } else {
+            Duration::from_secs(10)
+        };
         tokio::spawn(summary(
             st.repo.clone(),
             sh.clone(),
-            a.summary_interval,
+            every,
+            log_summary,
             a.lease,
             metrics.clone(),
         ))
