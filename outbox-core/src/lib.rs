@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod ordering;
 pub mod relay;
 pub mod repository;
+#[cfg(any(test, feature = "testing"))]
 pub mod scripted;
 pub mod step;
 

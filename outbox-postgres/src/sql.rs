@@ -588,8 +588,10 @@ pub struct Statements {
     /// (microseconds, NULL when no pending row is due).
     pub oldest_due_age: String,
 
-    /// Test clock (scenarios.md §1 `advance`): `$1 int8` microseconds. Moves created_at,
-    /// scheduled_at, locked_at, completed_at and updated_at of every row back by that much.
+    /// Test clock (scenarios.md §1 `advance`; cargo feature `testing`): `$1 int8`
+    /// microseconds. Moves created_at, scheduled_at, locked_at, completed_at and updated_at of
+    /// every row back by that much.
+    #[cfg(feature = "testing")]
     pub shift_clock: String,
 }
 
@@ -1005,6 +1007,7 @@ SELECT h.topic::text, h.partition_key::text, h.id AS head_id, h.attempts_made, h
                 "SELECT (EXTRACT(EPOCH FROM (now() - min(scheduled_at))) * 1000000)::int8 AS age_us
   FROM {t} WHERE status = 'pending' AND scheduled_at <= now()"
             ),
+            #[cfg(feature = "testing")]
             shift_clock: format!(
                 "UPDATE {t} SET
     created_at = created_at - $1::int8 * INTERVAL '1 microsecond',
