@@ -26,7 +26,9 @@ pub use memory::InMemoryRepository;
 pub use relay::{
     CycleReport, LoopBackoff, LoopControl, LoopHooks, Relay, RelayBuilder, RunOptions,
 };
-pub use repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository};
+pub use repository::{
+    Delivery, DeliveryBound, DeliveryMode, FetchFilter, FetchRequest, Fetched, OutboxRepository,
+};
 pub use step::{PipelineStep, StepDecision};
 
 /// Re-exported so users need not depend on tokio-util for the shutdown signal.
