@@ -824,6 +824,27 @@ mod tests {
         );
     }
 
+    /// The same with the default poll interval (5 s, a relay without `--until-drained`): the
+    /// outage waits do not depend on it, and the reconnection still wakes the loops at once
+    /// (before, nothing woke them: the first publish came up to a poll interval late).
+    #[tokio::test(start_paused = true)]
+    async fn outage_backoff_with_the_default_poll_interval() {
+        let backoff = LoopBackoff::new(Duration::from_secs(1), Duration::from_secs(30)).unwrap();
+        let with = outage_10s(
+            Outage::new(true, false),
+            crate::relay::DEFAULT_POLL_INTERVAL,
+            RunOptions::new().outage_backoff(backoff),
+        )
+        .await;
+        assert_eq!(with.cycles, 3 * 4);
+        assert!(with.row_writes * 10 <= ANCESTOR_ROW_UPDATES_10S);
+        assert!(
+            with.first_publish_after < Duration::from_millis(10),
+            "{:?}",
+            with.first_publish_after
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn without_reconnect_events_the_probe_wakes_the_loop() {
         let broker = Outage::new(false, true);

@@ -108,6 +108,9 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     let mut cfg = NatsBrokerConfig::new(a.nats_url.clone())
         .subject_prefix(a.nats_subject_prefix.clone())
         .timeout(a.broker_timeout)
+        // The client retries a lost connection at most every 500 ms (its default: 2 s), so the
+        // relay, woken by the reconnection, publishes within a second of NATS answering again.
+        .reconnect_delay_max(Duration::from_millis(500))
         .client_name("outbox-relay");
     if !a.nats_stream.is_empty() {
         cfg = cfg.ensure_stream(
