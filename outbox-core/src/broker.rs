@@ -91,8 +91,10 @@ pub struct Ack {
 /// Outage recovery (optional; both default to "not offered"): while a relay loop waits out an
 /// outage (a cycle found the broker unreachable), it starts the next cycle as soon as
 /// [`reconnects`](Broker::reconnects) moves or [`probe`](Broker::probe) answers
-/// [`Probe::Up`], instead of waiting out its whole back-off. Checked by the loop tests of
-/// `outbox_core::relay` (`broker_reconnect_wakes_the_loop`, `probe_wakes_the_loop`).
+/// [`Probe::Up`], instead of waiting out its whole back-off. Checked by the loop tests in
+/// `outbox-core/src/relay/run_loop.rs` (`outage_backoff_cuts_cycles_and_writes_and_a_reconnect_wakes_the_loop`,
+/// `without_reconnect_events_the_probe_wakes_the_loop`), and for the adapters by
+/// `outbox-nats-broker/tests/reconnect.rs` and `outbox-redis-broker/tests/reconnect.rs`.
 #[async_trait]
 pub trait Broker: Send + Sync {
     /// Publishes one message.
