@@ -169,7 +169,7 @@ struct OutageFigures {
 /// on 200 keys are written (each commit notifies); then it opens again. With `until_drained`, a
 /// row held under another worker's live lease keeps `--until-drained` from ending the run
 /// early, and is released at the end so the run drains and exits 0.
-async fn broker_outage_10s(until_drained: bool) -> OutageFigures {
+async fn broker_outage_10s(until_drained: bool, redis: bool) -> OutageFigures {
     use std::sync::{Arc, Mutex};
     use std::time::Instant;
 
@@ -177,16 +177,31 @@ async fn broker_outage_10s(until_drained: bool) -> OutageFigures {
     db.migrate().await;
     let stream = Stream::fresh().await;
     stream.create(Duration::from_secs(600)).await;
+    let sink = if redis {
+        Sink::redis()
+    } else {
+        Sink::Nats(&stream)
+    };
     if until_drained {
         db.write_events("hold", 1, 1, 1).await;
         db.exec("UPDATE {t} SET locked_by = 'elsewhere', locked_at = now()")
             .await;
     }
     let mut port = Forwarder::closed().await.expect("a free port");
-    let target = nats_url().trim_start_matches("nats://").to_owned();
+    let target = sink.target();
     port.open(target.clone()).await.expect("forward");
 
     let mut a = args(&db, &stream, &format!("nats://{}", port.addr()));
+    if let Sink::Redis { key, .. } = &sink {
+        let b = a.iter().position(|x| x == "--broker").expect("flag");
+        a[b + 1] = "redis".to_owned();
+        a.extend([
+            "--redis-url".to_owned(),
+            format!("redis://{}", port.addr()),
+            "--redis-key-pattern".to_owned(),
+            key.replace("outage", "{topic}"),
+        ]);
+    }
     a.retain(|x| x != "--until-drained");
     let pos = a.iter().position(|x| x == "--poll-interval").expect("flag");
     a.drain(pos..pos + 2);
@@ -217,7 +232,7 @@ async fn broker_outage_10s(until_drained: bool) -> OutageFigures {
     port.open(target).await.expect("forward again");
     let t1 = Instant::now();
     let first_publish_after = loop {
-        if stream.count().await > 0 {
+        if sink.count().await > 0 {
             break t1.elapsed();
         }
         assert!(
@@ -228,7 +243,7 @@ async fn broker_outage_10s(until_drained: bool) -> OutageFigures {
     };
     let n: usize = written.values().map(Vec::len).sum();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while (stream.count().await as usize) < n {
+    while (sink.count().await as usize) < n {
         assert!(
             Instant::now() < deadline,
             "not all {n} events published within 60 s"
@@ -251,7 +266,7 @@ async fn broker_outage_10s(until_drained: bool) -> OutageFigures {
         .expect("wait");
     collector.await.expect("collector");
     assert_eq!(status.code(), Some(0));
-    let msgs: Vec<_> = stream
+    let msgs: Vec<_> = sink
         .messages()
         .await
         .into_iter()
@@ -278,7 +293,11 @@ async fn broker_outage_10s(until_drained: bool) -> OutageFigures {
             .sum(),
         first_publish_after,
     };
-    eprintln!("10 s NATS outage, 3 loops, until_drained={until_drained}: {figures:?}");
+    eprintln!(
+        "10 s {} outage, 3 loops, until_drained={until_drained}: {figures:?}",
+        if redis { "Redis" } else { "NATS" }
+    );
+    sink.delete().await;
     stream.delete().await;
     db.drop_schema().await;
     figures
@@ -287,8 +306,8 @@ async fn broker_outage_10s(until_drained: bool) -> OutageFigures {
 /// Issue 14's targets, from outside the process: during the outage at most 10 % of the
 /// ancestor's row updates (46,060 with 3 relays; each fetched row is written twice, leased and
 /// released), and the first publish within 1 s of NATS accepting connections again.
-async fn check_outage(until_drained: bool) {
-    let f = broker_outage_10s(until_drained).await;
+async fn check_outage(until_drained: bool, redis: bool) {
+    let f = broker_outage_10s(until_drained, redis).await;
     assert!(f.cycles <= 3 * 5, "{f:?}");
     assert!(f.rows_fetched * 2 * 10 <= 46_060, "{f:?}");
     assert!(f.first_publish_after < Duration::from_secs(1), "{f:?}");
@@ -296,10 +315,109 @@ async fn check_outage(until_drained: bool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_backs_off_and_the_reconnect_wakes_the_relays() {
-    check_outage(false).await;
+    check_outage(false, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_backs_off_and_the_reconnect_wakes_the_relays_until_drained() {
-    check_outage(true).await;
+    check_outage(true, false).await;
+}
+
+/// Redis has no connection events: the loops probe it with PING every 250 ms while they wait.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_outage_backs_off_and_the_probe_wakes_the_relays() {
+    check_outage(false, true).await;
+}
+
+/// Where the relay publishes in the outage tests.
+enum Sink<'a> {
+    Nats(&'a Stream),
+    #[cfg_attr(not(feature = "redis"), allow(dead_code))]
+    Redis {
+        url: String,
+        key: String,
+    },
+}
+
+impl Sink<'_> {
+    #[cfg(feature = "redis")]
+    fn redis() -> Self {
+        let url = std::env::var("OUTBOX_TEST_REDIS_URL")
+            .unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        Sink::Redis {
+            url,
+            // The stream of the topic `outage` (the pattern passed is `outboxt:<suffix>:{topic}`).
+            key: format!("outboxt:{}:outage", common::suffix()),
+        }
+    }
+
+    #[cfg(not(feature = "redis"))]
+    fn redis() -> Self {
+        unreachable!("Redis outage tests need the redis feature")
+    }
+
+    /// The real server's `host:port`.
+    fn target(&self) -> String {
+        match self {
+            Sink::Nats(_) => nats_url().trim_start_matches("nats://").to_owned(),
+            Sink::Redis { url, .. } => url
+                .trim_start_matches("redis://")
+                .trim_end_matches('/')
+                .to_owned(),
+        }
+    }
+
+    async fn count(&self) -> u64 {
+        match self {
+            Sink::Nats(s) => s.count().await,
+            Sink::Redis { .. } => self.messages().await.len() as u64,
+        }
+    }
+
+    async fn messages(&self) -> Vec<(uuid::Uuid, String)> {
+        match self {
+            Sink::Nats(s) => s.messages().await,
+            #[cfg(feature = "redis")]
+            Sink::Redis { url, key } => {
+                let client = redis::Client::open(url.as_str()).expect("redis URL");
+                let mut c = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .expect("Redis must be reachable at OUTBOX_TEST_REDIS_URL");
+                let entries: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+                    .arg(key)
+                    .arg("-")
+                    .arg("+")
+                    .query_async(&mut c)
+                    .await
+                    .expect("XRANGE");
+                entries
+                    .into_iter()
+                    .map(|(_, fields)| {
+                        let get = |k: &str| {
+                            fields
+                                .iter()
+                                .find(|(f, _)| f == k)
+                                .map(|(_, v)| v.clone())
+                                .unwrap_or_default()
+                        };
+                        (get("event_id").parse().expect("uuid"), get("partition_key"))
+                    })
+                    .collect()
+            }
+            #[cfg(not(feature = "redis"))]
+            Sink::Redis { .. } => unreachable!(),
+        }
+    }
+
+    async fn delete(&self) {
+        #[cfg(feature = "redis")]
+        if let Sink::Redis { url, key } = self {
+            let client = redis::Client::open(url.as_str()).expect("redis URL");
+            if let Ok(mut c) = client.get_multiplexed_async_connection().await {
+                let _: Result<(), _> = redis::cmd("DEL").arg(key).query_async(&mut c).await;
+            }
+        }
+    }
 }
