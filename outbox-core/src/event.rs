@@ -54,6 +54,10 @@ pub mod limits {
     pub const DEFAULT_MAX_ATTEMPTS: i32 = 6;
     /// Default `error_max_length` in bytes (R9).
     pub const DEFAULT_ERROR_MAX_LENGTH: usize = 2000;
+    /// The largest `error_max_length` (R9): the size of the `last_error` column,
+    /// `varchar(2000)`. A larger setting would let a long error fail the whole outcome
+    /// transaction on the database, so it is a configuration error instead.
+    pub const ERROR_MAX_LENGTH_MAX: usize = 2000;
     /// Suffix appended to a truncated last_error (R9).
     pub const TRUNCATED_SUFFIX: &str = "... [TRUNCATED]";
     /// The text stored for an empty error (R9).
@@ -822,12 +826,21 @@ pub fn normalize_error(text: &str, max_bytes: usize) -> String {
     format!("{}{}", &t[..end], limits::TRUNCATED_SUFFIX)
 }
 
-/// Validates an `error_max_length` setting (R9): at least 16 bytes.
+/// Validates an `error_max_length` setting (R9): greater than the 15-byte truncation suffix
+/// and at most [`limits::ERROR_MAX_LENGTH_MAX`] (2,000 bytes, the size of the `last_error`
+/// column).
 pub fn check_error_max_length(v: usize) -> Result<usize, crate::error::ConfigError> {
     if v <= limits::TRUNCATED_SUFFIX.len() {
         return Err(crate::error::ConfigError::new(format!(
             "error_max_length must be greater than {} (the length of the truncation suffix), got {v}",
             limits::TRUNCATED_SUFFIX.len()
+        )));
+    }
+    if v > limits::ERROR_MAX_LENGTH_MAX {
+        return Err(crate::error::ConfigError::new(format!(
+            "error_max_length must be at most {} bytes (the size of the last_error column, varchar({})), got {v}; a longer text could not be stored",
+            limits::ERROR_MAX_LENGTH_MAX,
+            limits::ERROR_MAX_LENGTH_MAX
         )));
     }
     Ok(v)
@@ -1092,6 +1105,12 @@ mod tests {
         assert_eq!(normalize_error(" ", 2000), "Unknown error");
         assert!(check_error_max_length(15).is_err());
         assert!(check_error_max_length(16).is_ok());
+        assert_eq!(check_error_max_length(2000).unwrap(), 2000);
+        let e = check_error_max_length(2001).unwrap_err().to_string();
+        assert!(
+            e.contains("at most 2000") && e.contains("last_error"),
+            "{e}"
+        );
         assert_eq!(force_unlock_text("  ops ").unwrap(), "Force unlock: ops");
         assert!(force_unlock_text("").is_err());
         assert!(force_unlock_text(&"a".repeat(256)).is_err());
