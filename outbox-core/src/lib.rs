@@ -10,6 +10,7 @@ mod finite;
 pub mod ids;
 pub mod memory;
 pub mod ordering;
+pub mod redact;
 pub mod relay;
 pub mod repository;
 pub mod scripted;

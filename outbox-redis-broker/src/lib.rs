@@ -51,14 +51,27 @@ pub enum RedisBrokerError {
     },
 }
 
-/// Settings of [`RedisBroker`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of [`RedisBroker`]. Its `Debug` output shows the URL with the password replaced by
+/// `***`.
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisBrokerConfig {
     url: String,
     key_pattern: String,
     max_len: Option<u64>,
     timeout: Duration,
     connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisBrokerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBrokerConfig")
+            .field("url", &outbox_core::redact::secrets(&self.url))
+            .field("key_pattern", &self.key_pattern)
+            .field("max_len", &self.max_len)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 impl RedisBrokerConfig {
@@ -174,12 +187,12 @@ impl RedisBroker {
         )
         .await
         .map_err(|_| RedisBrokerError::Connect {
-            url: config.url.clone(),
+            url: outbox_core::redact::secrets(&config.url),
             message: format!("no connection within {:?}", config.connect_timeout),
         })?
         .map_err(|e| RedisBrokerError::Connect {
-            url: config.url.clone(),
-            message: e.to_string(),
+            url: outbox_core::redact::secrets(&config.url),
+            message: outbox_core::redact::secrets(&e.to_string()),
         })?;
         Ok(Self { conn, config })
     }
@@ -191,8 +204,8 @@ impl RedisBroker {
         let client = client(&config)?;
         let conn = ConnectionManager::new_lazy_with_config(client, manager_config(&config))
             .map_err(|e| RedisBrokerError::Connect {
-                url: config.url.clone(),
-                message: e.to_string(),
+                url: outbox_core::redact::secrets(&config.url),
+                message: outbox_core::redact::secrets(&e.to_string()),
             })?;
         Ok(Self { conn, config })
     }
@@ -267,8 +280,8 @@ impl RedisBroker {
 
 fn client(config: &RedisBrokerConfig) -> Result<redis::Client, RedisBrokerError> {
     redis::Client::open(config.url.as_str()).map_err(|e| RedisBrokerError::Connect {
-        url: config.url.clone(),
-        message: e.to_string(),
+        url: outbox_core::redact::secrets(&config.url),
+        message: outbox_core::redact::secrets(&e.to_string()),
     })
 }
 
@@ -345,6 +358,28 @@ impl Broker for RedisBroker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_password_of_the_url_reaches_no_error_and_no_debug_output() {
+        let cfg = RedisBrokerConfig::new("redis://app:s3cret-pw@127.0.0.1:1/0")
+            .connect_timeout(Duration::from_secs(2));
+        let debug = format!("{cfg:?}");
+        assert!(
+            !debug.contains("s3cret-pw") && debug.contains("app:***@"),
+            "{debug}"
+        );
+        let e = RedisBroker::connect(cfg).await.unwrap_err().to_string();
+        assert!(e.contains("127.0.0.1:1"), "{e}");
+        assert!(!e.contains("s3cret-pw"), "{e}");
+    }
+
+    #[cfg(feature = "tls")]
+    #[tokio::test]
+    async fn a_rediss_url_is_accepted_with_the_tls_feature() {
+        // Lazy: nothing connects; without rustls the client refuses the scheme at once.
+        let b = RedisBroker::connect_lazy(RedisBrokerConfig::new("rediss://127.0.0.1:6380"));
+        assert!(b.is_ok(), "{:?}", b.err());
+    }
 
     #[test]
     fn config_validation() {
