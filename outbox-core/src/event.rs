@@ -159,6 +159,14 @@ pub struct OutboxEvent {
 }
 
 impl OutboxEvent {
+    /// The W3C trace context stored with the row (the header `traceparent`), if any.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.headers
+            .as_ref()
+            .and_then(|h| h.get(crate::trace::TRACEPARENT))
+            .map(String::as_str)
+    }
+
     /// The ordering key (R26).
     pub fn key(&self) -> crate::ordering::Key {
         crate::ordering::Key::new(&self.topic, &self.partition_key)
@@ -222,6 +230,13 @@ impl NewEvent {
     /// Headers (none when empty).
     pub fn headers(&self) -> Option<&BTreeMap<String, String>> {
         self.headers.as_ref()
+    }
+    /// The W3C trace context stored with the event (the header `traceparent`), if any.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.headers
+            .as_ref()
+            .and_then(|h| h.get(crate::trace::TRACEPARENT))
+            .map(String::as_str)
     }
     /// Trace id.
     pub fn trace_id(&self) -> Option<&str> {
@@ -388,6 +403,7 @@ pub struct EventBuilder {
     event_type: Option<String>,
     payload: Option<PayloadInput>,
     headers: Vec<(String, String)>,
+    traceparent: Option<String>,
     trace_id: Option<String>,
     idempotency_key: Option<String>,
     correlation_id: Option<String>,
@@ -462,6 +478,15 @@ impl EventBuilder {
     ) -> Self {
         self.headers
             .extend(h.into_iter().map(|(k, v)| (k.into(), v.into())));
+        self
+    }
+    /// The W3C trace context of the code writing the event
+    /// (`00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`), checked at build. It is stored
+    /// as the reserved header `traceparent` and sent with the message (the NATS header and the
+    /// Redis field `traceparent`), so the consumer continues this trace; see
+    /// [`crate::trace`]. Setting the header `traceparent` as well is a duplicate-key error.
+    pub fn traceparent(mut self, v: impl Into<String>) -> Self {
+        self.traceparent = Some(v.into());
         self
     }
     /// Trace id (≤ 64).
@@ -549,7 +574,11 @@ impl EventBuilder {
             limits::IDEMPOTENCY_KEY_MAX,
         )?;
         let (payload, payload_json) = validate_payload(self.payload)?;
-        let headers = validate_headers(self.headers)?;
+        let mut raw_headers = self.headers;
+        if let Some(tp) = self.traceparent {
+            raw_headers.push((crate::trace::TRACEPARENT.to_owned(), tp));
+        }
+        let headers = validate_headers(raw_headers)?;
         let max_attempts = match self.max_attempts {
             None | Some(0) => limits::DEFAULT_MAX_ATTEMPTS,
             Some(n) if (1..=i32::MAX as i64).contains(&n) => n as i32,
@@ -742,6 +771,15 @@ pub fn validate_headers(
                 k,
                 "value contains a control character (only TAB is allowed)",
             ));
+        }
+        if k.eq_ignore_ascii_case(crate::trace::TRACEPARENT) {
+            if k != crate::trace::TRACEPARENT {
+                return Err(header_err(
+                    k,
+                    "the reserved trace-context key is spelled `traceparent` (lowercase)",
+                ));
+            }
+            crate::trace::TraceParent::parse(v)?;
         }
         if !folded.insert(k.to_lowercase()) {
             return Err(header_err(
@@ -1094,6 +1132,45 @@ mod tests {
         let g = WorkerId::generate();
         assert!(WorkerId::new(g.as_str()).is_ok());
         assert_ne!(g, WorkerId::generate());
+    }
+
+    #[test]
+    fn traceparent_is_validated_and_stored_as_the_reserved_header() {
+        const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let e = base()
+            .traceparent(TP)
+            .header("tenant", "a")
+            .build()
+            .unwrap();
+        assert_eq!(e.traceparent(), Some(TP));
+        assert_eq!(
+            e.headers().unwrap().get("traceparent").map(String::as_str),
+            Some(TP)
+        );
+        let row = e.into_row(Utc::now());
+        assert_eq!(row.traceparent(), Some(TP));
+        // Through the header too, with the same check.
+        assert_eq!(
+            base()
+                .header("traceparent", TP)
+                .build()
+                .unwrap()
+                .traceparent(),
+            Some(TP)
+        );
+        for b in [
+            base().traceparent("not-a-trace"),
+            base().header("traceparent", "00-xyz"),
+            base().header("TraceParent", TP),
+            base().traceparent(TP).header("traceparent", TP),
+        ] {
+            let err = b.build().unwrap_err();
+            assert!(
+                matches!(&err, ValidationError::Header { key, .. } if key.eq_ignore_ascii_case("traceparent")),
+                "{err}"
+            );
+        }
+        assert!(base().build().unwrap().traceparent().is_none());
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod relay;
 pub mod repository;
 pub mod scripted;
 pub mod step;
+pub mod trace;
 
 pub use backoff::{Backoff, Jitter};
 pub use broker::{Ack, Broker, Message};
@@ -24,6 +25,7 @@ pub use memory::InMemoryRepository;
 pub use relay::{CycleReport, Relay, RelayBuilder};
 pub use repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository};
 pub use step::{PipelineStep, StepDecision};
+pub use trace::TraceParent;
 
 /// Re-exported so users need not depend on tokio-util for the shutdown signal.
 pub use tokio_util::sync::CancellationToken;

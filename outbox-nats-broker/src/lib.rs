@@ -210,7 +210,9 @@ impl NatsBroker {
         }
     }
 
-    /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id.
+    /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id. The
+    /// stored W3C trace context is among them as the header `traceparent`
+    /// ([`Message::traceparent`]), so a consumer continues the producer's trace.
     pub fn headers(&self, m: &Message) -> Result<HeaderMap, BrokerError> {
         let mut h = HeaderMap::new();
         for (k, v) in &m.attributes {
@@ -389,6 +391,16 @@ async fn options(
 
 #[async_trait]
 impl Broker for NatsBroker {
+    fn messaging_system(&self) -> &'static str {
+        "nats"
+    }
+
+    /// The subject (the topic when the partition key cannot be a subject token).
+    fn destination_name(&self, m: &Message) -> String {
+        self.subject(m)
+            .unwrap_or_else(|_| self.config.subject_for_topic(&m.topic))
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let subject = self.subject(m)?;
         let headers = self.headers(m)?;

@@ -32,6 +32,10 @@ pub const ATTRIBUTE_FIELDS: [&str; 10] = [
     "causation_id",
 ];
 
+/// The field that carries the W3C trace context the event was written with
+/// (`outbox_core::trace`); it is not repeated in the `headers` field.
+pub const TRACEPARENT_FIELD: &str = outbox_core::trace::TRACEPARENT;
+
 /// A Redis broker could not be configured or started.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -245,9 +249,11 @@ impl RedisBroker {
     }
 
     /// The fields XADD writes for a message, in order: `event_id`, `event_type`, `topic`,
-    /// `partition_key`, `payload`, `headers` (only when the event has headers of its own), then
-    /// `aggregate_type`, `aggregate_id` and those of `schema_version`, `trace_id`,
-    /// `correlation_id`, `causation_id` that are set.
+    /// `partition_key`, `payload`, `headers` (only when the event has headers of its own, the
+    /// trace context apart), then `aggregate_type`, `aggregate_id` and those of
+    /// `schema_version`, `trace_id`, `correlation_id`, `causation_id` that are set, then
+    /// `traceparent` when the event was written with a W3C trace context (a field of its own,
+    /// so a consumer continues the producer's trace without parsing `headers`).
     pub fn fields(m: &Message) -> Vec<(&'static str, String)> {
         let payload = String::from_utf8_lossy(&m.body).into_owned();
         let mut out = vec![
@@ -260,7 +266,9 @@ impl RedisBroker {
         let headers: BTreeMap<&str, &str> = m
             .attributes
             .iter()
-            .filter(|(k, _)| !ATTRIBUTE_FIELDS.contains(&k.as_str()))
+            .filter(|(k, _)| {
+                !ATTRIBUTE_FIELDS.contains(&k.as_str()) && k.as_str() != TRACEPARENT_FIELD
+            })
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         if !headers.is_empty() {
@@ -273,6 +281,9 @@ impl RedisBroker {
             if let Some(v) = m.attributes.get(*name) {
                 out.push((name, v.clone()));
             }
+        }
+        if let Some(tp) = m.traceparent() {
+            out.push((TRACEPARENT_FIELD, tp.to_owned()));
         }
         out
     }
@@ -331,6 +342,15 @@ pub fn map_error(e: &RedisError, key: &str) -> BrokerError {
 
 #[async_trait]
 impl Broker for RedisBroker {
+    fn messaging_system(&self) -> &'static str {
+        "redis"
+    }
+
+    /// The stream key.
+    fn destination_name(&self, m: &Message) -> String {
+        self.stream_key(m)
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let key = self.stream_key(m);
         let mut cmd = redis::cmd("XADD");
