@@ -1,5 +1,5 @@
 //! The scenario toolkit: a trial's harness, scripted broker, relay clock and helpers that turn
-//! the conventions of scenarios.md into code.
+//! the suite's conventions into code.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 use crate::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
 
-/// Relay settings of a cycle; defaults are the suite's conventions (scenarios.md §1).
+/// Relay settings of a cycle; defaults are the suite's conventions.
 #[derive(Clone)]
 pub struct Cfg {
     /// Worker id.

@@ -1,4 +1,4 @@
-//! V: validation (scenarios.md §3). Every case checks that nothing is written on error.
+//! V: validation. Every case checks that nothing is written on error.
 
 use std::sync::Arc;
 use std::time::Duration;

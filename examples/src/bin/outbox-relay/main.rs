@@ -46,8 +46,14 @@ struct Cli {
 /// Where the outbox table is.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
-    /// PostgreSQL URL, e.g. postgres://user[:password]@host[:port]/database.
-    #[arg(long, env = "DATABASE_URL")]
+    /// PostgreSQL URL, e.g. postgres://user[:password]@host[:port]/database (required by
+    /// every command that connects; `migrate --print-sql` does not).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub database_url: String,
     /// The backend crate that runs the queries: sqlx (outbox-postgres) or diesel (outbox-diesel,
     /// cargo feature `diesel`). Both use the same table.
@@ -89,6 +95,13 @@ enum Command {
         #[arg(long, default_value_t = outbox_postgres::sql::partitioned::DEFAULT_MONTHS_AHEAD,
               requires = "partitioned")]
         months_ahead: u32,
+        /// Prints the DDL instead of running it, and connects to nothing: the exact statements
+        /// `migrate` runs for this --table and layout (schema, table, indexes; with
+        /// --partitioned the default partition and the monthly partitions from the month the
+        /// script runs in). Every statement is idempotent. Save it as a sqlx migration, e.g.
+        /// `outbox-relay migrate --print-sql > migrations/20260101000000_outbox.sql`.
+        #[arg(long)]
+        print_sql: bool,
     },
     /// Row counts per topic and status, blocked keys, and the age of the oldest due row.
     Stats {
@@ -197,7 +210,14 @@ async fn dispatch(cmd: Command) -> Result<(), CliError> {
             db,
             partitioned,
             months_ahead,
-        } => ops::migrate(&db, partitioned, months_ahead).await,
+            print_sql,
+        } => {
+            if print_sql {
+                ops::print_sql(&db, partitioned, months_ahead)
+            } else {
+                ops::migrate(&db, partitioned, months_ahead).await
+            }
+        }
         Command::Stats { db, json, lease } => ops::stats(&db, json, lease).await,
         Command::BlockedKeys {
             db,
