@@ -238,7 +238,7 @@ impl Ctx {
 
     /// Trial time: the backend's now plus everything advanced. On a backend whose advance moves
     /// its clock (in memory) this counts advances twice, so it is only for differences taken on
-    /// a database clock; see [`Ctx::elapsed_since`].
+    /// a database clock.
     pub fn shifted(&self, t: DateTime<Utc>) -> DateTime<Utc> {
         if self.kind() == BackendKind::Memory {
             t
