@@ -489,6 +489,16 @@ impl EventBuilder {
         self.traceparent = Some(v.into());
         self
     }
+    /// The trace context of the current `tracing` span, through tracing-opentelemetry (feature
+    /// `opentelemetry`), as [`traceparent`](Self::traceparent) would store it. Without a valid
+    /// OpenTelemetry context (no tracing-opentelemetry layer, no span) it stores none.
+    #[cfg(feature = "opentelemetry")]
+    pub fn current_trace_context(self) -> Self {
+        match crate::trace::current() {
+            Some(tp) => self.traceparent(tp.as_str()),
+            None => self,
+        }
+    }
     /// Trace id (≤ 64).
     pub fn trace_id(mut self, v: impl Into<String>) -> Self {
         self.trace_id = Some(v.into());

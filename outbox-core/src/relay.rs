@@ -875,6 +875,14 @@ impl Relay {
                 event.trace_id = row.trace_id.as_deref().unwrap_or(""),
                 error = tracing::field::Empty,
             );
+            #[cfg(feature = "opentelemetry")]
+            if let Some(tp) = msg
+                .traceparent()
+                .and_then(|t| crate::trace::TraceParent::parse(t).ok())
+            {
+                use tracing_opentelemetry::OpenTelemetrySpanExt;
+                span.add_link(crate::trace::span_context(&tp));
+            }
             let started = self.clock.now();
             let result =
                 tokio::time::timeout(self.config.publish_timeout, self.broker.publish(&msg))

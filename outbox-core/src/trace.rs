@@ -13,6 +13,11 @@
 //! `messaging.traceparent`, next to the OpenTelemetry messaging attributes
 //! `messaging.system`, `messaging.destination.name` and `messaging.message.id`.
 //!
+//! With the feature `opentelemetry`, [`EventBuilder::current_trace_context`](crate::EventBuilder::current_trace_context)
+//! captures the current span's context (through tracing-opentelemetry) instead of an explicit
+//! value, and the publish span also gets an OpenTelemetry link to the stored context, so a
+//! trace backend shows the relay's publish next to the producer's span.
+//!
 //! The header key `traceparent` is reserved: a value given through
 //! [`EventBuilder::header`](crate::EventBuilder::header) is validated as strictly as one given
 //! through [`EventBuilder::traceparent`](crate::EventBuilder::traceparent).
@@ -81,6 +86,41 @@ impl std::str::FromStr for TraceParent {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         Self::parse(s)
     }
+}
+
+/// The W3C trace context of the current `tracing` span, through tracing-opentelemetry (feature
+/// `opentelemetry`); `None` when the current span has no valid OpenTelemetry context (no
+/// tracing-opentelemetry layer, or no span).
+#[cfg(feature = "opentelemetry")]
+pub fn current() -> Option<TraceParent> {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = tracing::Span::current().context();
+    let span = cx.span();
+    let sc = span.span_context();
+    sc.is_valid().then(|| {
+        TraceParent(format!(
+            "00-{}-{}-{:02x}",
+            sc.trace_id(),
+            sc.span_id(),
+            sc.trace_flags().to_u8()
+        ))
+    })
+}
+
+/// The OpenTelemetry span context of a stored `traceparent` (remote: it came from another
+/// process), for a link or a parent (feature `opentelemetry`).
+#[cfg(feature = "opentelemetry")]
+pub fn span_context(tp: &TraceParent) -> opentelemetry::trace::SpanContext {
+    use opentelemetry::trace::{SpanContext, SpanId, TraceFlags, TraceId, TraceState};
+    let flags = u8::from_str_radix(&tp.0[53..55], 16).unwrap_or(0);
+    SpanContext::new(
+        TraceId::from_hex(tp.trace_id()).unwrap_or(TraceId::INVALID),
+        SpanId::from_hex(tp.parent_id()).unwrap_or(SpanId::INVALID),
+        TraceFlags::new(flags),
+        true,
+        TraceState::default(),
+    )
 }
 
 fn lower_hex(s: &str) -> bool {
