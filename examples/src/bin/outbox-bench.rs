@@ -217,11 +217,14 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
     let (seconds, cycles, extra) = match a.mode {
         Mode::Preload => {
             let fresh = db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2).await?;
+            let stmts = outbox_postgres::sql::Statements::new(&fresh.table);
             eprintln!(
-                "kept table {}; fetch statement ($1 worker, $2 batch, $3 lease µs, $4 max_per_key, $5-$7 NULL filters, $8 scan limit {}):\n{}",
+                "kept table {}; fetch statements (parameters in outbox-postgres/src/sql/statements/; window {}, walk limit {}):\n{}\n\n{}",
                 fresh.table,
-                outbox_postgres::sql::candidate_scan_limit(a.batch),
-                outbox_postgres::sql::Statements::new(&fresh.table).fetch
+                outbox_postgres::sql::fetch_window(a.batch),
+                outbox_postgres::sql::fetch_walk_limit(a.batch),
+                stmts.fetch_heads,
+                stmts.fetch_take
             );
             (0.0, 0, json!({ "table": fresh.table.to_string() }))
         }
