@@ -45,7 +45,7 @@ pub struct Cfg {
     pub steps: Vec<Arc<dyn PipelineStep>>,
     /// Use the peer backend's repository.
     pub peer: bool,
-    /// The delivery mode; `None` takes the harness's ([`Harness::delivery`](crate::Harness::delivery)).
+    /// The delivery mode; `None` takes the harness's ([`Harness::delivery`]).
     pub delivery: Option<outbox_core::DeliveryMode>,
 }
 
