@@ -513,6 +513,14 @@ pub(crate) async fn fetch_in(
     p: &FetchParams,
     cursor: &WalkCursor,
 ) -> Result<Vec<OutboxRow>, diesel::result::Error> {
+    // As outbox_postgres::fetch_rows: a delivery transaction releases its window's row locks
+    // before the take.
+    let release_window = take == stmts.fetch_take_transaction;
+    if release_window {
+        diesel::sql_query(stmts.window_savepoint.as_str())
+            .execute(c)
+            .await?;
+    }
     let (ct, ck) = cursor.get();
     let heads: Vec<HeadRow> = Prepared(
         diesel::sql_query(stmts.fetch_heads.as_str())
@@ -535,6 +543,11 @@ pub(crate) async fn fetch_in(
             .map(|h| (h.head_id, h.topic, h.partition_key)),
     );
     cursor.advance(heads.walked_to);
+    if release_window {
+        diesel::sql_query(stmts.window_release.as_str())
+            .execute(c)
+            .await?;
+    }
     if heads.ids.is_empty() {
         return Ok(Vec::new());
     }

@@ -418,6 +418,11 @@ pub fn bind_fetch_take<'q>(
 /// ([`Statements::fetch_heads`], from `cursor`, which it then advances), then `take` (the text of
 /// [`Statements::fetch_take`] or [`Statements::fetch_take_transaction`]). Returns the taken
 /// rows ([`sql::COLUMNS`]) in return order.
+///
+/// With [`Statements::fetch_take_transaction`] the heads statement runs inside
+/// [`Statements::window_savepoint`] and the window's row locks are released
+/// ([`Statements::window_release`]) before the take: the delivery transaction stays open for
+/// the whole cycle and must hold only the rows it took.
 pub async fn fetch_rows(
     conn: &mut sqlx::PgConnection,
     stmts: &Statements,
@@ -426,6 +431,12 @@ pub async fn fetch_rows(
     p: &FetchParams,
     cursor: &WalkCursor,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
+    let release_window = take == stmts.fetch_take_transaction;
+    if release_window {
+        sqlx::query(AssertSqlSafe(stmts.window_savepoint.as_str()))
+            .execute(&mut *conn)
+            .await?;
+    }
     let heads = bind_fetch_heads(
         sqlx::query(AssertSqlSafe(stmts.fetch_heads.as_str())),
         p,
@@ -440,6 +451,11 @@ pub async fn fetch_rows(
             .collect::<Result<Vec<_>, sqlx::Error>>()?,
     );
     cursor.advance(heads.walked_to);
+    if release_window {
+        sqlx::query(AssertSqlSafe(stmts.window_release.as_str()))
+            .execute(&mut *conn)
+            .await?;
+    }
     if heads.ids.is_empty() {
         return Ok(Vec::new());
     }

@@ -534,6 +534,15 @@ pub struct Statements {
     /// delivery holds (same parameters and result). Only counted failures are written there.
     pub fail_in_delivery: String,
 
+    /// `SAVEPOINT outbox_window`: in a delivery transaction (R84), taken before
+    /// [`Statements::fetch_heads`], so that [`Statements::window_release`] can drop the row
+    /// locks of its window before [`Statements::fetch_take_transaction`]; the transaction then
+    /// holds only the rows it took for the rest of the cycle.
+    pub window_savepoint: String,
+
+    /// `ROLLBACK TO SAVEPOINT outbox_window` (see [`Statements::window_savepoint`]).
+    pub window_release: String,
+
     /// The first statement of a delivery transaction (R84, `statements/delivery_begin.sql`):
     /// `$1 text` the idle timeout in milliseconds after which the server ends the transaction.
     pub delivery_begin: String,
@@ -811,6 +820,8 @@ impl Statements {
             ),
             fail_in_delivery: render(text::FAIL, table, &[("holder", "$6::text IS NOT NULL")]),
             delivery_begin: r(text::DELIVERY_BEGIN),
+            window_savepoint: "SAVEPOINT outbox_window".into(),
+            window_release: "ROLLBACK TO SAVEPOINT outbox_window".into(),
             release: r(text::RELEASE),
             refresh_lock: r(text::REFRESH_LOCK),
             release_lock: r(text::RELEASE_LOCK),

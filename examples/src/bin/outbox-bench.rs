@@ -164,6 +164,9 @@ pub struct RunArgs {
     /// Keys published at once per relay; raw mode uses relays × this many in flight.
     #[arg(long, default_value_t = 16)]
     pub publish_concurrency: usize,
+    /// Delivery mode of the relay (relay mode): lease or transaction.
+    #[arg(long, default_value = "lease", value_parser = parse_delivery)]
+    pub delivery: outbox_core::DeliveryMode,
     /// Check every key's publishes arrive in write order (relay mode).
     #[arg(long)]
     pub check_order: bool,
@@ -173,6 +176,11 @@ pub struct RunArgs {
     pub profile: bool,
     #[command(flatten)]
     pub conn: Conn,
+}
+
+fn parse_delivery(s: &str) -> Result<outbox_core::DeliveryMode, String> {
+    s.parse()
+        .map_err(|e: outbox_core::ConfigError| e.to_string())
 }
 
 /// VmHWM (peak resident set) of this process in MiB, from /proc/self/status.
@@ -205,6 +213,7 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
     let mut out = json!({
         "mode": a.mode.to_possible_value().map(|v| v.get_name().to_owned()),
         "store": format!("{:?}", a.store).to_lowercase(),
+        "delivery": a.delivery.to_string(),
         "broker": format!("{:?}", a.broker).to_lowercase(),
         "events": shape.total(),
         "keys": a.keys + usize::from(a.hot_events > 0),
@@ -347,6 +356,7 @@ async fn relay_drain(
                 .batch_size(a.batch)
                 .max_per_key(a.max_per_key)
                 .publish_concurrency(a.publish_concurrency)
+                .delivery(a.delivery)
                 .build()
                 .map_err(|e| BenchError(format!("relay settings: {e}")))?,
         ));
