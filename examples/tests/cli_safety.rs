@@ -187,3 +187,42 @@ async fn errors_about_a_broker_url_never_show_its_password() {
     assert!(!out.stderr.contains("nats-s3cret"), "{}", out.stderr);
     db.drop_schema().await;
 }
+
+/// `--store diesel` over TLS (rustls, no OpenSSL, no libpq): the URL's `sslmode=verify-full`
+/// and `sslrootcert` serve the sqlx check and the diesel store alike. Needs the local server's
+/// certificate (issued to `localhost`): `OUTBOX_TEST_PG_CA`, default
+/// `/etc/ssl/certs/ssl-cert-snakeoil.pem`.
+#[cfg(feature = "diesel")]
+#[tokio::test(flavor = "multi_thread")]
+async fn the_diesel_store_connects_over_tls_when_the_url_asks_for_it() {
+    let ca = std::env::var("OUTBOX_TEST_PG_CA")
+        .unwrap_or_else(|_| "/etc/ssl/certs/ssl-cert-snakeoil.pem".into());
+    let db = Db::fresh().await;
+    let url = format!(
+        "{}?sslmode=verify-full&sslrootcert={ca}",
+        common::database_url().replacen("@127.0.0.1:", "@localhost:", 1)
+    );
+    let t = db.table_arg();
+    for cmd in [&["migrate"][..], &["stats", "--json"]] {
+        let mut a = cmd.to_vec();
+        a.extend(["--store", "diesel", "--table", &t, "--database-url", &url]);
+        let out = relay(&a).await;
+        assert_eq!(out.code, 0, "{cmd:?}: {}", out.stderr);
+    }
+    assert_eq!(db.scalar_i64("SELECT count(*) FROM {t}").await, 0);
+    // A CA file that is not there is a usage error naming it (exit 2), before any connection.
+    let bad = url.replace(&ca, "/nonexistent/ca.pem");
+    let out = relay(&[
+        "stats",
+        "--store",
+        "diesel",
+        "--table",
+        &t,
+        "--database-url",
+        &bad,
+    ])
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(out.stderr.contains("/nonexistent/ca.pem"), "{}", out.stderr);
+    db.drop_schema().await;
+}
