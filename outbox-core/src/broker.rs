@@ -64,6 +64,14 @@ impl Message {
         }
     }
 
+    /// The W3C trace context the event was written with (the attribute `traceparent`, see
+    /// [`crate::trace`]); adapters send it so the consumer continues the producer's trace.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.attributes
+            .get(crate::trace::TRACEPARENT)
+            .map(String::as_str)
+    }
+
     /// The payload as JSON.
     pub fn payload(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
@@ -95,10 +103,27 @@ pub struct Ack {
 /// `outbox-core/src/relay/run_loop.rs` (`outage_backoff_cuts_cycles_and_writes_and_a_reconnect_wakes_the_loop`,
 /// `without_reconnect_events_the_probe_wakes_the_loop`), and for the adapters by
 /// `outbox-nats-broker/tests/reconnect.rs` and `outbox-redis-broker/tests/reconnect.rs`.
+///
+/// Tracing: the relay's publish span records [`messaging_system`](Self::messaging_system) and
+/// [`destination_name`](Self::destination_name) as the OpenTelemetry attributes
+/// `messaging.system` and `messaging.destination.name`. An adapter sends the message's
+/// `traceparent` attribute ([`Message::traceparent`]) the way its broker carries headers.
 #[async_trait]
 pub trait Broker: Send + Sync {
     /// Publishes one message.
     async fn publish(&self, message: &Message) -> Result<Ack, BrokerError>;
+
+    /// The OpenTelemetry `messaging.system` of this broker, e.g. `nats`, `redis`; `unknown` by
+    /// default.
+    fn messaging_system(&self) -> &'static str {
+        "unknown"
+    }
+
+    /// Where `message` goes, for `messaging.destination.name` (NATS subject, Redis stream
+    /// key); the topic by default.
+    fn destination_name(&self, message: &Message) -> String {
+        message.topic.clone()
+    }
 
     /// A counter of the client's (re)connections: it moves each time the connection to the
     /// broker is established again. A relay loop waiting out an outage wakes when it changes.
@@ -179,6 +204,14 @@ impl<B: Broker + ?Sized> Broker for std::sync::Arc<B> {
         (**self).publish(message).await
     }
 
+    fn messaging_system(&self) -> &'static str {
+        (**self).messaging_system()
+    }
+
+    fn destination_name(&self, message: &Message) -> String {
+        (**self).destination_name(message)
+    }
+
     fn reconnects(&self) -> Option<ReconnectWatch> {
         (**self).reconnects()
     }
@@ -204,6 +237,10 @@ impl Broker for StdoutBroker {
         println!("{line}");
         Ok(Ack::default())
     }
+
+    fn messaging_system(&self) -> &'static str {
+        "stdout"
+    }
 }
 
 /// A broker that acknowledges everything and does nothing (for benchmarks).
@@ -214,5 +251,9 @@ pub struct NoopBroker;
 impl Broker for NoopBroker {
     async fn publish(&self, _m: &Message) -> Result<Ack, BrokerError> {
         Ok(Ack::default())
+    }
+
+    fn messaging_system(&self) -> &'static str {
+        "noop"
     }
 }

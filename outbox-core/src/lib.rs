@@ -12,11 +12,13 @@ pub mod memory;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 pub mod ordering;
+pub mod redact;
 pub mod relay;
 pub mod repository;
 #[cfg(any(test, feature = "testing"))]
 pub mod scripted;
 pub mod step;
+pub mod trace;
 
 pub use backoff::{Backoff, Jitter};
 pub use broker::{Ack, Broker, Message};
@@ -30,6 +32,7 @@ pub use repository::{
     Delivery, DeliveryBound, DeliveryMode, FetchFilter, FetchRequest, Fetched, OutboxRepository,
 };
 pub use step::{PipelineStep, StepDecision};
+pub use trace::TraceParent;
 
 /// Re-exported so users need not depend on tokio-util for the shutdown signal.
 pub use tokio_util::sync::CancellationToken;

@@ -197,12 +197,7 @@ async fn listen(
         store::StoreKind::Diesel => Listener::Diesel(
             outbox_diesel::WakeListener::spawn(&a.db.database_url, table, wakers)
                 .await
-                .map_err(|e| {
-                    fail(outbox_examples::redact_urls_in(
-                        &e.to_string(),
-                        &a.db.database_url,
-                    ))
-                })?,
+                .map_err(|e| fail(outbox_core::redact::secrets(&e.to_string())))?,
         ),
         #[cfg(not(feature = "diesel"))]
         store::StoreKind::Diesel => return Err(store::not_compiled()),
@@ -355,7 +350,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
     // Start-up waits for the database and the broker instead of exiting: under a supervisor an
     // exit is a crash loop. Only configuration errors end it.
     let pool_size = a.loops * 2 + 3;
-    let db_at = outbox_examples::redact_url(&a.db.database_url);
+    let db_at = outbox_core::redact::secrets(&a.db.database_url);
     let Some(pool) = wait_for(&token, "the database", &db_at, || {
         store::connect_pool(&a.db.database_url, pool_size)
     })
