@@ -18,7 +18,8 @@
 //! 5. after the commit, the observers of the pipeline steps (R68, R83).
 //!
 //! [`Relay::run`] loops cycles: at once after a cycle that fetched rows and found the broker
-//! reachable, else after the poll interval or a wake-up (R61).
+//! reachable, else after the poll interval or a wake-up (R61); the loop lives in `relay/run_loop.rs`
+//! (waits, outage back-off, which fetch errors end it).
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -43,6 +44,13 @@ use crate::repository::{
     Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult, Retry,
 };
 use crate::step::{ObservedOutcome, PipelineStep, StepDecision};
+
+mod run_loop;
+
+pub use run_loop::{
+    DEFAULT_MAX_PERMANENT_FAILURES, DEFAULT_PROBE_INTERVAL, DEFAULT_REPOSITORY_BACKOFF,
+    LoopBackoff, LoopControl, LoopHooks, RunOptions,
+};
 
 /// Default loop batch size (R61).
 pub const DEFAULT_BATCH_SIZE: usize = 50;
@@ -934,15 +942,31 @@ impl Relay {
             }
             // The publish (R45, R36).
             let msg = Message::from_event(row);
+            // OpenTelemetry messaging attributes, and the trace context stored with the row
+            // (see `crate::trace`), recorded on the span as `messaging.traceparent`.
             let span = tracing::info_span!(
                 "process",
                 otel.name = %format_args!("process {}", row.event_type),
+                otel.kind = "producer",
+                messaging.system = self.broker.messaging_system(),
+                messaging.destination.name = %self.broker.destination_name(&msg),
+                messaging.message.id = %row.id,
+                messaging.operation.type = "send",
+                messaging.traceparent = msg.traceparent().unwrap_or(""),
                 event.id = %row.id,
                 "event.type" = %row.event_type,
                 worker.id = %self.config.worker_id,
                 event.trace_id = row.trace_id.as_deref().unwrap_or(""),
                 error = tracing::field::Empty,
             );
+            #[cfg(feature = "opentelemetry")]
+            if let Some(tp) = msg
+                .traceparent()
+                .and_then(|t| crate::trace::TraceParent::parse(t).ok())
+            {
+                use tracing_opentelemetry::OpenTelemetrySpanExt;
+                span.add_link(crate::trace::span_context(&tp));
+            }
             let started = self.clock.now();
             let result =
                 tokio::time::timeout(self.config.publish_timeout, self.broker.publish(&msg))
@@ -984,44 +1008,6 @@ impl Relay {
                 stop(Stop::Other);
             }
             return;
-        }
-    }
-
-    /// Runs cycles until `shutdown` is cancelled (R61). Returns after the cycle in flight ends.
-    pub async fn run(&self, shutdown: CancellationToken) {
-        let mut idle_wait = self.config.poll_interval;
-        loop {
-            if shutdown.is_cancelled() {
-                return;
-            }
-            let (again, idle) = match self.cycle(&shutdown).await {
-                Ok(r) => (
-                    !r.fetched.is_empty() && !r.broker_unreachable && !r.breaker_open,
-                    r.fetched.is_empty() && !r.breaker_open,
-                ),
-                Err(e) => {
-                    tracing::warn!(error = %e, transient = e.is_transient(), "fetch failed; waiting for the next poll");
-                    (false, false)
-                }
-            };
-            if again {
-                idle_wait = self.config.poll_interval;
-                continue;
-            }
-            let wait = if idle {
-                idle_wait
-            } else {
-                self.config.poll_interval
-            };
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {
-                    if idle {
-                        idle_wait = (idle_wait * 2).min(self.config.idle_backoff_max);
-                    }
-                }
-                _ = self.wake.notified() => idle_wait = self.config.poll_interval,
-                _ = shutdown.cancelled() => return,
-            }
         }
     }
 }
@@ -1095,7 +1081,7 @@ mod tests {
         relay.waker().notify_one();
         tokio::time::sleep(Duration::from_millis(1_200)).await;
         stop.cancel();
-        task.await.unwrap();
+        task.await.unwrap().unwrap();
         let secs: Vec<f64> = times
             .lock()
             .unwrap()

@@ -83,7 +83,8 @@ impl DieselConfig {
         Ok(self)
     }
 
-    /// last_error limit in bytes (R9), default 2000.
+    /// last_error limit in bytes (R9): 16 to 2,000 (the size of the `last_error` column), default
+    /// 2,000; a larger value is a configuration error.
     pub fn error_max_length(mut self, n: usize) -> Result<Self, Error> {
         self.error_max_length = outbox_core::event::check_error_max_length(n)
             .map_err(|e| Error::Config(e.to_string()))?;
@@ -156,9 +157,9 @@ impl DieselOutboxRepository {
         &self.cfg.table
     }
 
-    /// Test hook: the next outcome transaction runs its statements and then rolls back, and
-    /// `write_outcomes` returns an error (R57; P-06).
-    #[doc(hidden)]
+    /// Test hook (cargo feature `testing`): the next outcome transaction runs its statements and
+    /// then rolls back, and `write_outcomes` returns an error (R57; P-06).
+    #[cfg(feature = "testing")]
     pub fn fail_next_outcome_commit(&self) {
         self.fail_next_commit.store(true, Ordering::SeqCst);
     }

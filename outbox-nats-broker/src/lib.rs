@@ -14,13 +14,14 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use async_trait::async_trait;
+use outbox_core::broker::{ReconnectSignal, ReconnectWatch};
 use outbox_core::{Ack, Broker, BrokerError, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 pub use config::{
     BodyFormat, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_DELAY_MAX, DEFAULT_TIMEOUT, KeyToken,
-    NatsBrokerConfig, StreamSpec, StreamStorage,
+    NatsBrokerConfig, NatsTls, StreamSpec, StreamStorage,
 };
 pub use error::NatsBrokerError;
 
@@ -33,12 +34,13 @@ pub struct NatsBroker {
     js: jetstream::Context,
     config: Arc<NatsBrokerConfig>,
     state_changed: Arc<Notify>,
+    reconnected: ReconnectSignal,
 }
 
 impl std::fmt::Debug for NatsBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsBroker")
-            .field("url", &self.config.url)
+            .field("url", &outbox_core::redact::secrets(&self.config.url))
             .field("subject_prefix", &self.config.subject_prefix)
             .field("state", &self.client.connection_state())
             .finish_non_exhaustive()
@@ -52,14 +54,16 @@ impl NatsBroker {
     pub async fn connect(config: NatsBrokerConfig) -> Result<Self, NatsBrokerError> {
         config.validate()?;
         let notify = Arc::new(Notify::new());
-        let client = options(&config, &notify)
+        let signal = ReconnectSignal::new();
+        let client = options(&config, &notify, &signal)
+            .await?
             .connect(config.url.as_str())
             .await
             .map_err(|e| NatsBrokerError::Connect {
-                url: config.url.clone(),
-                message: e.to_string(),
+                url: outbox_core::redact::secrets(&config.url),
+                message: outbox_core::redact::secrets(&e.to_string()),
             })?;
-        let broker = Self::assemble(client, config, notify);
+        let broker = Self::assemble(client, config, notify, signal);
         broker.ensure_stream().await?;
         Ok(broker)
     }
@@ -76,15 +80,17 @@ impl NatsBroker {
             ));
         }
         let notify = Arc::new(Notify::new());
-        let client = options(&config, &notify)
+        let signal = ReconnectSignal::new();
+        let client = options(&config, &notify, &signal)
+            .await?
             .retry_on_initial_connect()
             .connect(config.url.as_str())
             .await
             .map_err(|e| NatsBrokerError::Connect {
-                url: config.url.clone(),
-                message: e.to_string(),
+                url: outbox_core::redact::secrets(&config.url),
+                message: outbox_core::redact::secrets(&e.to_string()),
             })?;
-        Ok(Self::assemble(client, config, notify))
+        Ok(Self::assemble(client, config, notify, signal))
     }
 
     /// Uses a client the application already has. [`wait_connected`](Self::wait_connected)
@@ -94,12 +100,22 @@ impl NatsBroker {
         config: NatsBrokerConfig,
     ) -> Result<Self, NatsBrokerError> {
         config.validate()?;
-        let broker = Self::assemble(client, config, Arc::new(Notify::new()));
+        let broker = Self::assemble(
+            client,
+            config,
+            Arc::new(Notify::new()),
+            ReconnectSignal::new(),
+        );
         broker.ensure_stream().await?;
         Ok(broker)
     }
 
-    fn assemble(client: async_nats::Client, config: NatsBrokerConfig, notify: Arc<Notify>) -> Self {
+    fn assemble(
+        client: async_nats::Client,
+        config: NatsBrokerConfig,
+        notify: Arc<Notify>,
+        reconnected: ReconnectSignal,
+    ) -> Self {
         let js = jetstream::ContextBuilder::new()
             .timeout(config.timeout)
             .backpressure_on_inflight(true)
@@ -109,6 +125,7 @@ impl NatsBroker {
             js,
             config: Arc::new(config),
             state_changed: notify,
+            reconnected,
         }
     }
 
@@ -208,7 +225,9 @@ impl NatsBroker {
         }
     }
 
-    /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id.
+    /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id. The
+    /// stored W3C trace context is among them as the header `traceparent`
+    /// ([`Message::traceparent`]), so a consumer continues the producer's trace.
     pub fn headers(&self, m: &Message) -> Result<HeaderMap, BrokerError> {
         let mut h = HeaderMap::new();
         for (k, v) in &m.attributes {
@@ -332,8 +351,13 @@ fn is_temporary(e: &jetstream::Error) -> bool {
         .contains(&e.error_code())
 }
 
-fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::ConnectOptions {
+async fn options(
+    config: &NatsBrokerConfig,
+    notify: &Arc<Notify>,
+    signal: &ReconnectSignal,
+) -> Result<async_nats::ConnectOptions, NatsBrokerError> {
     let n = notify.clone();
+    let signal = signal.clone();
     let max = config.reconnect_delay_max;
     let mut o = async_nats::ConnectOptions::new()
         .connection_timeout(config.connect_timeout)
@@ -349,9 +373,13 @@ fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::Conne
         })
         .event_callback(move |event| {
             let n = n.clone();
+            let signal = signal.clone();
             async move {
                 match event {
-                    async_nats::Event::Connected => tracing::info!("NATS connected"),
+                    async_nats::Event::Connected => {
+                        tracing::info!("NATS connected");
+                        signal.connected();
+                    }
                     async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
                     other => tracing::debug!("NATS event: {other}"),
                 }
@@ -361,11 +389,45 @@ fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::Conne
     if let Some(name) = &config.client_name {
         o = o.name(name);
     }
-    o
+    if let Some(path) = &config.credentials_file {
+        o = o.credentials_file(path).await.map_err(|e| {
+            NatsBrokerError::Config(format!(
+                "could not load the NATS credentials file {}: {e}; give the .creds file `nsc` wrote (a user JWT and its seed)",
+                path.display()
+            ))
+        })?;
+    }
+    let tls = &config.tls;
+    if tls.required {
+        o = o.require_tls(true);
+    }
+    if let Some(roots) = &tls.root_certificates {
+        o = o.add_root_certificates(roots.clone());
+    }
+    if let Some((cert, key)) = &tls.client_certificate {
+        o = o.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok(o)
 }
 
 #[async_trait]
 impl Broker for NatsBroker {
+    fn messaging_system(&self) -> &'static str {
+        "nats"
+    }
+
+    /// The subject (the topic when the partition key cannot be a subject token).
+    fn destination_name(&self, m: &Message) -> String {
+        self.subject(m)
+            .unwrap_or_else(|_| self.config.subject_for_topic(&m.topic))
+    }
+
+    /// Moves on every `Connected` event of the client (clients made by this crate; a client
+    /// given to [`from_client`](NatsBroker::from_client) reports none).
+    fn reconnects(&self) -> Option<ReconnectWatch> {
+        Some(self.reconnected.watch())
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let subject = self.subject(m)?;
         let headers = self.headers(m)?;
@@ -374,7 +436,7 @@ impl Broker for NatsBroker {
         if state != State::Connected {
             return Err(BrokerError::transient(format!(
                 "NATS: not connected to {} (connection {state}); the message for {subject:?} was not sent",
-                self.config.url
+                outbox_core::redact::secrets(&self.config.url)
             )));
         }
         let deadline = Instant::now() + self.config.timeout;
@@ -401,5 +463,30 @@ impl Broker for NatsBroker {
                 self.config.timeout
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connect_error_never_shows_the_password_of_the_url() {
+        let cfg = NatsBrokerConfig::new("nats://app:s3cret-pw@127.0.0.1:1")
+            .connect_timeout(Duration::from_secs(2));
+        let e = NatsBroker::connect(cfg).await.unwrap_err().to_string();
+        assert!(e.contains("127.0.0.1:1"), "{e}");
+        assert!(!e.contains("s3cret-pw"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_credentials_file_that_is_no_credentials_file_is_a_configuration_error() {
+        let path = std::env::temp_dir().join(format!("outbox-bad-{}.creds", std::process::id()));
+        std::fs::write(&path, "not a credentials file").unwrap();
+        let cfg = NatsBrokerConfig::new("nats://127.0.0.1:4222").credentials_file(&path);
+        let e = NatsBroker::connect(cfg).await.unwrap_err();
+        std::fs::remove_file(&path).ok();
+        assert!(matches!(e, NatsBrokerError::Config(_)), "{e}");
+        assert!(e.to_string().contains("credentials file"), "{e}");
     }
 }

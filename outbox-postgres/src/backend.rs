@@ -77,7 +77,8 @@ impl PgConfig {
         Ok(self)
     }
 
-    /// last_error limit in bytes (R9), default 2000.
+    /// last_error limit in bytes (R9): 16 to 2,000 (the size of the `last_error` column), default
+    /// 2,000; a larger value is a configuration error.
     pub fn error_max_length(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
         self.error_max_length = outbox_core::event::check_error_max_length(n)?;
         Ok(self)
@@ -288,12 +289,23 @@ impl PgOutboxWriter {
     /// Writes `events` in one insert statement: created_at is one `clock_timestamp()` for the
     /// call (R73); a repeated idempotency key returns the row already there (R16, R17). Returns,
     /// per event in order, the stored row and whether this call inserted it (R13).
+    ///
+    /// Fails with [`RepositoryError::Other`], writing nothing, when `conn` is not inside a sqlx
+    /// transaction (R12): in autocommit the events would reach the relay whether or not the
+    /// application's change commits. Open one with `pool.begin()` or `conn.begin()` and pass
+    /// `&mut *tx`; a transaction begun with a raw `BEGIN` statement is not seen by sqlx and is
+    /// refused too.
     pub async fn write(
         &self,
         conn: &mut PgConnection,
         events: Vec<NewEvent>,
     ) -> Result<Vec<WriteResult>, RepositoryError> {
         let table = &self.stmts.table;
+        if !sqlx::Connection::is_in_transaction(&*conn) {
+            return Err(RepositoryError::Other(
+                "the outbox write needs the caller's open transaction, and this connection is in autocommit: open one with `let mut tx = pool.begin().await?`, pass `&mut *tx`, and commit it with the application's change".into(),
+            ));
+        }
         if events.is_empty() {
             return Ok(Vec::new());
         }
@@ -517,9 +529,9 @@ impl PgOutboxRepository {
         &self.stmts
     }
 
-    /// Test hook: the next outcome transaction runs its statements and then rolls back, and
-    /// `write_outcomes` returns an error (R57; P-06).
-    #[doc(hidden)]
+    /// Test hook (cargo feature `testing`): the next outcome transaction runs its statements and
+    /// then rolls back, and `write_outcomes` returns an error (R57; P-06).
+    #[cfg(feature = "testing")]
     pub fn fail_next_outcome_commit(&self) {
         self.fail_next_commit.store(true, Ordering::SeqCst);
     }

@@ -412,7 +412,7 @@ pub fn create_key_order_index_concurrently(table: &TableName) -> String {
     create_index(table, &ix, true, true)
 }
 
-/// The ancestor's DDL exactly as contract.md Appendix A writes it (no `IF NOT EXISTS`), with the
+/// The ancestor's DDL exactly as the ancestor library created it (R78) (no `IF NOT EXISTS`), with the
 /// table name replaced. For tests (PG-02, PG-10) and for users who copy the SQL.
 pub fn ancestor_ddl(table: &TableName) -> Vec<String> {
     let mut v = vec![create_table(table, false, Layout::Plain)];
@@ -597,7 +597,7 @@ pub struct Statements {
     /// one-row index reads.
     pub oldest_due_age: String,
 
-    /// Test clock (scenarios.md §1 `advance`): `$1 int8` microseconds. Moves created_at,
+    /// Test clock (the conformance harness's `advance`): `$1 int8` microseconds. Moves created_at,
     /// scheduled_at, locked_at, completed_at and updated_at of every row back by that much.
     pub shift_clock: String,
 }

@@ -1,4 +1,4 @@
-//! T: transient failures and outages (scenarios.md §10).
+//! T: transient failures and outages.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -259,7 +259,9 @@ async fn run_loop(c: &Ctx, cfg: &Cfg, secs: u64) -> Vec<(Duration, usize)> {
     });
     tokio::time::sleep(Duration::from_secs(secs)).await;
     stop.cancel();
-    task.await.expect("loop task");
+    task.await
+        .expect("loop task")
+        .expect("the loop ends without error");
     log.lock().unwrap().clone()
 }
 

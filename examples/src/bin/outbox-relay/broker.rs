@@ -13,13 +13,30 @@ use crate::error::{CliError, Result, code};
 /// Broker settings (each used only by its broker).
 #[derive(Debug, Clone, Args)]
 pub struct BrokerArgs {
-    /// The broker: nats (feature `nats`, default on), redis (feature `redis`), stdout (a JSON
-    /// line per event) or noop (acknowledges everything; benchmarks).
-    #[arg(long, env = "OUTBOX_BROKER", value_enum, default_value_t = BrokerKind::Stdout)]
+    /// The broker, required: nats (feature `nats`, default on), redis (feature `redis`), stdout
+    /// (a JSON line per event on stdout; rows are marked completed) or noop (acknowledges and
+    /// discards every event; benchmarks only). There is no default, so a forgotten flag never
+    /// drains the outbox into a terminal.
+    #[arg(long, env = "OUTBOX_BROKER", value_enum)]
     pub broker: BrokerKind,
-    /// NATS server URL(s), comma separated.
+    /// NATS server URL(s), comma separated (`tls://` for TLS).
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    /// NATS credentials file (`.creds`, a user JWT and its NKey seed, as `nsc` writes it).
+    #[arg(long, env = "NATS_CREDS")]
+    pub nats_creds: Option<std::path::PathBuf>,
+    /// Refuse to connect to NATS without TLS.
+    #[arg(long, env = "OUTBOX_NATS_TLS_REQUIRED")]
+    pub nats_tls_required: bool,
+    /// PEM file of certificate authorities to trust for NATS TLS (besides the system's).
+    #[arg(long, env = "OUTBOX_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate for NATS TLS (with --nats-tls-key).
+    #[arg(long, env = "OUTBOX_NATS_TLS_CERT", requires = "nats_tls_key")]
+    pub nats_tls_cert: Option<std::path::PathBuf>,
+    /// PEM key of the --nats-tls-cert client certificate.
+    #[arg(long, env = "OUTBOX_NATS_TLS_KEY", requires = "nats_tls_cert")]
+    pub nats_tls_key: Option<std::path::PathBuf>,
     /// NATS subject = this prefix + topic.
     #[arg(long, env = "OUTBOX_NATS_SUBJECT_PREFIX", default_value = "outbox.")]
     pub nats_subject_prefix: String,
@@ -31,7 +48,7 @@ pub struct BrokerArgs {
     /// dropped by JetStream). Make it longer than the lease.
     #[arg(long, env = "OUTBOX_NATS_DUPLICATE_WINDOW", default_value = "10m", value_parser = crate::parse_dur)]
     pub nats_duplicate_window: Duration,
-    /// Redis URL.
+    /// Redis URL (`rediss://` for TLS).
     #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     pub redis_url: String,
     /// Redis stream key pattern: `{topic}` required, `{partition_key}` optional.
@@ -73,11 +90,35 @@ pub fn compiled_in() -> Vec<&'static str> {
     v
 }
 
-/// Connects the broker (exit 4 when unreachable, 2 for a bad setting).
+/// The URL of the chosen broker, password redacted, for log lines (`-` for stdout and noop).
+pub fn redacted_url(a: &BrokerArgs) -> String {
+    match a.broker {
+        BrokerKind::Nats => outbox_core::redact::secrets(&a.nats_url),
+        BrokerKind::Redis => outbox_core::redact::secrets(&a.redis_url),
+        BrokerKind::Stdout | BrokerKind::Noop => "-".to_owned(),
+    }
+}
+
+/// Whether the chosen broker is compiled into this binary.
+pub fn compiled(kind: BrokerKind) -> bool {
+    match kind {
+        BrokerKind::Nats => cfg!(feature = "nats"),
+        BrokerKind::Redis => cfg!(feature = "redis"),
+        BrokerKind::Stdout | BrokerKind::Noop => true,
+    }
+}
+
+/// Connects the broker (exit 4 when unreachable, 2 for a bad setting; an unreachable server is
+/// marked retryable).
 pub async fn build(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match a.broker {
         BrokerKind::Stdout => Ok(Arc::new(StdoutBroker)),
-        BrokerKind::Noop => Ok(Arc::new(NoopBroker)),
+        BrokerKind::Noop => {
+            tracing::warn!(
+                "--broker noop: every event is acknowledged and DISCARDED (marked completed, sent nowhere); use it for benchmarks only"
+            );
+            Ok(Arc::new(NoopBroker))
+        }
         BrokerKind::Nats => nats(a).await,
         BrokerKind::Redis => redis(a).await,
     }
@@ -89,7 +130,18 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     let mut cfg = NatsBrokerConfig::new(a.nats_url.clone())
         .subject_prefix(a.nats_subject_prefix.clone())
         .timeout(a.broker_timeout)
-        .client_name("outbox-relay");
+        // The client retries a lost connection at most every 500 ms (its default: 2 s), so the
+        // relay, woken by the reconnection, publishes within a second of NATS answering again.
+        .reconnect_delay_max(Duration::from_millis(500))
+        .client_name("outbox-relay")
+        .tls(outbox_nats_broker::NatsTls {
+            required: a.nats_tls_required,
+            root_certificates: a.nats_tls_ca.clone(),
+            client_certificate: a.nats_tls_cert.clone().zip(a.nats_tls_key.clone()),
+        });
+    if let Some(creds) = &a.nats_creds {
+        cfg = cfg.credentials_file(creds.clone());
+    }
     if !a.nats_stream.is_empty() {
         cfg = cfg.ensure_stream(
             StreamSpec::new(a.nats_stream.clone()).duplicate_window(a.nats_duplicate_window),
@@ -98,11 +150,18 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match NatsBroker::connect(cfg).await {
         Ok(b) => Ok(Arc::new(b)),
         Err(e @ NatsBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
+        Err(e @ NatsBrokerError::Connect { .. }) => Err(CliError::new(
+            code::BROKER,
+            outbox_core::redact::secrets(&format!(
+                "{e}; check --nats-url (NATS_URL) and that nats-server runs"
+            )),
+        )
+        .retryable()),
         Err(e) => Err(CliError::new(
             code::BROKER,
-            format!(
+            outbox_core::redact::secrets(&format!(
                 "{e}; check --nats-url (NATS_URL) and that nats-server runs with JetStream (-js)"
-            ),
+            )),
         )),
     }
 }
@@ -124,7 +183,15 @@ async fn redis(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match RedisBroker::connect(cfg).await {
         Ok(b) => Ok(Arc::new(b)),
         Err(e @ RedisBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
-        Err(e) => Err(CliError::new(code::BROKER, e.to_string())),
+        Err(e @ RedisBrokerError::Connect { .. }) => Err(CliError::new(
+            code::BROKER,
+            outbox_core::redact::secrets(&e.to_string()),
+        )
+        .retryable()),
+        Err(e) => Err(CliError::new(
+            code::BROKER,
+            outbox_core::redact::secrets(&e.to_string()),
+        )),
     }
 }
 
