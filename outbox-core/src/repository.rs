@@ -407,6 +407,29 @@ pub trait Delivery: Send {
     async fn rollback(self: Box<Self>);
 }
 
+/// The delivery of a fetch that found nothing: its transaction already ended, so it holds no
+/// connection; any outcome given to it is reported as lost.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EmptyDelivery;
+
+#[async_trait]
+impl Delivery for EmptyDelivery {
+    async fn commit(
+        self: Box<Self>,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        Ok(outcomes
+            .iter()
+            .map(|o| WrittenOutcome {
+                id: o.id,
+                result: OutcomeResult::LeaseLost,
+            })
+            .collect())
+    }
+
+    async fn rollback(self: Box<Self>) {}
+}
+
 /// Validates a backend batch size (R63; V-17): 1 to 10,000.
 pub fn check_backend_batch_size(n: usize) -> Result<usize, crate::error::ConfigError> {
     if !(1..=MAX_BACKEND_BATCH_SIZE).contains(&n) {

@@ -14,9 +14,9 @@ use diesel_async::{
 use outbox_core::RepositoryError;
 use outbox_core::event::{OutboxEvent, WorkerId, force_unlock_text};
 use outbox_core::repository::{
-    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery, DeliveryBound, FetchRequest,
-    Fetched, OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount,
-    WrittenOutcome, args, check_backend_batch_size,
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery, DeliveryBound, EmptyDelivery,
+    FetchRequest, Fetched, OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES,
+    StatusCount, WrittenOutcome, args, check_backend_batch_size,
 };
 use outbox_postgres::shared;
 use outbox_postgres::sql::{
@@ -302,6 +302,15 @@ impl OutboxRepository for DieselOutboxRepository {
         .await
         .map_err(|e| self.err(e))?;
         let rows: Vec<Fetched> = rows.into_iter().map(OutboxRow::into_fetched).collect();
+        if rows.is_empty() {
+            // Nothing held: end the transaction now and hand the connection back to the pool.
+            let c = d.conn.as_mut().expect("still held");
+            AnsiTransactionManager::commit_transaction(&mut **c)
+                .await
+                .map_err(|e| self.err(e))?;
+            drop(d.conn.take());
+            return Ok((rows, Box::new(EmptyDelivery)));
+        }
         d.fetched = shared::fetched_state(&rows);
         Ok((rows, Box::new(d)))
     }
@@ -514,57 +523,64 @@ pub(crate) async fn fetch_in(
     cursor: &WalkCursor,
 ) -> Result<Vec<OutboxRow>, diesel::result::Error> {
     // As outbox_postgres::fetch_rows: a delivery transaction releases its window's row locks
-    // before the take.
+    // before the take, and a fetch whose candidates were all taken by others looks again, a
+    // bounded number of times.
     let release_window = take == stmts.fetch_take_transaction;
-    if release_window {
-        diesel::sql_query(stmts.window_savepoint.as_str())
-            .execute(c)
-            .await?;
+    for attempt in 1..=sql::FETCH_ATTEMPTS {
+        if release_window {
+            diesel::sql_query(stmts.window_savepoint.as_str())
+                .execute(c)
+                .await?;
+        }
+        let (ct, ck) = cursor.get();
+        let heads: Vec<HeadRow> = Prepared(
+            diesel::sql_query(stmts.fetch_heads.as_str())
+                .into_boxed()
+                .bind::<BigInt, _>(p.limit)
+                .bind::<BigInt, _>(p.lease_us)
+                .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
+                .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
+                .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
+                .bind::<BigInt, _>(p.window)
+                .bind::<BigInt, _>(p.walk_limit)
+                .bind::<Text, _>(ct)
+                .bind::<Text, _>(ck),
+        )
+        .load(c)
+        .await?;
+        let heads = HeadRows::new(
+            heads
+                .into_iter()
+                .map(|h| (h.head_id, h.topic, h.partition_key)),
+        );
+        cursor.advance(heads.walked_to);
+        if release_window {
+            diesel::sql_query(stmts.window_release.as_str())
+                .execute(c)
+                .await?;
+        }
+        if heads.ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows: Vec<OutboxRow> = Prepared(
+            diesel::sql_query(take)
+                .into_boxed()
+                .bind::<Text, _>(worker.clone())
+                .bind::<BigInt, _>(p.limit)
+                .bind::<BigInt, _>(p.lease_us)
+                .bind::<BigInt, _>(p.max_per_key)
+                .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
+                .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
+                .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
+                .bind::<Array<SqlUuid>, _>(heads.ids),
+        )
+        .load(c)
+        .await?;
+        if !rows.is_empty() || attempt == sql::FETCH_ATTEMPTS {
+            return Ok(rows);
+        }
     }
-    let (ct, ck) = cursor.get();
-    let heads: Vec<HeadRow> = Prepared(
-        diesel::sql_query(stmts.fetch_heads.as_str())
-            .into_boxed()
-            .bind::<BigInt, _>(p.limit)
-            .bind::<BigInt, _>(p.lease_us)
-            .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
-            .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
-            .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
-            .bind::<BigInt, _>(p.window)
-            .bind::<BigInt, _>(p.walk_limit)
-            .bind::<Text, _>(ct)
-            .bind::<Text, _>(ck),
-    )
-    .load(c)
-    .await?;
-    let heads = HeadRows::new(
-        heads
-            .into_iter()
-            .map(|h| (h.head_id, h.topic, h.partition_key)),
-    );
-    cursor.advance(heads.walked_to);
-    if release_window {
-        diesel::sql_query(stmts.window_release.as_str())
-            .execute(c)
-            .await?;
-    }
-    if heads.ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    Prepared(
-        diesel::sql_query(take)
-            .into_boxed()
-            .bind::<Text, _>(worker)
-            .bind::<BigInt, _>(p.limit)
-            .bind::<BigInt, _>(p.lease_us)
-            .bind::<BigInt, _>(p.max_per_key)
-            .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
-            .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
-            .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
-            .bind::<Array<SqlUuid>, _>(heads.ids),
-    )
-    .load(c)
-    .await
+    Ok(Vec::new())
 }
 
 /// An open delivery transaction of the diesel backend (R84). Dropping it without a commit
@@ -622,7 +638,14 @@ impl Delivery for DieselDelivery {
                 .map_err(|e| repo.err(e))?;
         }
         if repo.fail_next_commit.swap(false, Ordering::SeqCst) {
-            // Dropping self closes the connection: the transaction rolls back (TX-02).
+            // Roll back now, so the rows are free before this returns (TX-02); if that fails,
+            // dropping self closes the connection, which rolls back too.
+            if AnsiTransactionManager::rollback_transaction(&mut **c)
+                .await
+                .is_ok()
+            {
+                drop(self.conn.take());
+            }
             return Err(RepositoryError::Other(
                 "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
             ));

@@ -11,9 +11,9 @@ use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text};
 use outbox_core::repository::{
-    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery, DeliveryBound, FetchRequest,
-    Fetched, OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount,
-    WriteResult, WrittenOutcome, args, check_backend_batch_size,
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery, DeliveryBound, EmptyDelivery,
+    FetchRequest, Fetched, OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES,
+    StatusCount, WriteResult, WrittenOutcome, args, check_backend_batch_size,
 };
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
@@ -436,41 +436,49 @@ pub async fn fetch_rows(
     cursor: &WalkCursor,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
     let release_window = take == stmts.fetch_take_transaction;
-    if release_window {
-        sqlx::query(AssertSqlSafe(stmts.window_savepoint.as_str()))
-            .execute(&mut *conn)
-            .await?;
+    for attempt in 1..=sql::FETCH_ATTEMPTS {
+        if release_window {
+            sqlx::query(AssertSqlSafe(stmts.window_savepoint.as_str()))
+                .execute(&mut *conn)
+                .await?;
+        }
+        let heads = bind_fetch_heads(
+            sqlx::query(AssertSqlSafe(stmts.fetch_heads.as_str())),
+            p,
+            cursor.get(),
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        let heads = HeadRows::new(
+            heads
+                .iter()
+                .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                .collect::<Result<Vec<_>, sqlx::Error>>()?,
+        );
+        cursor.advance(heads.walked_to);
+        if release_window {
+            sqlx::query(AssertSqlSafe(stmts.window_release.as_str()))
+                .execute(&mut *conn)
+                .await?;
+        }
+        if heads.ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = bind_fetch_take(
+            sqlx::query(AssertSqlSafe(take.to_owned())),
+            worker,
+            p,
+            heads.ids,
+        )
+        .fetch_all(&mut *conn)
+        .await?;
+        // Every candidate was taken by another relay between the two statements: look again
+        // (a new snapshot), a bounded number of times (sql::FETCH_ATTEMPTS).
+        if !rows.is_empty() || attempt == sql::FETCH_ATTEMPTS {
+            return Ok(rows);
+        }
     }
-    let heads = bind_fetch_heads(
-        sqlx::query(AssertSqlSafe(stmts.fetch_heads.as_str())),
-        p,
-        cursor.get(),
-    )
-    .fetch_all(&mut *conn)
-    .await?;
-    let heads = HeadRows::new(
-        heads
-            .iter()
-            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
-            .collect::<Result<Vec<_>, sqlx::Error>>()?,
-    );
-    cursor.advance(heads.walked_to);
-    if release_window {
-        sqlx::query(AssertSqlSafe(stmts.window_release.as_str()))
-            .execute(&mut *conn)
-            .await?;
-    }
-    if heads.ids.is_empty() {
-        return Ok(Vec::new());
-    }
-    bind_fetch_take(
-        sqlx::query(AssertSqlSafe(take.to_owned())),
-        worker,
-        p,
-        heads.ids,
-    )
-    .fetch_all(&mut *conn)
-    .await
+    Ok(Vec::new())
 }
 
 /// The sqlx repository (relay and operator side) on a pool.
@@ -655,6 +663,11 @@ impl OutboxRepository for PgOutboxRepository {
                 })
             })
             .collect::<Result<Vec<_>, RepositoryError>>()?;
+        if rows.is_empty() {
+            // Nothing held: end the transaction now and hand the connection back.
+            tx.commit().await.map_err(|e| self.err(e))?;
+            return Ok((rows, Box::new(EmptyDelivery)));
+        }
         let delivery = PgDelivery {
             tx: Some(tx),
             repo: self.clone(),
