@@ -155,8 +155,15 @@ impl Backoff {
             return None;
         }
         let (lo, hi) = self.window(attempts_made);
-        let u = rng.unit().clamp(0.0, 1.0);
-        Some(Duration::from_secs_f64(lo + (hi - lo) * u))
+        // A random source is user code: NaN counts as 0, anything else is clamped to [0, 1].
+        let u = rng.unit();
+        let u = if u.is_nan() { 0.0 } else { u.clamp(0.0, 1.0) };
+        // lo and hi are within [0, cap] and cap is at most 365 days, so this cannot fail;
+        // the cap is the answer if it ever did.
+        Some(
+            Duration::try_from_secs_f64(lo + (hi - lo) * u)
+                .unwrap_or(Duration::from_secs_f64(self.cap)),
+        )
     }
 }
 

@@ -276,7 +276,10 @@ impl RelayBuilder {
             ("lease_ttl", self.lease_ttl),
             ("publish_timeout", self.publish_timeout),
             ("poll_interval", self.poll_interval),
-            ("idle_backoff_max", self.idle_backoff_max.unwrap_or_default()),
+            (
+                "idle_backoff_max",
+                self.idle_backoff_max.unwrap_or_default(),
+            ),
         ] {
             if d > max {
                 return Err(ConfigError::new(format!(
@@ -835,7 +838,9 @@ impl Relay {
                     Err(payload) => {
                         let text = panic_text(payload.as_ref());
                         tracing::error!(id = %row.id, panic = %text, "a pipeline step panicked in before_publish; the row fails as a counted failure");
-                        Err(StepError::counted(format!("pipeline step panicked: {text}")))
+                        Err(StepError::counted(format!(
+                            "pipeline step panicked: {text}"
+                        )))
                     }
                 };
                 if !matches!(verdict, Ok(StepDecision::Continue)) {

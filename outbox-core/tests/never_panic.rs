@@ -14,7 +14,7 @@ use outbox_core::error::{BrokerError, RepositoryError, StepError};
 use outbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId};
 use outbox_core::relay::{BreakerConfig, CycleReport, Relay};
 use outbox_core::repository::{
-    BlockedKey, Capabilities, FetchRequest, Fetched, Outcome, OutboxRepository, StatusCount,
+    BlockedKey, Capabilities, FetchRequest, Fetched, OutboxRepository, Outcome, StatusCount,
     WrittenOutcome,
 };
 use outbox_core::scripted::{Action, ScriptedBroker};
@@ -36,7 +36,11 @@ fn event(key: &str) -> NewEvent {
 async fn put(repo: &InMemoryRepository, keys: &[&str]) -> Vec<Uuid> {
     let mut ids = Vec::new();
     for k in keys {
-        ids.push(repo.write_committed(vec![event(k)]).await.unwrap()[0].event.id);
+        ids.push(
+            repo.write_committed(vec![event(k)]).await.unwrap()[0]
+                .event
+                .id,
+        );
     }
     ids
 }
@@ -118,7 +122,10 @@ async fn a_panicking_broker_client_fails_its_row_counted_and_the_cycle_goes_on()
     let report = relay.cycle(&CancellationToken::new()).await.unwrap();
     assert_eq!(report.completed, vec![ids[1]], "{report:?}");
     assert_eq!(report.counted.len(), 1);
-    assert_eq!(report.counted[0].error, "broker client panicked: client bug");
+    assert_eq!(
+        report.counted[0].error,
+        "broker client panicked: client bug"
+    );
     assert!(!report.broker_unreachable);
     for r in repo.rows() {
         assert!(r.locked_by.is_none(), "{} still held", r.id);
