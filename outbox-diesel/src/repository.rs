@@ -23,7 +23,7 @@ use uuid::Uuid;
 use crate::error::{Error, map_diesel, map_pool};
 use crate::pool::{PgPool, PooledConnection};
 use crate::prepared::Prepared;
-use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, NowRow, OutboxRow};
+use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, FetchedRow, NowRow, OutboxRow};
 use crate::writer::DieselOutboxWriter;
 
 type SqlUuid = diesel::sql_types::Uuid;
@@ -238,7 +238,7 @@ impl OutboxRepository for DieselOutboxRepository {
         let fetch = self.stmts.fetch.as_str();
         let mut conn = self.conn().await?;
         // Its own transaction, committed at once (R76).
-        let rows: Vec<OutboxRow> = conn
+        let rows: Vec<FetchedRow> = conn
             .transaction(async |c| {
                 Prepared(
                     diesel::sql_query(fetch)
@@ -252,12 +252,12 @@ impl OutboxRepository for DieselOutboxRepository {
                         .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids)
                         .bind::<BigInt, _>(p.scan_limit),
                 )
-                .load::<OutboxRow>(c)
+                .load::<FetchedRow>(c)
                 .await
             })
             .await
             .map_err(|e| self.err(e))?;
-        Ok(rows.into_iter().map(OutboxRow::into_fetched).collect())
+        Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
     async fn write_outcomes(

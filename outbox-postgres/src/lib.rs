@@ -13,7 +13,7 @@ pub mod testing;
 #[cfg(feature = "sqlx")]
 pub use backend::{
     PgConfig, PgOutboxRepository, PgOutboxWriter, bind_fetch, create_schema, create_schema_with,
-    ensure_partitions, map_err, raw_row,
+    ensure_partitions, fetched_row, map_err, raw_row,
 };
 pub use error::Error;
 pub use sql::{Layout, TableName};
