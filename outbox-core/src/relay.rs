@@ -14,7 +14,9 @@
 //!    cycle, and the first unpublished row of every other key that had no failure is deferred
 //!    (R47);
 //! 4. **write outcomes** in one short transaction guarded by the worker (R54, R55); rows that
-//!    were not processed are released untouched (R77);
+//!    were not processed are released untouched (R77). A transient failure of that transaction
+//!    is retried on a fresh one, waiting 25 ms doubling to 200 ms, while the lease lasts; only
+//!    then do the rows wait out their lease (R57);
 //! 5. after the commit, the observers of the pipeline steps (R68, R83).
 //!
 //! [`Relay::run`] loops cycles: at once after a cycle that fetched rows and found the broker
@@ -40,7 +42,7 @@ use crate::event::{Status, WorkerId, limits};
 use crate::ordering::Key;
 use crate::repository::{
     DEFAULT_LEASE_TTL, DEFAULT_MAX_PER_KEY, FetchFilter, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeKind, OutcomeResult, Retry,
+    Outcome, OutcomeKind, OutcomeResult, Retry, WrittenOutcome,
 };
 use crate::step::{ObservedOutcome, PipelineStep, StepDecision};
 
@@ -52,6 +54,12 @@ pub const DEFAULT_PUBLISH_CONCURRENCY: usize = 16;
 pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default poll interval (R61).
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(5);
+/// First wait before retrying an outcome commit that failed transiently; it doubles up to
+/// [`OUTCOME_RETRY_MAX_WAIT`], so the rows move again within that much of the database coming
+/// back.
+pub const OUTCOME_RETRY_FIRST_WAIT: Duration = Duration::from_millis(25);
+/// Longest wait between two tries of an outcome commit.
+pub const OUTCOME_RETRY_MAX_WAIT: Duration = Duration::from_millis(200);
 
 /// Circuit breaker settings (R62).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -394,8 +402,11 @@ pub struct CycleReport {
     pub released: Vec<Uuid>,
     /// Rows whose lease was lost.
     pub lease_lost: Vec<Uuid>,
-    /// Whether the outcome transaction failed (R57).
+    /// Whether the outcome transaction failed (R57), after its retries.
     pub commit_failed: bool,
+    /// How many times the outcome write was retried after a transient failure (0 when the
+    /// first try went through).
+    pub commit_retries: u32,
     /// Whether a transient failure or timeout stopped the cycle (R47).
     pub broker_unreachable: bool,
     /// Whether the circuit breaker is open after this cycle (or kept it from fetching).
@@ -643,14 +654,14 @@ impl Relay {
         }
         report.broker_unreachable = matches!(state.stop, Some(Stop::Unreachable(_)));
 
-        let written = self
-            .repo
-            .write_outcomes(&self.config.worker_id, &outcomes)
+        let (written, retries) = self
+            .write_outcomes_retrying(&outcomes, lease_deadline, shutdown)
             .await;
+        report.commit_retries = retries;
         let written: HashMap<Uuid, OutcomeResult> = match written {
             Ok(w) => w.into_iter().map(|w| (w.id, w.result)).collect(),
             Err(e) => {
-                tracing::error!(error = %e, worker = %self.config.worker_id,
+                tracing::error!(error = %e, worker = %self.config.worker_id, retries,
                     "outcome commit failed; the rows stay locked until their lease expires and will be published again");
                 report.commit_failed = true;
                 HashMap::new()
@@ -776,6 +787,46 @@ impl Relay {
             }
         }
         Ok(report)
+    }
+
+    /// Writes the outcomes (R54); a transient failure (a lost connection, a restarting
+    /// database) is retried with a short doubling wait while the rows' lease lasts and the relay
+    /// is not shutting down. Each try is a new transaction on whatever connection the backend
+    /// hands out, and every write is guarded by `locked_by` (R54, R55), so a retry never
+    /// overwrites a row another relay took meanwhile: it reports it lease lost. (A commit
+    /// whose answer was lost but which went through is reported lease lost by the retry too:
+    /// the rows are written, just not by the retry.) Returns the result and the number of
+    /// retries.
+    async fn write_outcomes_retrying(
+        &self,
+        outcomes: &[Outcome],
+        lease_deadline: tokio::time::Instant,
+        shutdown: &CancellationToken,
+    ) -> (Result<Vec<WrittenOutcome>, RepositoryError>, u32) {
+        let mut wait = OUTCOME_RETRY_FIRST_WAIT;
+        let mut retries = 0u32;
+        loop {
+            let e = match self
+                .repo
+                .write_outcomes(&self.config.worker_id, outcomes)
+                .await
+            {
+                Ok(w) => return (Ok(w), retries),
+                Err(e) => e,
+            };
+            let left = lease_deadline.saturating_duration_since(self.clock.now());
+            if !e.is_transient() || left <= wait || shutdown.is_cancelled() {
+                return (Err(e), retries);
+            }
+            tracing::warn!(error = %e, worker = %self.config.worker_id, retry_in = ?wait,
+                "outcome commit failed; retrying on a fresh transaction while the lease lasts");
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => return (Err(e), retries),
+            }
+            retries += 1;
+            wait = (wait * 2).min(OUTCOME_RETRY_MAX_WAIT);
+        }
     }
 
     async fn publish_run(

@@ -292,3 +292,78 @@ async fn the_cycle_end_hook_runs_after_a_failed_fetch() {
     assert!(relay.cycle(&CancellationToken::new()).await.is_err());
     assert_eq!(*ends.0.lock().unwrap(), vec![CycleReport::default()]);
 }
+
+fn retry_relay(repo: Arc<Faulty>, lease: Duration) -> Relay {
+    Relay::builder(repo, Arc::new(ScriptedBroker::new()))
+        .worker_id("w1")
+        .lease_ttl(lease)
+        .publish_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_transiently_failed_outcome_commit_is_retried_and_the_rows_move_at_once() {
+    let mem = memory();
+    let ids = put(&mem, &["k1", "k2"]).await;
+    let repo = Arc::new(Faulty::new(mem.clone()));
+    repo.failing_writes.store(3, Ordering::SeqCst);
+    let relay = retry_relay(repo.clone(), Duration::from_secs(300));
+    let started = tokio::time::Instant::now();
+    let report = relay.cycle(&CancellationToken::new()).await.unwrap();
+    // Waits of 25, 50 and 100 ms, then the fourth try commits.
+    assert_eq!(started.elapsed(), Duration::from_millis(175));
+    assert!(!report.commit_failed, "{report:?}");
+    assert_eq!(report.commit_retries, 3);
+    assert_eq!(repo.write_calls.load(Ordering::SeqCst), 4);
+    let mut completed = report.completed.clone();
+    completed.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(completed, want);
+    for id in ids {
+        let r = mem.get(id).await.unwrap().unwrap();
+        assert_eq!(r.status, Status::Completed);
+        assert!(r.locked_by.is_none());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn outcome_commit_retries_stop_before_the_lease_ends_and_the_rows_wait_for_it() {
+    let mem = memory();
+    let ids = put(&mem, &["k1"]).await;
+    let repo = Arc::new(Faulty::new(mem.clone()));
+    repo.failing_writes.store(usize::MAX, Ordering::SeqCst);
+    let relay = retry_relay(repo.clone(), Duration::from_secs(2));
+    let started = tokio::time::Instant::now();
+    let report = relay.cycle(&CancellationToken::new()).await.unwrap();
+    assert!(report.commit_failed);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    // 25 + 50 + 100 + 200 × 9 = 1975 ms; another 200 ms wait would pass the 2 s lease.
+    assert_eq!(report.commit_retries, 12);
+    assert_eq!(started.elapsed(), Duration::from_millis(1975));
+    let r = mem.get(ids[0]).await.unwrap().unwrap();
+    assert_eq!(
+        r.locked_by.as_deref(),
+        Some("w1"),
+        "the row keeps its lease (R57)"
+    );
+    assert_eq!(r.status, Status::Pending);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_outcome_commit_that_fails_for_another_reason_is_not_retried() {
+    let mem = memory();
+    put(&mem, &["k1"]).await;
+    mem.fail_next_outcome_commit();
+    let repo = Arc::new(Faulty::new(mem.clone()));
+    let relay = retry_relay(repo.clone(), Duration::from_secs(300));
+    let report = relay.cycle(&CancellationToken::new()).await.unwrap();
+    assert!(report.commit_failed);
+    assert_eq!(report.commit_retries, 0);
+    assert_eq!(repo.write_calls.load(Ordering::SeqCst), 1);
+}

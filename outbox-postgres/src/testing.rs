@@ -731,3 +731,116 @@ impl WakeProbe {
         }
     }
 }
+
+/// Issue 14, an outcome commit cut off mid-way: the relay on `repo` (either Postgres backend,
+/// on `h`'s table) publishes two rows; before it writes their outcomes a second connection
+/// row-locks one of them, so the outcome transaction waits; that waiting backend is then ended
+/// with `pg_terminate_backend` (what a database restart does to it) and the lock let go. The
+/// relay must retry the outcome write on a fresh connection: the cycle reports no commit
+/// failure, at least one retry, both rows completed and unheld. Returns the time from the
+/// termination to the end of the cycle (the issue's target: under 1 s).
+pub async fn outcome_commit_survives_termination(
+    repo: Arc<dyn OutboxRepository>,
+    h: &PgHarness,
+) -> Duration {
+    use outbox_core::CancellationToken;
+    use outbox_core::relay::Relay;
+    use outbox_core::scripted::{Action, Gate, ScriptedBroker};
+    let events = ["k1", "k2"]
+        .iter()
+        .map(|k| {
+            NewEvent::builder()
+                .event_type("test.event")
+                .aggregate("agg", Uuid::new_v4())
+                .topic("t")
+                .partition_key(*k)
+                .payload_json(serde_json::json!({ "k": k }))
+                .build()
+                .expect("valid event")
+        })
+        .collect();
+    let mut tx = h.begin_tx().await;
+    let ids: Vec<Uuid> = tx
+        .write(events)
+        .await
+        .expect("write")
+        .iter()
+        .map(|r| r.event.id)
+        .collect();
+    tx.commit().await.expect("commit");
+
+    let broker = ScriptedBroker::new();
+    let gate = Gate::new();
+    broker.set_default(Action::Gate(gate.clone()));
+    let relay = Relay::builder(repo, Arc::new(broker.clone()))
+        .worker_id("w1")
+        .publish_concurrency(2)
+        .build()
+        .expect("relay");
+    let cycle = tokio::spawn(async move { relay.cycle(&CancellationToken::new()).await });
+    broker.wait_for_calls(|c| c.len() == 2).await;
+
+    // Both rows are published and waiting at the gate; the fetch has committed. Row-lock one.
+    let mut locker = h.pool().begin().await.expect("begin the locker");
+    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *locker)
+        .await
+        .expect("pid");
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT id FROM {} WHERE id = $1 FOR UPDATE",
+        h.table().qualified()
+    )))
+    .bind(ids[0])
+    .execute(&mut *locker)
+    .await
+    .expect("row lock");
+    gate.open();
+
+    // The relay's outcome transaction now waits for the locker. No event announces that a
+    // backend started waiting for a lock, so this polls the server's view, bounded.
+    let mut victim = None;
+    for _ in 0..2000 {
+        victim = sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) LIMIT 1",
+        )
+        .bind(locker_pid)
+        .fetch_optional(h.pool())
+        .await
+        .expect("pg_stat_activity");
+        if victim.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let victim = victim.expect("the outcome transaction never waited for the row lock");
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(victim)
+        .fetch_one(h.pool())
+        .await
+        .expect("pg_terminate_backend");
+    assert!(terminated, "backend {victim} was not terminated");
+    let cut = std::time::Instant::now();
+    locker.rollback().await.expect("release the row lock");
+
+    let report = cycle.await.expect("cycle task").expect("cycle");
+    let took = cut.elapsed();
+    assert!(!report.commit_failed, "{report:?}");
+    assert!(report.commit_retries >= 1, "{report:?}");
+    let mut completed = report.completed.clone();
+    completed.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(completed, want, "{report:?}");
+    for id in &ids {
+        let row: (String, Option<String>) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT status, locked_by FROM {} WHERE id = $1",
+            h.table().qualified()
+        )))
+        .bind(id)
+        .fetch_one(h.pool())
+        .await
+        .expect("row");
+        assert_eq!(row, ("completed".to_owned(), None), "row {id}");
+    }
+    took
+}
