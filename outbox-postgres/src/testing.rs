@@ -47,7 +47,79 @@ pub fn fresh_schema_name() -> String {
     format!("obx_{}", &Uuid::new_v4().simple().to_string()[..12])
 }
 
+/// Connections the Postgres test harnesses of one test process hold at most at once, unless
+/// `OUTBOX_TEST_PG_CONNECTIONS` says otherwise: the database's 100 are shared with other
+/// clients (other test processes, other people), and trials running in parallel must not take
+/// them all.
+pub const DEFAULT_TEST_CONNECTIONS: u32 = 40;
+
+/// How long a trial waits for its share of the budget, and for the database to accept a
+/// connection, before it fails.
+pub const CONNECT_PATIENCE: Duration = Duration::from_secs(90);
+
+fn budget() -> &'static (Arc<tokio::sync::Semaphore>, u32) {
+    static BUDGET: std::sync::OnceLock<(Arc<tokio::sync::Semaphore>, u32)> =
+        std::sync::OnceLock::new();
+    BUDGET.get_or_init(|| {
+        let n = std::env::var("OUTBOX_TEST_PG_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .filter(|n| *n >= 1)
+            .unwrap_or(DEFAULT_TEST_CONNECTIONS);
+        (Arc::new(tokio::sync::Semaphore::new(n as usize)), n)
+    })
+}
+
+/// A share of the process's connection budget ([`DEFAULT_TEST_CONNECTIONS`]), held by a
+/// harness for as long as its pool lives; dropping it gives the share back.
+#[derive(Debug)]
+pub struct ConnectionShare(#[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>);
+
+/// Reserves `n` connections of the process's budget, waiting while other trials hold it. A
+/// trial that takes a second share while holding one could wait for trials that wait for it, so
+/// after [`CONNECT_PATIENCE`] the share is granted anyway (with a note on stderr): the budget
+/// then stretches instead of the tests deadlocking. The semaphore is runtime-independent, so
+/// trials on separate tokio runtimes share it.
+pub async fn reserve_connections(n: u32) -> ConnectionShare {
+    let (sem, total) = budget();
+    let n = n.min(*total);
+    match tokio::time::timeout(CONNECT_PATIENCE, sem.clone().acquire_many_owned(n)).await {
+        Ok(Ok(p)) => ConnectionShare(Some(p)),
+        _ => {
+            eprintln!(
+                "outbox test harness: waited {CONNECT_PATIENCE:?} for {n} of {total} test connections; going over the budget"
+            );
+            ConnectionShare(None)
+        }
+    }
+}
+
+/// Runs `connect` until it succeeds, waiting 20 ms doubling to 1 s between tries, for at most
+/// [`CONNECT_PATIENCE`]: a database that is busy ("too many clients"), restarting or briefly
+/// unreachable does not fail a trial. The last error is returned after that.
+pub async fn connect_patiently<T, E, F, Fut>(mut connect: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = std::time::Instant::now() + CONNECT_PATIENCE;
+    let mut wait = Duration::from_millis(20);
+    loop {
+        match connect().await {
+            Ok(v) => return Ok(v),
+            Err(e) if std::time::Instant::now() + wait >= deadline => return Err(e),
+            Err(_) => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
 /// A small pool for one trial: at most `max` connections, sessions in `America/New_York`.
+/// Opening connections waits while the database has no free slot (sqlx retries "too many
+/// clients" until the acquire timeout, [`CONNECT_PATIENCE`]). Take a [`reserve_connections`]
+/// share of `max` first.
 pub async fn trial_pool(url: &str, max: u32) -> PgPool {
     let opts: PgConnectOptions = url
         .parse::<PgConnectOptions>()
@@ -63,11 +135,21 @@ pub async fn trial_pool(url: &str, max: u32) -> PgPool {
         })
         .max_connections(max)
         .min_connections(0)
-        .acquire_timeout(Duration::from_secs(30))
+        .acquire_timeout(CONNECT_PATIENCE)
         .connect_with(opts)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
 }
+
+/// The pool size of one harness.
+pub const HARNESS_CONNECTIONS: u32 = 8;
+
+/// The share of the budget one harness pool reserves: what a trial's pool holds at its busiest
+/// in the suite's scenarios (a writer transaction, a fetch or outcome write, a fixture
+/// statement), not its cap. Scenarios that open more (stand tests) rely on connecting
+/// patiently. With 4 test threads and up to 3 harnesses per test, 4 × 3 × 3 = 36 stays under
+/// the default budget, so no trial waits forever on another.
+pub const HARNESS_SHARE: u32 = 3;
 
 /// Makes a fresh [`PgHarness`] per trial.
 #[derive(Debug, Clone)]
@@ -139,6 +221,8 @@ pub struct PgHarness {
     stmts: Arc<Statements>,
     repo: Arc<PgOutboxRepository>,
     owns_schema: bool,
+    /// The pool's share of the connection budget.
+    _share: ConnectionShare,
 }
 
 impl std::fmt::Debug for PgHarness {
@@ -160,7 +244,8 @@ impl PgHarness {
     pub async fn create_with(url: &str, table: &str, layout: Layout) -> Self {
         let schema = fresh_schema_name();
         let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
-        let pool = trial_pool(url, 8).await;
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let pool = trial_pool(url, HARNESS_CONNECTIONS).await;
         create_schema_with(&pool, &table, layout)
             .await
             .expect("schema creation");
@@ -168,7 +253,7 @@ impl PgHarness {
             .execute(&pool)
             .await
             .expect("aggregates table");
-        Self::with_pool(url, pool, schema, table, true).with_layout(layout)
+        Self::with_pool(url, pool, share, schema, table, true).with_layout(layout)
     }
 
     /// The same harness with the repository (and its writer) in `layout`.
@@ -190,7 +275,8 @@ impl PgHarness {
     pub async fn create_ancestor(url: &str, table: &str) -> Self {
         let schema = fresh_schema_name();
         let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
-        let pool = trial_pool(url, 8).await;
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let pool = trial_pool(url, HARNESS_CONNECTIONS).await;
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
             .execute(&pool)
             .await
@@ -204,24 +290,32 @@ impl PgHarness {
             .execute(&pool)
             .await
             .expect("aggregates table");
-        Self::with_pool(url, pool, schema, table, true)
+        Self::with_pool(url, pool, share, schema, table, true)
     }
 
     /// A harness on an existing table (created by someone else), for use as a peer backend.
     /// It does not drop the schema.
     pub async fn attach(url: &str, table: &TableName) -> Self {
         let schema = table.schema().unwrap_or("public").to_owned();
-        let pool = trial_pool(url, 8).await;
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let pool = trial_pool(url, HARNESS_CONNECTIONS).await;
         sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
             .execute(&pool)
             .await
             .expect("aggregates table");
-        Self::with_pool(url, pool, schema, table.clone(), false)
+        Self::with_pool(url, pool, share, schema, table.clone(), false)
     }
 
     /// An empty schema without any table (for scenarios that create tables themselves).
     /// Dropped with the harness.
-    fn with_pool(url: &str, pool: PgPool, schema: String, table: TableName, owns: bool) -> Self {
+    fn with_pool(
+        url: &str,
+        pool: PgPool,
+        share: ConnectionShare,
+        schema: String,
+        table: TableName,
+        owns: bool,
+    ) -> Self {
         let repo = Arc::new(PgOutboxRepository::new(
             pool.clone(),
             PgConfig::default().table(table.clone()),
@@ -235,6 +329,7 @@ impl PgHarness {
             layout: Layout::Plain,
             repo,
             owns_schema: owns,
+            _share: share,
         }
     }
 
@@ -283,7 +378,7 @@ impl Drop for PgHarness {
                 .build()
                 .expect("runtime");
             rt.block_on(async move {
-                if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                if let Ok(mut c) = connect_patiently(|| sqlx::PgConnection::connect(&url)).await {
                     let _ = sqlx::query(AssertSqlSafe(sql::fixtures::drop_schema(&schema)))
                         .execute(&mut c)
                         .await;
@@ -637,6 +732,7 @@ pub mod shapes {
 /// ([`outbox_conformance::broker::drain_and_consume`]). Fresh schema, dropped afterwards.
 pub async fn postgres_to_broker(broker: &dyn outbox_conformance::broker::BrokerUnderTest) {
     use outbox_conformance::broker::{TrialOptions, drain_and_consume, e2e_event};
+    let _share = reserve_connections(4).await;
     let pool = trial_pool(&database_url(), 4).await;
     let schema = fresh_schema_name();
     let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
