@@ -940,3 +940,233 @@ pub async fn outcome_commit_survives_termination(
     }
     took
 }
+
+/// How a [`broker_outage_on_postgres`] trial takes the broker away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerFault {
+    /// Connections are refused (nothing listens on the broker's port).
+    Refuse,
+    /// Connections stay open, new ones are accepted, and no byte gets through either way.
+    BlackHole,
+}
+
+/// What a [`broker_outage_on_postgres`] trial measured.
+#[derive(Debug, Clone)]
+pub struct OutageFigures {
+    /// Cycles that fetched (rows or none) while the broker was away.
+    pub cycles_during: usize,
+    /// Rows the relay fetched while the broker was away.
+    pub rows_fetched_during: usize,
+    /// Row writes the relay made while the broker was away: in the lease mode every fetched
+    /// row is written twice (the lease, then its outcome).
+    pub row_writes_during: usize,
+    /// From the broker answering again to the first acknowledged publish.
+    pub first_publish_after: Duration,
+    /// How long the broker was away.
+    pub outage: Duration,
+}
+
+/// Issue 14's fault suite, broker side: a relay loop ([`outbox_core::relay::Relay::run`]) on
+/// PostgreSQL (the sqlx backend, a fresh schema) drains 4 keys × 25 events into `b` through a
+/// [`outbox_conformance::broker::LoopbackProxy`]; after 20 rows went out the proxy takes the
+/// broker away (`fault`) for `outage`, then brings it back. Checks that every event arrives and
+/// that, per key, first deliveries are in write order; returns the figures of the outage. The
+/// relay runs with publish timeout 2 s (the adapter's own 1 s), poll interval 1 s, the
+/// defaults otherwise.
+pub async fn broker_outage_on_postgres(
+    b: &dyn outbox_conformance::broker::BrokerUnderTest,
+    fault: BrokerFault,
+    outage: Duration,
+) -> OutageFigures {
+    use std::collections::{HashMap, HashSet};
+    use std::sync::Mutex;
+
+    use outbox_conformance::broker::{LoopbackProxy, TrialOptions, e2e_event};
+    use outbox_core::CancellationToken;
+    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::step::PipelineStep;
+
+    /// Records, per cycle, when it ended and what it did.
+    #[derive(Default)]
+    struct Log {
+        cycles: Mutex<Vec<(std::time::Instant, CycleReport)>>,
+        changed: tokio::sync::Notify,
+    }
+    #[async_trait]
+    impl PipelineStep for Log {
+        async fn on_cycle_end(&self, r: &CycleReport) {
+            self.cycles
+                .lock()
+                .expect("log")
+                .push((std::time::Instant::now(), r.clone()));
+            self.changed.notify_waiters();
+        }
+    }
+    impl Log {
+        fn completed(&self) -> usize {
+            let c = self.cycles.lock().expect("log");
+            c.iter().map(|(_, r)| r.completed.len()).sum()
+        }
+        /// Waits until `pred` holds over the log (or `within` passes); returns whether it did.
+        async fn wait(&self, within: Duration, pred: impl Fn(&Self) -> bool) -> bool {
+            tokio::time::timeout(within, async {
+                loop {
+                    let n = self.changed.notified();
+                    if pred(self) {
+                        return;
+                    }
+                    n.await;
+                }
+            })
+            .await
+            .is_ok()
+        }
+    }
+
+    let _share = reserve_connections(4).await;
+    let pool = trial_pool(&database_url(), 4).await;
+    let schema = fresh_schema_name();
+    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
+    create_schema(&pool, &table)
+        .await
+        .expect("create the outbox table");
+    let writer = PgOutboxWriter::new(&table);
+    let mut written: HashMap<String, Vec<Uuid>> = HashMap::new();
+    let mut tx = pool.begin().await.expect("begin");
+    for seq in 0..25 {
+        for k in 0..4 {
+            let key = format!("acct-{k}");
+            let r = writer
+                .write(&mut tx, vec![e2e_event("orders", &key, seq)])
+                .await
+                .expect("write");
+            written.entry(key).or_default().push(r[0].event.id);
+        }
+    }
+    tx.commit().await.expect("commit");
+    let total: usize = written.values().map(Vec::len).sum();
+
+    let proxy = LoopbackProxy::start(b.server_addr()).await;
+    let t = b
+        .trial(TrialOptions {
+            connect_to: Some(proxy.addr()),
+            adapter_timeout: Duration::from_secs(1),
+        })
+        .await;
+    let log = Arc::new(Log::default());
+    let relay = Arc::new(
+        Relay::builder(
+            Arc::new(PgOutboxRepository::new(
+                pool.clone(),
+                PgConfig::default().table(table.clone()),
+            )),
+            t.broker(),
+        )
+        .worker_id("faults")
+        .batch_size(10)
+        .max_per_key(2)
+        .publish_timeout(Duration::from_secs(2))
+        .poll_interval(Duration::from_secs(1))
+        .step(log.clone())
+        .build()
+        .expect("relay"),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop).await }
+    });
+
+    assert!(
+        log.wait(Duration::from_secs(30), |l| l.completed() >= 20)
+            .await,
+        "faults: 20 rows were not published within 30 s"
+    );
+    match fault {
+        BrokerFault::Refuse => proxy.close().await,
+        BrokerFault::BlackHole => proxy.stall(),
+    }
+    let down = std::time::Instant::now();
+    let cycles_before = log.cycles.lock().expect("log").len();
+    // The outage lasts what it lasts: this wait is the fault, not a wait for state.
+    tokio::time::sleep(outage).await;
+    match fault {
+        BrokerFault::Refuse => proxy.reopen().await,
+        BrokerFault::BlackHole => proxy.resume(),
+    }
+    let up = std::time::Instant::now();
+    let (cycles_during, rows_fetched_during) = {
+        let c = log.cycles.lock().expect("log");
+        let during: Vec<&CycleReport> = c[cycles_before..]
+            .iter()
+            .filter(|(at, _)| *at <= up)
+            .map(|(_, r)| r)
+            .collect();
+        (
+            during.iter().filter(|r| !r.breaker_open).count(),
+            during.iter().map(|r| r.fetched.len()).sum::<usize>(),
+        )
+    };
+    let first_after = |l: &Log| {
+        l.cycles
+            .lock()
+            .expect("log")
+            .iter()
+            .find(|(at, r)| *at > up && !r.completed.is_empty())
+            .map(|(at, _)| *at)
+    };
+    assert!(
+        log.wait(Duration::from_secs(60), |l| first_after(l).is_some())
+            .await,
+        "faults: nothing was published within 60 s after the broker came back"
+    );
+    let first = first_after(&log).expect("checked");
+    assert!(
+        log.wait(Duration::from_secs(120), |l| l.completed() >= total)
+            .await,
+        "faults: the drain did not finish within 120 s after the broker came back ({} of {total})",
+        log.completed()
+    );
+    stop.cancel();
+    relay.waker().notify_one();
+    task.await.expect("relay task");
+
+    let got = t.read("orders").await;
+    let mut first_seen: HashMap<String, Vec<Uuid>> = HashMap::new();
+    let mut seen = HashSet::new();
+    for m in &got {
+        let id = Uuid::parse_str(m.attr("event_id").expect("event_id")).expect("uuid");
+        if seen.insert(id) {
+            first_seen
+                .entry(m.attr("partition_key").expect("key").to_owned())
+                .or_default()
+                .push(id);
+        }
+    }
+    assert_eq!(seen.len(), total, "faults: every event arrived");
+    assert_eq!(
+        first_seen, written,
+        "faults: per key, first deliveries in write order"
+    );
+    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
+        table.qualified()
+    )))
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(left, 0, "faults: every row completed and released");
+    t.cleanup().await;
+    proxy.shutdown().await;
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(&pool)
+        .await
+        .expect("drop the trial schema");
+    OutageFigures {
+        cycles_during,
+        rows_fetched_during,
+        row_writes_during: 2 * rows_fetched_during,
+        first_publish_after: first.saturating_duration_since(up),
+        outage: up.saturating_duration_since(down),
+    }
+}

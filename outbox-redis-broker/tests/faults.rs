@@ -1,0 +1,32 @@
+//! Issue 14's fault suite on Redis Streams: a relay loop on PostgreSQL publishing through a
+//! fault-injecting proxy while the broker refuses connections, then while it black-holes them.
+//! Checks nothing is lost or reordered per key and prints the figures of each outage.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_postgres::testing::{BrokerFault, broker_outage_on_postgres};
+
+async fn outage(fault: BrokerFault) {
+    let f = broker_outage_on_postgres(&Redis, fault, Duration::from_secs(3)).await;
+    println!(
+        "faults redis {fault:?}: outage {:?}: {} cycles, {} rows fetched, {} row writes during it; first publish {:?} after the broker answered again",
+        f.outage,
+        f.cycles_during,
+        f.rows_fetched_during,
+        f.row_writes_during,
+        f.first_publish_after
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_refused() {
+    outage(BrokerFault::Refuse).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_black_holed() {
+    outage(BrokerFault::BlackHole).await;
+}
