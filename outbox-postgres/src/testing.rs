@@ -73,7 +73,14 @@ fn budget() -> &'static (Arc<tokio::sync::Semaphore>, u32) {
 /// A share of the process's connection budget ([`DEFAULT_TEST_CONNECTIONS`]), held by a
 /// harness for as long as its pool lives; dropping it gives the share back.
 #[derive(Debug)]
-pub struct ConnectionShare(#[allow(dead_code)] Option<tokio::sync::OwnedSemaphorePermit>);
+pub struct ConnectionShare(Option<tokio::sync::OwnedSemaphorePermit>);
+
+impl ConnectionShare {
+    /// Whether the share came out of the budget (false: granted over it after the wait).
+    pub fn is_within_budget(&self) -> bool {
+        self.0.is_some()
+    }
+}
 
 /// Reserves `n` connections of the process's budget, waiting while other trials hold it. A
 /// trial that takes a second share while holding one could wait for trials that wait for it, so
@@ -102,12 +109,12 @@ where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let deadline = std::time::Instant::now() + CONNECT_PATIENCE;
+    let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
     let mut wait = Duration::from_millis(20);
     loop {
         match connect().await {
             Ok(v) => return Ok(v),
-            Err(e) if std::time::Instant::now() + wait >= deadline => return Err(e),
+            Err(e) if tokio::time::Instant::now() + wait >= deadline => return Err(e),
             Err(_) => {
                 tokio::time::sleep(wait).await;
                 wait = (wait * 2).min(Duration::from_secs(1));
@@ -1168,5 +1175,230 @@ pub async fn broker_outage_on_postgres(
         row_writes_during: 2 * rows_fetched_during,
         first_publish_after: first.saturating_duration_since(up),
         outage: up.saturating_duration_since(down),
+    }
+}
+
+/// What a [`database_faults_drain`] trial measured.
+#[derive(Debug, Clone)]
+pub struct DatabaseFaultFigures {
+    /// Backends of the relay ended by `pg_terminate_backend` during the fault.
+    pub terminated: usize,
+    /// Cycles that fetched nothing or whose fetch failed (the cycle-end hook sees both as an
+    /// empty report).
+    pub empty_cycles: usize,
+    /// Outcome writes retried after a transient failure (sum of `commit_retries`).
+    pub commit_retries: u32,
+    /// Outcome writes that failed for good (their rows waited for the lease).
+    pub commit_failures: usize,
+    /// Publishes of an event id that had been published before (at least once delivery).
+    pub repeated_publishes: usize,
+    /// From the end of the fault to the last row completed.
+    pub drain_after: Duration,
+    /// Whether a pinned snapshot (an open REPEATABLE READ transaction elsewhere) held back
+    /// vacuum during the whole drain.
+    pub pinned: bool,
+    /// The whole drain.
+    pub drain: Duration,
+}
+
+/// Issue 14's fault suite, database side: a relay loop on PostgreSQL (the sqlx backend, its own
+/// pool with application name `outbox-faults-<schema>`) drains 8 keys × 40 events to a
+/// scripted broker (1 ms per publish). For the first `fault` of the drain every backend of the
+/// relay's pool is ended with `pg_terminate_backend` every 50 ms, so fetches, publishes' outcome
+/// writes and idle connections are cut wherever they are. With `pin`, a REPEATABLE READ
+/// transaction on another connection holds its snapshot (and so vacuum) for the whole drain.
+/// Checks that every event is published, first publishes per key in write order, and every row
+/// ends completed and released; returns the figures.
+pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultFigures {
+    use std::sync::Mutex;
+
+    use outbox_core::CancellationToken;
+    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::scripted::{Action, ScriptedBroker};
+    use outbox_core::step::PipelineStep;
+
+    #[derive(Default)]
+    struct Log {
+        reports: Mutex<Vec<CycleReport>>,
+        changed: tokio::sync::Notify,
+    }
+    #[async_trait]
+    impl PipelineStep for Log {
+        async fn on_cycle_end(&self, r: &CycleReport) {
+            self.reports.lock().expect("log").push(r.clone());
+            self.changed.notify_waiters();
+        }
+    }
+
+    let _share = reserve_connections(8).await;
+    let url = database_url();
+    let admin = trial_pool(&url, 3).await;
+    let schema = fresh_schema_name();
+    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
+    create_schema(&admin, &table)
+        .await
+        .expect("create the outbox table");
+    let writer = PgOutboxWriter::new(&table);
+    let mut written: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+    let mut tx = admin.begin().await.expect("begin");
+    for seq in 0..40 {
+        let events: Vec<NewEvent> = (0..8)
+            .map(|k| outbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
+            .collect();
+        for r in writer.write(&mut tx, events).await.expect("write") {
+            written
+                .entry(r.event.partition_key.clone())
+                .or_default()
+                .push(r.event.id);
+        }
+    }
+    tx.commit().await.expect("commit");
+    let total: usize = written.values().map(Vec::len).sum();
+
+    let mut pinned = None;
+    if pin {
+        let mut c = admin.begin().await.expect("begin the pin");
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *c)
+            .await
+            .expect("repeatable read");
+        sqlx::query("SELECT txid_current()")
+            .execute(&mut *c)
+            .await
+            .expect("take the snapshot");
+        pinned = Some(c);
+    }
+
+    let app = format!("outbox-faults-{schema}");
+    let opts: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .expect("DATABASE_URL is a valid postgres URL")
+        .application_name(&app);
+    let relay_pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(CONNECT_PATIENCE)
+        .connect_lazy_with(opts);
+    let broker = ScriptedBroker::new();
+    broker.set_default(Action::Delay(Duration::from_millis(1)));
+    let log = Arc::new(Log::default());
+    let relay = Arc::new(
+        Relay::builder(
+            Arc::new(PgOutboxRepository::new(
+                relay_pool.clone(),
+                PgConfig::default().table(table.clone()),
+            )),
+            Arc::new(broker.clone()),
+        )
+        .worker_id("faults-db")
+        .batch_size(20)
+        .max_per_key(4)
+        .lease_ttl(Duration::from_secs(5))
+        .publish_timeout(Duration::from_secs(1))
+        .poll_interval(Duration::from_millis(200))
+        .step(log.clone())
+        .build()
+        .expect("relay"),
+    );
+    let started = std::time::Instant::now();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop).await }
+    });
+
+    // The fault: end every backend of the relay's pool every 50 ms.
+    let mut terminated = 0usize;
+    let fault_ends = std::time::Instant::now() + fault;
+    while std::time::Instant::now() < fault_ends {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = $1",
+        )
+        .bind(&app)
+        .fetch_one(&admin)
+        .await
+        .expect("pg_terminate_backend");
+        terminated += n as usize;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let fault_end = std::time::Instant::now();
+
+    let done = |l: &Log| {
+        l.reports
+            .lock()
+            .expect("log")
+            .iter()
+            .map(|r| r.completed.len())
+            .sum::<usize>()
+            >= total
+    };
+    let finished = tokio::time::timeout(Duration::from_secs(120), async {
+        loop {
+            let n = log.changed.notified();
+            if done(&log) {
+                return;
+            }
+            n.await;
+        }
+    })
+    .await;
+    let drained = std::time::Instant::now();
+    stop.cancel();
+    relay.waker().notify_one();
+    task.await.expect("relay task");
+    if let Some(c) = pinned.take() {
+        c.rollback().await.expect("end the pin");
+    }
+    let left: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, status, locked_by FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
+        table.qualified()
+    )))
+    .fetch_all(&admin)
+    .await
+    .expect("rows left");
+    assert!(
+        finished.is_ok() && left.is_empty(),
+        "faults: the drain did not finish within 120 s after the fault: {left:?}"
+    );
+
+    let calls = broker.calls();
+    let mut seen = std::collections::HashSet::new();
+    let mut first: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+    let mut repeated = 0;
+    for c in &calls {
+        if c.result.as_ref().is_some_and(Result::is_ok) {
+            if seen.insert(c.event_id) {
+                first
+                    .entry(c.partition_key.clone())
+                    .or_default()
+                    .push(c.event_id);
+            } else {
+                repeated += 1;
+            }
+        }
+    }
+    assert_eq!(seen.len(), total, "faults: every event was published");
+    assert_eq!(
+        first, written,
+        "faults: per key, first publishes in write order"
+    );
+    let reports = log.reports.lock().expect("log").clone();
+    relay_pool.close().await;
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(&admin)
+        .await
+        .expect("drop the trial schema");
+    DatabaseFaultFigures {
+        terminated,
+        empty_cycles: reports
+            .iter()
+            .filter(|r| r.fetched.is_empty() && !r.breaker_open)
+            .count(),
+        commit_retries: reports.iter().map(|r| r.commit_retries).sum(),
+        commit_failures: reports.iter().filter(|r| r.commit_failed).count(),
+        repeated_publishes: repeated,
+        drain_after: drained.saturating_duration_since(fault_end),
+        pinned: pin,
+        drain: drained.saturating_duration_since(started),
     }
 }
