@@ -1,5 +1,5 @@
 //! Issue 14's fault suite on NATS JetStream: a relay loop on PostgreSQL publishing through a
-//! fault-injecting proxy while the broker refuses connections, then while it black-holes them.
+//! fault-injecting proxy while the broker refuses connections, black-holes them, or resets them.
 //! Checks nothing is lost or reordered per key and prints the figures of each outage.
 
 mod common;
@@ -29,4 +29,9 @@ async fn broker_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_black_holed() {
     outage(BrokerFault::BlackHole).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_connections_reset() {
+    outage(BrokerFault::Reset).await;
 }

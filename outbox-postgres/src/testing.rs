@@ -955,6 +955,8 @@ pub enum BrokerFault {
     Refuse,
     /// Connections stay open, new ones are accepted, and no byte gets through either way.
     BlackHole,
+    /// Every connection, open or new, is reset (TCP RST) mid-stream.
+    Reset,
 }
 
 /// What a [`broker_outage_on_postgres`] trial measured.
@@ -1092,6 +1094,7 @@ pub async fn broker_outage_on_postgres(
     match fault {
         BrokerFault::Refuse => proxy.close().await,
         BrokerFault::BlackHole => proxy.stall(),
+        BrokerFault::Reset => proxy.reset(),
     }
     let down = std::time::Instant::now();
     let cycles_before = log.cycles.lock().expect("log").len();
@@ -1100,6 +1103,7 @@ pub async fn broker_outage_on_postgres(
     match fault {
         BrokerFault::Refuse => proxy.reopen().await,
         BrokerFault::BlackHole => proxy.resume(),
+        BrokerFault::Reset => proxy.stop_resetting(),
     }
     let up = std::time::Instant::now();
     let (cycles_during, rows_fetched_during) = {
