@@ -45,6 +45,8 @@ pub struct Cfg {
     pub steps: Vec<Arc<dyn PipelineStep>>,
     /// Use the peer backend's repository.
     pub peer: bool,
+    /// The delivery mode; `None` takes the harness's ([`Harness::delivery`](crate::Harness::delivery)).
+    pub delivery: Option<outbox_core::DeliveryMode>,
 }
 
 impl Default for Cfg {
@@ -61,6 +63,7 @@ impl Default for Cfg {
             filter: FetchFilter::default(),
             breaker: None,
             steps: Vec::new(),
+            delivery: None,
             peer: false,
         }
     }
@@ -285,7 +288,8 @@ impl Ctx {
             .backoff(Backoff::new(cfg.base, cfg.cap).expect("backoff"))
             .filter(cfg.filter.clone())
             .random_source(Box::new(SeededRng::new(7)))
-            .clock(Arc::new(self.relay_clock.clone()));
+            .clock(Arc::new(self.relay_clock.clone()))
+            .delivery(cfg.delivery.unwrap_or_else(|| self.h.delivery()));
         if let Some(br) = cfg.breaker {
             b = b.breaker(br);
         }

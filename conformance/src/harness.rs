@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
 use outbox_core::event::{NewEvent, Status};
-use outbox_core::repository::{OutboxRepository, WriteResult};
+use outbox_core::repository::{DeliveryMode, OutboxRepository, WriteResult};
 use uuid::Uuid;
 
 /// The kind of backend, which decides the scenarios that apply (tags [mem] and [pg]).
@@ -115,6 +115,71 @@ pub trait Harness: Send + Sync {
     /// objects. `{table}` in the text is replaced by the qualified table name.
     async fn sql(&self, _statement: &str) -> Result<Vec<serde_json::Value>, String> {
         Err("this backend has no SQL".into())
+    }
+    /// The delivery mode the scenarios' relays run in (R76 lease by default; R84 with
+    /// [`InTransaction`]).
+    fn delivery(&self) -> DeliveryMode {
+        DeliveryMode::Lease
+    }
+}
+
+/// A factory whose harnesses run every relay of the suite with delivery in one transaction
+/// (R84): `suite!(postgres_transaction: InTransaction(MyFactory::new()))`. The backend must
+/// implement [`OutboxRepository::begin_delivery`].
+#[derive(Debug, Clone)]
+pub struct InTransaction<F>(pub F);
+
+#[async_trait]
+impl<F: Factory> Factory for InTransaction<F> {
+    async fn create(&self) -> Arc<dyn Harness> {
+        Arc::new(TransactionHarness(self.0.create().await))
+    }
+}
+
+/// A harness that delegates everything but [`Harness::delivery`].
+struct TransactionHarness(Arc<dyn Harness>);
+
+#[async_trait]
+impl Harness for TransactionHarness {
+    fn kind(&self) -> BackendKind {
+        self.0.kind()
+    }
+    fn repository(&self) -> Arc<dyn OutboxRepository> {
+        self.0.repository()
+    }
+    fn peer_repository(&self) -> Arc<dyn OutboxRepository> {
+        self.0.peer_repository()
+    }
+    async fn begin(&self) -> Box<dyn WriteTx> {
+        self.0.begin().await
+    }
+    async fn begin_peer(&self) -> Box<dyn WriteTx> {
+        self.0.begin_peer().await
+    }
+    async fn advance(&self, d: Duration) {
+        self.0.advance(d).await
+    }
+    async fn set(&self, id: Uuid, patch: RowPatch) {
+        self.0.set(id, patch).await
+    }
+    fn fail_next_outcome_commit(&self) {
+        self.0.fail_next_outcome_commit()
+    }
+    fn try_configure(
+        &self,
+        batch_size: usize,
+        error_max_length: usize,
+    ) -> Option<Result<(), String>> {
+        self.0.try_configure(batch_size, error_max_length)
+    }
+    async fn create_schema_for(&self, table: &str) -> Option<Result<(), String>> {
+        self.0.create_schema_for(table).await
+    }
+    async fn sql(&self, statement: &str) -> Result<Vec<serde_json::Value>, String> {
+        self.0.sql(statement).await
+    }
+    fn delivery(&self) -> DeliveryMode {
+        DeliveryMode::Transaction
     }
 }
 

@@ -7,7 +7,7 @@ pub mod harness;
 pub mod memory;
 pub mod scenarios;
 
-pub use harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
+pub use harness::{BackendKind, Factory, Harness, InTransaction, RowPatch, WriteTx};
 
 /// Generates one `#[tokio::test]` per scenario, named after its ID (`o_01` is O-01).
 ///
@@ -30,39 +30,66 @@ macro_rules! suite {
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
-            pg::pg_06, pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_10, pg::p_08);
+            pg::pg_06, pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12,
+            pg::p_08);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
-            pg::pg_07, pg::pg_08, pg::pg_09, pg::p_08);
+            pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08);
+    };
+    (memory_transaction: $f:expr) => {
+        $crate::suite!(@both $f);
+        $crate::suite!(@paused $f; outage::t_11, lease::l_09);
+        $crate::suite!(@tests $f; tx::tx_02_commit, tx::tx_04);
+    };
+    (postgres_transaction: $f:expr) => {
+        $crate::suite!(@both $f);
+        $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
+            pg::pg_06, pg::pg_07, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12, pg::p_08,
+            tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_03, tx::tx_04, tx::tx_05);
+    };
+    (postgres_partitioned_transaction: $f:expr) => {
+        $crate::suite!(@both $f);
+        $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
+            pg::pg_07, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08,
+            tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_03, tx::tx_04, tx::tx_05);
     };
     (other: $f:expr) => {
         $crate::suite!(@all $f);
     };
     (@all $f:expr) => {
+        $crate::suite!(@both $f);
+        $crate::suite!(@lease_only $f);
+    };
+    // The scenarios that hold in both delivery modes.
+    (@both $f:expr) => {
         $crate::suite!(@tests $f;
-            order::o_01, order::o_02, order::o_03, order::o_04, order::o_05, order::o_06,
-            order::o_07, order::o_08, order::o_09, order::o_10, order::o_11, order::o_12,
-            order::o_13, order::o_14, order::o_16, order::o_17, order::o_18, order::o_19,
-            writing::w_01, writing::w_02, writing::w_03, writing::w_04, writing::w_05,
-            writing::i_01, writing::i_02, writing::i_03, writing::i_04,
-            validation::v_01_to_v_12, validation::v_13, validation::v_14, validation::v_14_stored,
-            validation::v_16, validation::v_17,
-            backoff::b_01, backoff::b_02, backoff::b_03, backoff::b_04, backoff::b_05, backoff::b_06,
-            backoff::b_07, backoff::b_08, backoff::b_10, backoff::b_12, backoff::b_13, backoff::b_14,
-            backoff::h_01, backoff::h_05, backoff::h_06, backoff::h_08, backoff::h_09, backoff::h_10,
-            backoff::h_11, backoff::h_12, backoff::h_13, backoff::h_14,
-            outage::t_01, outage::t_02, outage::t_03, outage::t_04, outage::t_05, outage::t_06,
-            outage::t_07, outage::t_08, outage::t_10,
+            order::o_01, order::o_02, order::o_03, order::o_04, order::o_05, order::o_07,
+            order::o_08, order::o_09, order::o_10, order::o_11, order::o_12, order::o_13,
+            order::o_14, order::o_16, order::o_18, order::o_19, writing::w_01, writing::w_02,
+            writing::w_03, writing::w_04, writing::w_05, writing::i_01, writing::i_02,
+            writing::i_03, writing::i_04, validation::v_01_to_v_12, validation::v_13,
+            validation::v_14, validation::v_14_stored, validation::v_16, validation::v_17,
+            backoff::b_01, backoff::b_02, backoff::b_03, backoff::b_04, backoff::b_05,
+            backoff::b_06, backoff::b_07, backoff::b_10, backoff::b_12, backoff::b_13,
+            backoff::b_14, backoff::h_01, backoff::h_05, backoff::h_06, backoff::h_08,
+            backoff::h_10, backoff::h_11, backoff::h_12, backoff::h_13, outage::t_03, outage::t_08,
             lease::l_01, lease::l_02, lease::l_03, lease::l_04, lease::l_05, lease::l_06,
-            lease::l_07, lease::l_08,
-            maint::r_01, maint::r_02, maint::c_01, maint::c_02,
-            runs::q_01, runs::q_02, runs::q_03, runs::q_04, runs::q_05, runs::q_06, runs::q_07,
-            runs::q_08, runs::q_09, runs::x_01, runs::x_02, runs::x_03, runs::x_04, runs::x_05,
-            pipeline::p_02, pipeline::p_03, pipeline::p_06, pipeline::p_07,
-            pipeline::m_01, pipeline::m_02, pipeline::m_03,
-            stand::s_01, stand::s_02
+            lease::l_07, lease::l_08, maint::r_01, maint::r_02, maint::c_01, maint::c_02,
+            runs::q_01, runs::q_02, runs::q_06, runs::q_07, runs::q_08, runs::q_09, runs::x_01,
+            runs::x_03, runs::x_04, runs::x_05, pipeline::p_02, pipeline::p_03, pipeline::p_07, pipeline::m_01,
+            pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02
+        );
+    };
+    // The scenarios about what the lease mode writes: a transient failure's last_error and
+    // +1 s retry (R43, R47), the lease stamp (R21) and a failed commit leaving rows leased.
+    // Delivery in one transaction writes none of these (R84); TX-01 to TX-05 cover its side.
+    (@lease_only $f:expr) => {
+        $crate::suite!(@tests $f;
+            backoff::b_08, backoff::h_09, backoff::h_14, order::o_06, order::o_17, pipeline::p_06,
+            runs::q_03, runs::q_04, runs::q_05, outage::t_01, outage::t_02, outage::t_04,
+            outage::t_05, outage::t_06, outage::t_07, outage::t_10, runs::x_02
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

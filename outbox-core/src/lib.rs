@@ -21,7 +21,9 @@ pub use error::{BrokerError, ConfigError, RepositoryError, StepError, Validation
 pub use event::{EventBuilder, NewEvent, OutboxEvent, Schedule, Status, WorkerId};
 pub use memory::InMemoryRepository;
 pub use relay::{CycleReport, Relay, RelayBuilder};
-pub use repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository};
+pub use repository::{
+    Delivery, DeliveryBound, DeliveryMode, FetchFilter, FetchRequest, Fetched, OutboxRepository,
+};
 pub use step::{PipelineStep, StepDecision};
 
 /// Re-exported so users need not depend on tokio-util for the shutdown signal.

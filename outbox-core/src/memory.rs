@@ -21,9 +21,10 @@ use crate::error::{ConfigError, RepositoryError};
 use crate::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text, normalize_error};
 use crate::ordering;
 use crate::repository::{
-    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeKind, OutcomeResult, Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult,
-    WrittenOutcome, args, check_backend_batch_size,
+    BLOCKED_WAITING_CAP, BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery,
+    DeliveryBound, FetchRequest, Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult,
+    Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult, WrittenOutcome, args,
+    check_backend_batch_size,
 };
 
 #[derive(Debug, Default)]
@@ -34,6 +35,43 @@ struct State {
     /// Idempotency keys written by open transactions, with the transaction's number.
     claims: HashMap<String, u64>,
     last_created: Option<DateTime<Utc>>,
+    /// Rows row-locked by open deliveries (R84), with the delivery's number: skipped by every
+    /// fetch and holding their keys, as PostgreSQL's row locks are.
+    row_locks: HashMap<Uuid, u64>,
+}
+
+impl State {
+    /// The ids `select` picks, with row-locked rows seen as held under a live lease (in line,
+    /// not fetchable), as a fetch with `SKIP LOCKED` sees them.
+    fn select_ids(&self, req: &FetchRequest, now: DateTime<Utc>) -> Vec<Uuid> {
+        let locked: Vec<OutboxEvent> = self
+            .row_locks
+            .keys()
+            .filter_map(|id| self.rows.get(id))
+            .map(|r| {
+                let mut r = r.clone();
+                r.locked_at = Some(now);
+                r.locked_by = Some("(row-locked)".into());
+                r
+            })
+            .collect();
+        let view = self
+            .rows
+            .values()
+            .filter(|r| !self.row_locks.contains_key(&r.id))
+            .chain(locked.iter());
+        ordering::select(
+            view,
+            now,
+            req.limit,
+            req.lease_ttl,
+            req.max_per_key,
+            &req.filter,
+        )
+        .into_iter()
+        .map(|e| e.id)
+        .collect()
+    }
 }
 
 #[derive(Debug)]
@@ -175,9 +213,126 @@ impl InMemoryRepository {
         row.updated_at = Some(now);
     }
 
+    /// Applies one outcome's fields (not the release of the lock).
+    fn apply(row: &mut OutboxEvent, kind: &OutcomeKind, now: DateTime<Utc>, max: usize) {
+        let apply_retry = |row: &mut OutboxEvent, retry: Retry| {
+            row.scheduled_at = match retry {
+                Retry::Keep => row.scheduled_at,
+                Retry::After(d) => plus(now, d),
+                Retry::At(t) => t,
+            };
+        };
+        match kind {
+            OutcomeKind::Completed => {
+                row.status = Status::Completed;
+                row.completed_at = Some(now);
+            }
+            OutcomeKind::Counted { error, retry } => {
+                row.attempts_made += 1;
+                if row.attempts_made >= row.max_attempts {
+                    row.status = Status::Failed;
+                }
+                row.last_error = Some(normalize_error(error, max));
+                apply_retry(row, *retry);
+            }
+            OutcomeKind::Transient { error, retry } => {
+                row.last_error = Some(normalize_error(error, max));
+                apply_retry(row, *retry);
+            }
+            OutcomeKind::Deferred { error } => {
+                row.last_error = Some(normalize_error(error, max));
+            }
+            OutcomeKind::Released => {}
+        }
+    }
+
     fn held_by(row: &OutboxEvent, worker: &WorkerId) -> bool {
         row.status == Status::Pending && row.locked_by.as_deref() == Some(worker.as_str())
     }
+}
+
+/// An open delivery on the in-memory repository (R84): its rows are row-locked until it
+/// commits or is dropped (rolled back).
+#[derive(Debug)]
+struct MemDelivery {
+    repo: InMemoryRepository,
+    number: u64,
+    ids: Vec<Uuid>,
+}
+
+impl MemDelivery {
+    fn unlock(&self, st: &mut State) {
+        for id in &self.ids {
+            if st.row_locks.get(id) == Some(&self.number) {
+                st.row_locks.remove(id);
+            }
+        }
+    }
+}
+
+impl Drop for MemDelivery {
+    fn drop(&mut self) {
+        let repo = self.repo.clone();
+        let mut st = repo.lock();
+        self.unlock(&mut st);
+        drop(st);
+        repo.inner.released.notify_waiters();
+    }
+}
+
+#[async_trait]
+impl Delivery for MemDelivery {
+    async fn commit(
+        self: Box<Self>,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        if self
+            .repo
+            .inner
+            .fail_next_commit
+            .swap(false, Ordering::SeqCst)
+        {
+            // Dropping self rolls back: the rows are free at once (TX-02).
+            return Err(RepositoryError::Other(
+                "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
+            ));
+        }
+        let now = self.repo.now_sync();
+        let max = self.repo.inner.error_max_length;
+        let mut st = self.repo.lock();
+        let mut out = Vec::with_capacity(outcomes.len());
+        for o in outcomes {
+            let mine = st.row_locks.get(&o.id) == Some(&self.number);
+            let Some(row) = st
+                .rows
+                .get_mut(&o.id)
+                .filter(|r| mine && r.status == Status::Pending)
+            else {
+                out.push(WrittenOutcome {
+                    id: o.id,
+                    result: OutcomeResult::LeaseLost,
+                });
+                continue;
+            };
+            // Only completions and counted failures are written (R84).
+            if matches!(o.kind, OutcomeKind::Completed | OutcomeKind::Counted { .. }) {
+                InMemoryRepository::apply(row, &o.kind, now, max);
+                InMemoryRepository::release(row, now);
+            }
+            out.push(WrittenOutcome {
+                id: o.id,
+                result: OutcomeResult::Applied {
+                    status: row.status,
+                    attempts_made: row.attempts_made,
+                    scheduled_at: row.scheduled_at,
+                },
+            });
+        }
+        self.unlock(&mut st);
+        Ok(out)
+    }
+
+    async fn rollback(self: Box<Self>) {}
 }
 
 /// A unit of work on the in-memory repository. Dropping it without commit rolls it back.
@@ -332,6 +487,7 @@ impl OutboxRepository for InMemoryRepository {
             name: "memory",
             database_clock: false,
             undecodable_rows: false,
+            transaction_delivery: true,
         }
     }
 
@@ -347,17 +503,7 @@ impl OutboxRepository for InMemoryRepository {
         req.validate()?;
         let now = self.now_sync();
         let mut st = self.lock();
-        let ids: Vec<Uuid> = ordering::select(
-            st.rows.values(),
-            now,
-            req.limit,
-            req.lease_ttl,
-            req.max_per_key,
-            &req.filter,
-        )
-        .into_iter()
-        .map(|e| e.id)
-        .collect();
+        let ids = st.select_ids(req, now);
         Ok(ids
             .into_iter()
             .map(|id| {
@@ -368,6 +514,33 @@ impl OutboxRepository for InMemoryRepository {
                 Fetched::Row(r.clone())
             })
             .collect())
+    }
+
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        _bound: DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
+        req.validate()?;
+        let now = self.now_sync();
+        let number = self.inner.next_tx.fetch_add(1, Ordering::SeqCst);
+        let mut st = self.lock();
+        let ids = st.select_ids(req, now);
+        let rows: Vec<Fetched> = ids
+            .iter()
+            .map(|id| {
+                st.row_locks.insert(*id, number);
+                Fetched::Row(st.rows[id].clone())
+            })
+            .collect();
+        Ok((
+            rows,
+            Box::new(MemDelivery {
+                repo: self.clone(),
+                number,
+                ids,
+            }),
+        ))
     }
 
     async fn write_outcomes(
@@ -392,35 +565,7 @@ impl OutboxRepository for InMemoryRepository {
                 });
                 continue;
             };
-            let apply_retry = |row: &mut OutboxEvent, retry: Retry| {
-                row.scheduled_at = match retry {
-                    Retry::Keep => row.scheduled_at,
-                    Retry::After(d) => plus(now, d),
-                    Retry::At(t) => t,
-                };
-            };
-            match &o.kind {
-                OutcomeKind::Completed => {
-                    row.status = Status::Completed;
-                    row.completed_at = Some(now);
-                }
-                OutcomeKind::Counted { error, retry } => {
-                    row.attempts_made += 1;
-                    if row.attempts_made >= row.max_attempts {
-                        row.status = Status::Failed;
-                    }
-                    row.last_error = Some(normalize_error(error, max));
-                    apply_retry(row, *retry);
-                }
-                OutcomeKind::Transient { error, retry } => {
-                    row.last_error = Some(normalize_error(error, max));
-                    apply_retry(row, *retry);
-                }
-                OutcomeKind::Deferred { error } => {
-                    row.last_error = Some(normalize_error(error, max));
-                }
-                OutcomeKind::Released => {}
-            }
+            Self::apply(row, &o.kind, now, max);
             Self::release(row, now);
             out.push(WrittenOutcome {
                 id: o.id,
@@ -490,11 +635,17 @@ impl OutboxRepository for InMemoryRepository {
         let mut st = self.lock();
         let cap = self.inner.batch_size.saturating_mul(STALE_LOCK_MAX_BATCHES);
         let mut n = 0u64;
-        for r in st.rows.values_mut() {
+        let State {
+            rows, row_locks, ..
+        } = &mut *st;
+        for r in rows.values_mut() {
             if (n as usize) >= cap {
                 break;
             }
-            if r.status == Status::Pending && r.locked_at.is_some_and(|t| t < cutoff) {
+            if r.status == Status::Pending
+                && r.locked_at.is_some_and(|t| t < cutoff)
+                && !row_locks.contains_key(&r.id)
+            {
                 Self::release(r, now);
                 n += 1;
             }
@@ -586,7 +737,8 @@ impl OutboxRepository for InMemoryRepository {
                             && r.partition_key == key.partition_key
                             && ordering::write_order(r) > ordering::write_order(h)
                     })
-                    .count() as i64;
+                    .count()
+                    .min(BLOCKED_WAITING_CAP as usize) as i64;
                 BlockedKey {
                     topic: key.topic,
                     partition_key: key.partition_key,

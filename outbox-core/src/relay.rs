@@ -41,8 +41,8 @@ use crate::error::{BrokerError, ConfigError, RepositoryError, StepError, Validat
 use crate::event::{Status, WorkerId, limits};
 use crate::ordering::Key;
 use crate::repository::{
-    DEFAULT_LEASE_TTL, DEFAULT_MAX_PER_KEY, FetchFilter, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeKind, OutcomeResult, Retry, WrittenOutcome,
+    DEFAULT_LEASE_TTL, DEFAULT_MAX_PER_KEY, DeliveryBound, DeliveryMode, FetchFilter, FetchRequest,
+    Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult, Retry, WrittenOutcome,
 };
 use crate::step::{ObservedOutcome, PipelineStep, StepDecision};
 
@@ -117,9 +117,33 @@ pub struct RelayConfig {
     backoff: Backoff,
     filter: FetchFilter,
     breaker: Option<BreakerConfig>,
+    delivery: DeliveryMode,
 }
 
+/// The longest publish timeout delivery in one transaction accepts: its transaction may stay
+/// open for twice the publish timeout (R84), and a transaction open for more than about 20
+/// minutes holds back vacuum and a connection for too long; use the lease mode instead.
+pub const MAX_TRANSACTION_PUBLISH_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// The margin the server timeout of a delivery transaction adds for the outcome write (R84).
+pub const TRANSACTION_OUTCOME_MARGIN: Duration = Duration::from_secs(1);
+
 impl RelayConfig {
+    /// The delivery mode (R76 lease, R84 transaction).
+    pub fn delivery(&self) -> DeliveryMode {
+        self.delivery
+    }
+
+    /// In transaction delivery: no publish starts later than one publish timeout after the
+    /// fetch, every publish ends within a second one, so the transaction is idle at most
+    /// 2 × publish timeout; the server ends it after 2 × publish timeout +
+    /// [`TRANSACTION_OUTCOME_MARGIN`] of silence (R84, TX-03).
+    pub fn delivery_bound(&self) -> DeliveryBound {
+        DeliveryBound {
+            server_timeout: self.publish_timeout * 2 + TRANSACTION_OUTCOME_MARGIN,
+        }
+    }
+
     /// The worker id.
     pub fn worker_id(&self) -> &WorkerId {
         &self.worker_id
@@ -174,6 +198,7 @@ pub struct RelayBuilder {
     backoff: Backoff,
     filter: FetchFilter,
     breaker: Option<BreakerConfig>,
+    delivery: DeliveryMode,
     rng: Option<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
 }
@@ -188,6 +213,14 @@ impl std::fmt::Debug for RelayBuilder {
 }
 
 impl RelayBuilder {
+    /// The delivery mode (default [`DeliveryMode::Lease`]). [`DeliveryMode::Transaction`]
+    /// needs a backend with [`Capabilities::transaction_delivery`](crate::repository::Capabilities)
+    /// and a publish timeout of at most [`MAX_TRANSACTION_PUBLISH_TIMEOUT`].
+    pub fn delivery(mut self, mode: DeliveryMode) -> Self {
+        self.delivery = mode;
+        self
+    }
+
     /// The worker id (R10); a generated one when not set (R25).
     pub fn worker_id(mut self, id: impl Into<String>) -> Self {
         self.worker_id = Some(id.into());
@@ -296,6 +329,21 @@ impl RelayBuilder {
                 )));
             }
         }
+        if self.delivery == DeliveryMode::Transaction {
+            if !self.repo.capabilities().transaction_delivery {
+                return Err(ConfigError::new(format!(
+                    "the {} backend does not support delivery in one transaction; use the lease mode",
+                    self.repo.capabilities().name
+                )));
+            }
+            if self.publish_timeout > MAX_TRANSACTION_PUBLISH_TIMEOUT {
+                return Err(ConfigError::new(format!(
+                    "publish_timeout ({:?}) is too long for delivery in one transaction: its transaction \
+                     could stay open for 2 × that; use at most {:?}, or the lease mode",
+                    self.publish_timeout, MAX_TRANSACTION_PUBLISH_TIMEOUT
+                )));
+            }
+        }
         if self.lease_ttl <= self.publish_timeout {
             return Err(ConfigError::new(format!(
                 "lease_ttl ({:?}) must exceed publish_timeout ({:?}), or a publish could outlive its lease",
@@ -321,6 +369,7 @@ impl RelayBuilder {
                 backoff: self.backoff,
                 filter: self.filter,
                 breaker: self.breaker,
+                delivery: self.delivery,
             },
             rng: Mutex::new(
                 self.rng
@@ -473,6 +522,7 @@ impl Relay {
             backoff: Backoff::default(),
             filter: FetchFilter::default(),
             breaker: None,
+            delivery: DeliveryMode::Lease,
             rng: None,
             clock: Arc::new(TokioClock),
         }
@@ -591,7 +641,16 @@ impl Relay {
             filter: self.config.filter.clone(),
         };
         let fetch_started = self.clock.now();
-        let rows = self.repo.fetch_and_lock(&req).await?;
+        let (rows, delivery) = match self.config.delivery {
+            DeliveryMode::Lease => (self.repo.fetch_and_lock(&req).await?, None),
+            DeliveryMode::Transaction => {
+                let (rows, d) = self
+                    .repo
+                    .begin_delivery(&req, self.config.delivery_bound())
+                    .await?;
+                (rows, Some(d))
+            }
+        };
         report.fetched = rows.iter().map(Fetched::id).collect();
         for s in &self.steps {
             guard_hook("on_fetch", s.on_fetch(rows.len())).await;
@@ -603,11 +662,15 @@ impl Relay {
         let runs = group_runs(&rows);
 
         let state = Mutex::new(CycleState::default());
-        // The builder bounds the lease (MAX_DURATION); a deadline past the clock's range would
-        // mean no publish may start, which releases the rows instead of panicking.
-        let lease_deadline = fetch_started
-            .checked_add(self.config.lease_ttl)
-            .unwrap_or(fetch_started);
+        // No publish starts unless it can end before this (R49; in transaction delivery, R84:
+        // none starts later than one publish timeout after the fetch). The builder bounds both
+        // durations (365 days); a deadline past the clock's range would mean no publish may
+        // start, which releases the rows instead of panicking.
+        let lease_deadline = match self.config.delivery {
+            DeliveryMode::Lease => fetch_started.checked_add(self.config.lease_ttl),
+            DeliveryMode::Transaction => fetch_started.checked_add(self.config.publish_timeout * 2),
+        }
+        .unwrap_or(fetch_started);
         // Every key's run is a future; a FIFO semaphore lets `publish_concurrency` of them
         // publish at once, in head order (R75).
         let permits = tokio::sync::Semaphore::new(self.config.publish_concurrency);
@@ -654,15 +717,28 @@ impl Relay {
         }
         report.broker_unreachable = matches!(state.stop, Some(Stop::Unreachable(_)));
 
-        let (written, retries) = self
-            .write_outcomes_retrying(&outcomes, lease_deadline, shutdown)
-            .await;
+        let (written, retries) = match delivery {
+            None => {
+                self.write_outcomes_retrying(&outcomes, lease_deadline, shutdown)
+                    .await
+            }
+            // The delivery's transaction is gone when its commit fails: nothing to retry.
+            Some(d) => (d.commit(&outcomes).await, 0),
+        };
         report.commit_retries = retries;
         let written: HashMap<Uuid, OutcomeResult> = match written {
             Ok(w) => w.into_iter().map(|w| (w.id, w.result)).collect(),
             Err(e) => {
-                tracing::error!(error = %e, worker = %self.config.worker_id, retries,
-                    "outcome commit failed; the rows stay locked until their lease expires and will be published again");
+                match self.config.delivery {
+                    DeliveryMode::Lease => {
+                        tracing::error!(error = %e, worker = %self.config.worker_id, retries,
+                        "outcome commit failed; the rows stay locked until their lease expires and will be published again")
+                    }
+                    DeliveryMode::Transaction => {
+                        tracing::error!(error = %e, worker = %self.config.worker_id,
+                        "outcome commit failed; the transaction rolled back, the rows are free at once and will be published again")
+                    }
+                }
                 report.commit_failed = true;
                 HashMap::new()
             }

@@ -309,9 +309,14 @@ pub struct BlockedKey {
     pub locked_by: Option<String>,
     /// The lock time, when held.
     pub locked_at: Option<DateTime<Utc>>,
-    /// Pending rows behind the head.
+    /// Pending rows behind the head, counted up to [`BLOCKED_WAITING_CAP`] (a value equal to
+    /// the cap means at least that many), so listing keys costs what it returns (R85).
     pub waiting: i64,
 }
+
+/// Where [`BlockedKey::waiting`] stops counting: listing a blocked key reads at most this many
+/// rows behind its head, whatever the backlog (R85).
+pub const BLOCKED_WAITING_CAP: i64 = 10_000;
 
 /// Rows per topic and status (R80).
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize)]
@@ -333,6 +338,76 @@ pub struct Capabilities {
     pub database_clock: bool,
     /// Whether rows can be undecodable (a store written by others, R82).
     pub undecodable_rows: bool,
+    /// Whether [`OutboxRepository::begin_delivery`] is implemented (delivery in one
+    /// transaction, R84).
+    pub transaction_delivery: bool,
+}
+
+/// How a relay hands rows out and writes their outcomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeliveryMode {
+    /// The lease mode (R76): the fetch stamps a lease and commits at once; publishing holds no
+    /// transaction; outcomes are written in a second short transaction. A crashed relay's rows
+    /// wait out their lease.
+    #[default]
+    Lease,
+    /// Delivery in one transaction (R84): the fetch row-locks its rows without writing them,
+    /// the transaction stays open while the cycle publishes (bounded, see
+    /// [`DeliveryBound`]), and the outcomes are written in it before it commits. Each row is
+    /// written once; a crash or a lost connection frees the rows at once; a transient failure
+    /// writes nothing.
+    Transaction,
+}
+
+impl std::fmt::Display for DeliveryMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            DeliveryMode::Lease => "lease",
+            DeliveryMode::Transaction => "transaction",
+        })
+    }
+}
+
+impl std::str::FromStr for DeliveryMode {
+    type Err = crate::error::ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "lease" => Ok(DeliveryMode::Lease),
+            "transaction" => Ok(DeliveryMode::Transaction),
+            other => Err(crate::error::ConfigError(format!(
+                "unknown delivery mode {other:?}: use lease or transaction"
+            ))),
+        }
+    }
+}
+
+/// The bound of an open delivery transaction (R84): the backend makes the server end the
+/// transaction when the relay stays silent for `server_timeout` (PostgreSQL: a per-transaction
+/// `idle_in_transaction_session_timeout`), so a relay that hangs never pins its rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeliveryBound {
+    /// How long the transaction may stay idle before the server ends it.
+    pub server_timeout: Duration,
+}
+
+/// An open delivery transaction (R84), from [`OutboxRepository::begin_delivery`]. Its rows are
+/// row-locked (skipped by every other fetch, and holding their keys) until it ends. Dropping
+/// it without [`Delivery::commit`] rolls it back: the rows are free at once, untouched.
+#[async_trait]
+pub trait Delivery: Send {
+    /// Writes `outcomes` in the transaction and commits it (R84). Completed and counted
+    /// outcomes are written as in [`OutboxRepository::write_outcomes`]; transient, deferred and
+    /// released rows are not written at all (the row lock ends with the transaction). Returns
+    /// one result per outcome, in input order (rows not written report their state as
+    /// fetched). An error means the transaction rolled back: nothing was written and every row
+    /// is free (TX-02). Checked by TX-01, TX-02, TX-04, TX-05.
+    async fn commit(
+        self: Box<Self>,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError>;
+
+    /// Rolls back: nothing written, every row free at once.
+    async fn rollback(self: Box<Self>);
 }
 
 /// Validates a backend batch size (R63; V-17): 1 to 10,000.
@@ -388,6 +463,24 @@ pub trait OutboxRepository: Send + Sync {
 
     /// The backend clock's now (R72).
     async fn now(&self) -> Result<DateTime<Utc>, RepositoryError>;
+
+    /// Delivery in one transaction (R84): opens a transaction bounded by `bound`, selects and
+    /// row-locks rows exactly as [`OutboxRepository::fetch_and_lock`] does but writes nothing
+    /// (no lease stamp), and returns them with the open transaction. Rows under a live lease
+    /// and rows row-locked by another delivery are skipped and hold their keys. Backends that
+    /// do not support it say so in [`Capabilities::transaction_delivery`] and return an error
+    /// here. Checked by TX-01 to TX-05 and the whole suite in transaction mode.
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        bound: DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
+        let _ = (req, bound);
+        Err(RepositoryError::Other(format!(
+            "the {} backend does not support delivery in one transaction (R84); use DeliveryMode::Lease",
+            self.capabilities().name
+        )))
+    }
 
     /// One row by id, or none.
     async fn get(&self, id: Uuid) -> Result<Option<OutboxEvent>, RepositoryError>;

@@ -8,22 +8,28 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Nullable, Text, Timestamptz};
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{
+    AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, TransactionManager,
+};
 use outbox_core::RepositoryError;
 use outbox_core::event::{OutboxEvent, WorkerId, force_unlock_text};
 use outbox_core::repository::{
-    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount, WrittenOutcome, args,
-    check_backend_batch_size,
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery, DeliveryBound, FetchRequest,
+    Fetched, OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount,
+    WrittenOutcome, args, check_backend_batch_size,
 };
 use outbox_postgres::shared;
-use outbox_postgres::sql::{self, FetchParams, Layout, Statements, TableName};
+use outbox_postgres::sql::{
+    self, BlockedKeysParams, FetchParams, HeadRows, Layout, Statements, TableName, WalkCursor,
+};
 use uuid::Uuid;
 
 use crate::error::{Error, map_diesel, map_pool};
 use crate::pool::{PgPool, PooledConnection};
 use crate::prepared::Prepared;
-use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, FetchedRow, NowRow, OutboxRow};
+use crate::row::{
+    AgeRow, AppliedRow, BlockedRow, CountRow, FetchedRow, HeadRow, NowRow, OutboxRow,
+};
 use crate::writer::DieselOutboxWriter;
 
 type SqlUuid = diesel::sql_types::Uuid;
@@ -98,6 +104,7 @@ pub struct DieselOutboxRepository {
     pool: PgPool,
     stmts: Arc<Statements>,
     cfg: DieselConfig,
+    cursor: WalkCursor,
     fail_next_commit: Arc<AtomicBool>,
 }
 
@@ -131,6 +138,7 @@ impl DieselOutboxRepository {
             pool,
             stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout)),
             cfg,
+            cursor: WalkCursor::default(),
             fail_next_commit: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -205,6 +213,7 @@ impl OutboxRepository for DieselOutboxRepository {
             name: "postgres-diesel",
             database_clock: true,
             undecodable_rows: true,
+            transaction_delivery: true,
         }
     }
 
@@ -235,29 +244,67 @@ impl OutboxRepository for DieselOutboxRepository {
         req.validate()?;
         let p = FetchParams::new(req);
         let worker = req.worker.as_str().to_owned();
-        let fetch = self.stmts.fetch.as_str();
         let mut conn = self.conn().await?;
         // Its own transaction, committed at once (R76).
         let rows: Vec<FetchedRow> = conn
             .transaction(async |c| {
-                Prepared(
-                    diesel::sql_query(fetch)
-                        .into_boxed()
-                        .bind::<Text, _>(worker)
-                        .bind::<BigInt, _>(p.limit)
-                        .bind::<BigInt, _>(p.lease_us)
-                        .bind::<BigInt, _>(p.max_per_key)
-                        .bind::<Nullable<Array<Text>>, _>(p.topics)
-                        .bind::<Nullable<Array<Text>>, _>(p.aggregate_types)
-                        .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids)
-                        .bind::<BigInt, _>(p.scan_limit),
+                fetch_in(
+                    c,
+                    &self.stmts,
+                    &self.stmts.fetch_take,
+                    worker,
+                    &p,
+                    &self.cursor,
                 )
-                .load::<FetchedRow>(c)
                 .await
             })
             .await
             .map_err(|e| self.err(e))?;
         Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        bound: DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
+        req.validate()?;
+        let p = FetchParams::new(req);
+        let mut conn = self.conn().await?;
+        // The transaction stays open across the cycle (R84), so it is driven by hand rather
+        // than by a `transaction` closure; dropping the delivery closes the connection, which
+        // rolls it back.
+        AnsiTransactionManager::begin_transaction(&mut *conn)
+            .await
+            .map_err(|e| self.err(e))?;
+        let mut d = DieselDelivery {
+            conn: Some(conn),
+            repo: self.clone(),
+            worker: req.worker.as_str().to_owned(),
+            fetched: HashMap::new(),
+        };
+        let c = d.conn.as_mut().expect("just set");
+        Prepared(
+            diesel::sql_query(self.stmts.delivery_begin.as_str())
+                .into_boxed()
+                .bind::<Text, _>(bound.server_timeout.as_millis().max(1).to_string()),
+        )
+        .execute(&mut **c)
+        .await
+        .map_err(|e| self.err(e))?;
+        let rows = fetch_in(
+            c,
+            &self.stmts,
+            &self.stmts.fetch_take_transaction,
+            d.worker.clone(),
+            &p,
+            &self.cursor,
+        )
+        .await
+        .map_err(|e| self.err(e))?;
+        let rows: Vec<Fetched> = rows.into_iter().map(|r| r.0).collect();
+        d.fetched = shared::fetched_state(&rows);
+        Ok((rows, Box::new(d)))
     }
 
     async fn write_outcomes(
@@ -423,9 +470,12 @@ impl OutboxRepository for DieselOutboxRepository {
         limit: usize,
     ) -> Result<Vec<BlockedKey>, RepositoryError> {
         let mut conn = self.conn().await?;
+        let b = BlockedKeysParams::new(lease_ttl, limit);
         let rows: Vec<BlockedRow> = diesel::sql_query(self.stmts.blocked_keys.as_str())
-            .bind::<BigInt, _>(sql::micros(lease_ttl))
-            .bind::<BigInt, _>(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind::<BigInt, _>(b.lease_us)
+            .bind::<BigInt, _>(b.limit)
+            .bind::<BigInt, _>(b.candidates)
+            .bind::<BigInt, _>(b.waiting_cap)
             .load(&mut conn)
             .await
             .map_err(|e| self.err(e))?;
@@ -450,5 +500,141 @@ impl OutboxRepository for DieselOutboxRepository {
             .await
             .map_err(|e| self.err(e))?;
         Ok(r.age_us.map(|u| Duration::from_micros(u.max(0) as u64)))
+    }
+}
+
+/// The two fetch statements on `c`, inside the caller's transaction: the heads
+/// (`fetch_heads`, from `cursor`, which it advances), then `take` (`fetch_take` or
+/// `fetch_take_transaction`), both prepared once per connection.
+pub(crate) async fn fetch_in(
+    c: &mut AsyncPgConnection,
+    stmts: &Statements,
+    take: &str,
+    worker: String,
+    p: &FetchParams,
+    cursor: &WalkCursor,
+) -> Result<Vec<FetchedRow>, diesel::result::Error> {
+    let (ct, ck) = cursor.get();
+    let heads: Vec<HeadRow> = Prepared(
+        diesel::sql_query(stmts.fetch_heads.as_str())
+            .into_boxed()
+            .bind::<BigInt, _>(p.limit)
+            .bind::<BigInt, _>(p.lease_us)
+            .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
+            .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
+            .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
+            .bind::<BigInt, _>(p.window)
+            .bind::<BigInt, _>(p.walk_limit)
+            .bind::<Text, _>(ct)
+            .bind::<Text, _>(ck),
+    )
+    .load(c)
+    .await?;
+    let heads = HeadRows::new(
+        heads
+            .into_iter()
+            .map(|h| (h.head_id, h.topic, h.partition_key)),
+    );
+    cursor.advance(heads.walked_to);
+    if heads.ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    Prepared(
+        diesel::sql_query(take)
+            .into_boxed()
+            .bind::<Text, _>(worker)
+            .bind::<BigInt, _>(p.limit)
+            .bind::<BigInt, _>(p.lease_us)
+            .bind::<BigInt, _>(p.max_per_key)
+            .bind::<Nullable<Array<Text>>, _>(p.topics.clone())
+            .bind::<Nullable<Array<Text>>, _>(p.aggregate_types.clone())
+            .bind::<Nullable<Array<SqlUuid>>, _>(p.aggregate_ids.clone())
+            .bind::<Array<SqlUuid>, _>(heads.ids),
+    )
+    .load(c)
+    .await
+}
+
+/// An open delivery transaction of the diesel backend (R84). Dropping it without a commit
+/// detaches its connection from the pool and closes it, which rolls the transaction back.
+struct DieselDelivery {
+    conn: Option<PooledConnection>,
+    repo: DieselOutboxRepository,
+    worker: String,
+    fetched: HashMap<Uuid, OutcomeResult>,
+}
+
+impl Drop for DieselDelivery {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // Never hand a connection with an open transaction back to the pool.
+            drop(deadpool::managed::Object::take(conn));
+        }
+    }
+}
+
+#[async_trait]
+impl Delivery for DieselDelivery {
+    async fn commit(
+        mut self: Box<Self>,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        let repo = self.repo.clone();
+        let b = shared::OutcomeBinds::new(
+            &shared::delivery_writes(outcomes),
+            repo.cfg.error_max_length,
+        );
+        let w = self.worker.clone();
+        let c = self.conn.as_mut().expect("a delivery commits once");
+        let mut applied = Vec::new();
+        if !b.done.is_empty() {
+            let q = diesel::sql_query(repo.stmts.complete_in_delivery.as_str())
+                .into_boxed()
+                .bind::<Array<SqlUuid>, _>(b.done)
+                .bind::<Text, _>(w.clone());
+            load_applied(q, c, &mut applied)
+                .await
+                .map_err(|e| repo.err(e))?;
+        }
+        if !b.fail_ids.is_empty() {
+            let q = diesel::sql_query(repo.stmts.fail_in_delivery.as_str())
+                .into_boxed()
+                .bind::<Array<SqlUuid>, _>(b.fail_ids)
+                .bind::<Array<Bool>, _>(b.fail_counted)
+                .bind::<Array<Text>, _>(b.fail_errors)
+                .bind::<Array<Nullable<BigInt>>, _>(b.fail_after_us)
+                .bind::<Array<Nullable<Timestamptz>>, _>(b.fail_at)
+                .bind::<Text, _>(w);
+            load_applied(q, c, &mut applied)
+                .await
+                .map_err(|e| repo.err(e))?;
+        }
+        if repo.fail_next_commit.swap(false, Ordering::SeqCst) {
+            // Dropping self closes the connection: the transaction rolls back (TX-02).
+            return Err(RepositoryError::Other(
+                "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
+            ));
+        }
+        AnsiTransactionManager::commit_transaction(&mut **c)
+            .await
+            .map_err(|e| repo.err(e))?;
+        // Committed: the connection goes back to the pool.
+        drop(self.conn.take());
+        let mut results: HashMap<Uuid, OutcomeResult> = HashMap::with_capacity(applied.len());
+        for a in applied {
+            let (id, r) = a.result()?;
+            results.insert(id, r);
+        }
+        Ok(shared::delivery_outcomes(outcomes, &results, &self.fetched))
+    }
+
+    async fn rollback(mut self: Box<Self>) {
+        if let Some(c) = self.conn.as_mut()
+            && AnsiTransactionManager::rollback_transaction(&mut **c)
+                .await
+                .is_ok()
+        {
+            drop(self.conn.take());
+        }
     }
 }

@@ -184,6 +184,17 @@ pub(crate) struct NowRow {
     pub now: DateTime<Utc>,
 }
 
+/// One row of the fetch's first statement (`fetch_heads`).
+#[derive(Debug, QueryableByName)]
+pub(crate) struct HeadRow {
+    #[diesel(sql_type = diesel::sql_types::Nullable<diesel::sql_types::Uuid>)]
+    pub head_id: Option<uuid::Uuid>,
+    #[diesel(sql_type = Text)]
+    pub topic: String,
+    #[diesel(sql_type = Text)]
+    pub partition_key: String,
+}
+
 /// One row of the blocked-keys statement.
 #[derive(Debug, QueryableByName)]
 pub(crate) struct BlockedRow {

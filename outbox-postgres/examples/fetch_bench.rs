@@ -1,10 +1,11 @@
-//! Fetch benchmark: builds each backlog shape of the issue in a fresh schema and prints the
-//! fetch's median server time (EXPLAIN ANALYZE "Execution Time"), median wall time (the
-//! statement as the repository sends it, client side) and median shared buffers touched (a
-//! figure that, unlike the times, does not depend on the machine's load), for a batch of 100
-//! with max_per_key 1 and 16, with the 1-minute load average. Each measured fetch runs in a
-//! transaction that is rolled back, so the shape stays as built (the rolled-back lease stamps
-//! leave dead index entries behind, so later runs read a little more than a fresh table).
+//! Fetch benchmark: builds each backlog shape (a)–(g) in a fresh schema and prints, for a batch
+//! of 100 with max_per_key 1 and 16: the fetch's median server time (EXPLAIN ANALYZE
+//! "Execution Time" of its two statements, summed), median wall time (both statements as the
+//! repository sends them, client side), median shared buffers touched (a figure that, unlike
+//! the times, does not depend on the machine's load), the advisory locks and all locks the
+//! fetch transaction holds at its end, and the 1-minute load average. Each measured fetch runs
+//! in a transaction that is rolled back, so the shape stays as built (the rolled-back lease
+//! stamps leave dead index entries behind, so later runs read a little more than a fresh table).
 //!
 //! `cargo run --release -p outbox-postgres --features testing --example fetch_bench [runs]`
 //! (`DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
@@ -13,10 +14,10 @@ use std::time::Instant;
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
-use outbox_postgres::bind_fetch;
-use outbox_postgres::sql::FetchParams;
+use outbox_postgres::sql::{FetchParams, HeadRows, WalkCursor};
 use outbox_postgres::testing::shapes::{self, Shape};
 use outbox_postgres::testing::{PgHarness, database_url};
+use outbox_postgres::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use sqlx::{AssertSqlSafe, Row};
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -40,7 +41,7 @@ async fn main() {
         .unwrap_or(15);
     println!("load average at start: {}", load_average());
     println!(
-        "shape | max_per_key | rows | server ms (median) | wall ms (median) | buffers (median) | load"
+        "shape | max_per_key | rows | server ms (median) | wall ms (median) | buffers (median) | advisory locks | locks | load"
     );
     for shape in Shape::ALL {
         let h = PgHarness::create(&database_url(), "outbox_events").await;
@@ -53,40 +54,87 @@ async fn main() {
             shape.describe(),
             t0.elapsed().as_secs_f64()
         );
-        let fetch = h.sqlx_repository().statements().fetch.clone();
+        let stmts = h.sqlx_repository().statements().clone();
         for per_key in [1usize, 16] {
             let req = FetchRequest::new(WorkerId::new("bench").unwrap(), 100).max_per_key(per_key);
             let p = FetchParams::new(&req);
-            let q = |text: String| bind_fetch(sqlx::query(AssertSqlSafe(text)), "bench", p.clone());
-            let (mut server, mut wall, mut buffers, mut rows) =
-                (Vec::new(), Vec::new(), Vec::new(), 0);
+            let start = (String::new(), String::new());
+            let (mut server, mut wall, mut buffers, mut rows, mut locks) =
+                (Vec::new(), Vec::new(), Vec::new(), 0, (0, 0));
             for i in 0..runs + 2 {
                 let mut tx = h.pool().begin().await.unwrap();
-                let r = q(format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {fetch}"))
-                    .fetch_one(&mut *tx)
+                let explain =
+                    |t: &str| AssertSqlSafe(format!("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) {t}"));
+                let plan: serde_json::Value =
+                    bind_fetch_heads(sqlx::query(explain(&stmts.fetch_heads)), &p, start.clone())
+                        .fetch_one(&mut *tx)
+                        .await
+                        .unwrap()
+                        .try_get(0)
+                        .unwrap();
+                let heads = HeadRows::new(
+                    bind_fetch_heads(
+                        sqlx::query(AssertSqlSafe(stmts.fetch_heads.clone())),
+                        &p,
+                        start.clone(),
+                    )
+                    .fetch_all(&mut *tx)
                     .await
-                    .unwrap();
+                    .unwrap()
+                    .iter()
+                    .map(|r| (r.get(0), r.get(1), r.get(2))),
+                );
+                let plan2: serde_json::Value = bind_fetch_take(
+                    sqlx::query(explain(&stmts.fetch_take)),
+                    "bench",
+                    &p,
+                    heads.ids.clone(),
+                )
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap()
+                .try_get(0)
+                .unwrap();
                 tx.rollback().await.unwrap();
-                let plan: serde_json::Value = r.try_get(0).unwrap();
-                let ms = plan[0]["Execution Time"].as_f64().unwrap();
-                let top = &plan[0]["Plan"];
-                let blocks = top["Shared Hit Blocks"].as_f64().unwrap()
-                    + top["Shared Read Blocks"].as_f64().unwrap();
+                let ms = plan[0]["Execution Time"].as_f64().unwrap()
+                    + plan2[0]["Execution Time"].as_f64().unwrap();
+                let blocks = |pl: &serde_json::Value| {
+                    pl[0]["Plan"]["Shared Hit Blocks"].as_f64().unwrap()
+                        + pl[0]["Plan"]["Shared Read Blocks"].as_f64().unwrap()
+                };
+                let blocks = blocks(&plan) + blocks(&plan2);
                 let mut tx = h.pool().begin().await.unwrap();
                 let t = Instant::now();
-                let got = q(fetch.clone()).fetch_all(&mut *tx).await.unwrap();
+                let got = fetch_rows(
+                    &mut tx,
+                    &stmts,
+                    &stmts.fetch_take,
+                    "bench",
+                    &p,
+                    &WalkCursor::default(),
+                )
+                .await
+                .unwrap();
                 let w = t.elapsed().as_secs_f64() * 1000.0;
+                locks = sqlx::query_as(
+                    "SELECT count(*) FILTER (WHERE locktype = 'advisory'), count(*) \
+                     FROM pg_locks WHERE pid = pg_backend_pid()",
+                )
+                .fetch_one(&mut *tx)
+                .await
+                .unwrap();
                 tx.rollback().await.unwrap();
                 if i >= 2 {
-                    // the first two runs warm the caches and the prepared statement
+                    // the first two runs warm the caches and the prepared statements
                     server.push(ms);
                     buffers.push(blocks);
                     wall.push(w);
                 }
                 rows = got.len();
             }
+            let (advisory, all): (i64, i64) = locks;
             println!(
-                "{} | {per_key} | {rows} | {:.2} | {:.2} | {:.0} | {}",
+                "{} | {per_key} | {rows} | {:.2} | {:.2} | {:.0} | {advisory} | {all} | {}",
                 shape.describe(),
                 median(server),
                 median(wall),

@@ -11,9 +11,9 @@ use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text};
 use outbox_core::repository::{
-    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, FetchRequest, Fetched, OutboxRepository,
-    Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount, UndecodableRow, WriteResult,
-    WrittenOutcome, args, check_backend_batch_size,
+    BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery, DeliveryBound, FetchRequest,
+    Fetched, OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount,
+    UndecodableRow, WriteResult, WrittenOutcome, args, check_backend_batch_size,
 };
 use sqlx::postgres::{PgPool, PgRow};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
@@ -22,7 +22,8 @@ use uuid::Uuid;
 use crate::error::Error;
 use crate::shared;
 use crate::sql::{
-    self, ErrorClass, FetchParams, InsertColumns, Layout, RawRow, Statements, TableName,
+    self, BlockedKeysParams, ErrorClass, FetchParams, HeadRows, InsertColumns, Layout, RawRow,
+    Statements, TableName, WalkCursor,
 };
 
 /// Settings of the sqlx backend.
@@ -427,23 +428,85 @@ impl PgOutboxWriter {
     }
 }
 
-/// Binds the parameters of [`Statements::fetch`] to `query` in their order: `$1` the worker,
-/// `$2`–`$8` from `p`. The one place that knows the bind order; the repository uses it, and so
-/// do the plan test and the benchmarks, which may put `EXPLAIN …` before the statement text.
-pub fn bind_fetch<'q>(
-    query: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// Binds the parameters of [`Statements::fetch_heads`] in their order (`$1`–`$9`). The one
+/// place that knows that bind order: the repository uses it through [`fetch_rows`], and so do
+/// the plan test and the benchmarks, which may put `EXPLAIN …` before the statement text.
+pub fn bind_fetch_heads<'q>(
+    query: PgQuery<'q>,
+    p: &FetchParams,
+    cursor: (String, String),
+) -> PgQuery<'q> {
+    query
+        .bind(p.limit)
+        .bind(p.lease_us)
+        .bind(p.topics.clone())
+        .bind(p.aggregate_types.clone())
+        .bind(p.aggregate_ids.clone())
+        .bind(p.window)
+        .bind(p.walk_limit)
+        .bind(cursor.0)
+        .bind(cursor.1)
+}
+
+/// Binds the parameters of [`Statements::fetch_take`] / [`Statements::fetch_take_transaction`]
+/// in their order (`$1`–`$8`): the worker, `p`, and the candidate heads from
+/// [`Statements::fetch_heads`].
+pub fn bind_fetch_take<'q>(
+    query: PgQuery<'q>,
     worker: &str,
-    p: FetchParams,
-) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    p: &FetchParams,
+    heads: Vec<Uuid>,
+) -> PgQuery<'q> {
     query
         .bind(worker.to_owned())
         .bind(p.limit)
         .bind(p.lease_us)
         .bind(p.max_per_key)
-        .bind(p.topics)
-        .bind(p.aggregate_types)
-        .bind(p.aggregate_ids)
-        .bind(p.scan_limit)
+        .bind(p.topics.clone())
+        .bind(p.aggregate_types.clone())
+        .bind(p.aggregate_ids.clone())
+        .bind(heads)
+}
+
+/// Runs the two fetch statements on `conn`, inside the caller's transaction: the heads
+/// ([`Statements::fetch_heads`], from `cursor`, which it then advances), then `take` (the text of
+/// [`Statements::fetch_take`] or [`Statements::fetch_take_transaction`]). Returns the taken
+/// rows ([`sql::COLUMNS`]) in return order.
+pub async fn fetch_rows(
+    conn: &mut sqlx::PgConnection,
+    stmts: &Statements,
+    take: &str,
+    worker: &str,
+    p: &FetchParams,
+    cursor: &WalkCursor,
+) -> Result<Vec<PgRow>, sqlx::Error> {
+    let heads = bind_fetch_heads(
+        sqlx::query(AssertSqlSafe(stmts.fetch_heads.as_str())),
+        p,
+        cursor.get(),
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    let heads = HeadRows::new(
+        heads
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .collect::<Result<Vec<_>, sqlx::Error>>()?,
+    );
+    cursor.advance(heads.walked_to);
+    if heads.ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    bind_fetch_take(
+        sqlx::query(AssertSqlSafe(take.to_owned())),
+        worker,
+        p,
+        heads.ids,
+    )
+    .fetch_all(&mut *conn)
+    .await
 }
 
 /// The sqlx repository (relay and operator side) on a pool.
@@ -452,6 +515,7 @@ pub struct PgOutboxRepository {
     pool: PgPool,
     stmts: Arc<Statements>,
     cfg: PgConfig,
+    cursor: WalkCursor,
     fail_next_commit: Arc<AtomicBool>,
 }
 
@@ -462,6 +526,7 @@ impl PgOutboxRepository {
             pool,
             stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout)),
             cfg,
+            cursor: WalkCursor::default(),
             fail_next_commit: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -547,6 +612,7 @@ impl OutboxRepository for PgOutboxRepository {
             name: "postgres-sqlx",
             database_clock: true,
             undecodable_rows: true,
+            transaction_delivery: true,
         }
     }
 
@@ -570,18 +636,56 @@ impl OutboxRepository for PgOutboxRepository {
         req.validate()?;
         let p = FetchParams::new(req);
         let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
-        let rows = bind_fetch(
-            sqlx::query(AssertSqlSafe(self.stmts.fetch.as_str())),
+        let rows = fetch_rows(
+            &mut tx,
+            &self.stmts,
+            &self.stmts.fetch_take,
             req.worker.as_str(),
-            p,
+            &p,
+            &self.cursor,
         )
-        .fetch_all(&mut *tx)
         .await
         .map_err(|e| self.err(e))?;
         tx.commit().await.map_err(|e| self.err(e))?;
         rows.iter()
             .map(|r| fetched_row(r).map_err(|e| self.err(e)))
             .collect()
+    }
+
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        bound: DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
+        req.validate()?;
+        let p = FetchParams::new(req);
+        let mut tx = self.pool.begin().await.map_err(|e| self.err(e))?;
+        sqlx::query(AssertSqlSafe(self.stmts.delivery_begin.as_str()))
+            .bind(bound.server_timeout.as_millis().max(1).to_string())
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.err(e))?;
+        let rows = fetch_rows(
+            &mut tx,
+            &self.stmts,
+            &self.stmts.fetch_take_transaction,
+            req.worker.as_str(),
+            &p,
+            &self.cursor,
+        )
+        .await
+        .map_err(|e| self.err(e))?;
+        let rows = rows
+            .iter()
+            .map(|r| fetched_row(r).map_err(|e| self.err(e)))
+            .collect::<Result<Vec<_>, RepositoryError>>()?;
+        let delivery = PgDelivery {
+            tx: Some(tx),
+            repo: self.clone(),
+            worker: req.worker.clone(),
+            fetched: shared::fetched_state(&rows),
+        };
+        Ok((rows, Box::new(delivery)))
     }
 
     async fn write_outcomes(
@@ -728,9 +832,12 @@ impl OutboxRepository for PgOutboxRepository {
         lease_ttl: Duration,
         limit: usize,
     ) -> Result<Vec<BlockedKey>, RepositoryError> {
+        let b = BlockedKeysParams::new(lease_ttl, limit);
         let rows = sqlx::query(AssertSqlSafe(self.stmts.blocked_keys.as_str()))
-            .bind(sql::micros(lease_ttl))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(b.lease_us)
+            .bind(b.limit)
+            .bind(b.candidates)
+            .bind(b.waiting_cap)
             .fetch_all(&self.pool)
             .await
             .map_err(|e| self.err(e))?;
@@ -781,5 +888,65 @@ impl OutboxRepository for PgOutboxRepository {
             .await
             .map_err(|e| self.err(e))?;
         Ok(us.map(|u| Duration::from_micros(u.max(0) as u64)))
+    }
+}
+
+/// An open delivery transaction of the sqlx backend (R84). Dropping it rolls back.
+struct PgDelivery {
+    tx: Option<sqlx::Transaction<'static, sqlx::Postgres>>,
+    repo: PgOutboxRepository,
+    worker: WorkerId,
+    fetched: HashMap<Uuid, OutcomeResult>,
+}
+
+#[async_trait]
+impl Delivery for PgDelivery {
+    async fn commit(
+        mut self: Box<Self>,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        let repo = self.repo.clone();
+        let mut tx = self.tx.take().expect("a delivery commits once");
+        let b = shared::OutcomeBinds::new(
+            &shared::delivery_writes(outcomes),
+            repo.cfg.error_max_length,
+        );
+        let mut results: HashMap<Uuid, OutcomeResult> = HashMap::new();
+        if !b.done.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(repo.stmts.complete_in_delivery.as_str()))
+                .bind(&b.done)
+                .bind(self.worker.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| repo.err(e))?;
+            applied(&rows, &mut results).map_err(|e| repo.err(e))?;
+        }
+        if !b.fail_ids.is_empty() {
+            let rows = sqlx::query(AssertSqlSafe(repo.stmts.fail_in_delivery.as_str()))
+                .bind(&b.fail_ids)
+                .bind(&b.fail_counted)
+                .bind(&b.fail_errors)
+                .bind(&b.fail_after_us)
+                .bind(&b.fail_at)
+                .bind(self.worker.as_str())
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| repo.err(e))?;
+            applied(&rows, &mut results).map_err(|e| repo.err(e))?;
+        }
+        if repo.fail_next_commit.swap(false, Ordering::SeqCst) {
+            tx.rollback().await.map_err(|e| repo.err(e))?;
+            return Err(RepositoryError::Other(
+                "injected failure of the outcome commit (fail_next_outcome_commit)".into(),
+            ));
+        }
+        tx.commit().await.map_err(|e| repo.err(e))?;
+        Ok(shared::delivery_outcomes(outcomes, &results, &self.fetched))
+    }
+
+    async fn rollback(mut self: Box<Self>) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.rollback().await;
+        }
     }
 }

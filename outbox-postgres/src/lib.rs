@@ -12,8 +12,8 @@ pub mod testing;
 
 #[cfg(feature = "sqlx")]
 pub use backend::{
-    PgConfig, PgOutboxRepository, PgOutboxWriter, bind_fetch, create_schema, create_schema_with,
-    ensure_partitions, fetched_row, map_err, raw_row,
+    PgConfig, PgOutboxRepository, PgOutboxWriter, bind_fetch_heads, bind_fetch_take, create_schema,
+    create_schema_with, ensure_partitions, fetch_rows, fetched_row, map_err, raw_row,
 };
 pub use error::Error;
 pub use sql::{Layout, TableName};

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent, normalize_error};
 use outbox_core::repository::{
-    Outcome, OutcomeKind, OutcomeResult, Retry, WriteResult, WrittenOutcome,
+    Fetched, Outcome, OutcomeKind, OutcomeResult, Retry, WriteResult, WrittenOutcome,
 };
 use uuid::Uuid;
 
@@ -82,6 +82,54 @@ pub fn written_outcomes(
                 .get(&o.id)
                 .cloned()
                 .unwrap_or(OutcomeResult::LeaseLost),
+        })
+        .collect()
+}
+
+/// Delivery in one transaction (R84): the outcomes that are written, completions and counted
+/// failures; transient, deferred and released rows end with the transaction, untouched.
+pub fn delivery_writes(outcomes: &[Outcome]) -> Vec<Outcome> {
+    outcomes
+        .iter()
+        .filter(|o| matches!(o.kind, OutcomeKind::Completed | OutcomeKind::Counted { .. }))
+        .cloned()
+        .collect()
+}
+
+/// The state of fetched rows, as reported for the rows a delivery does not write.
+pub fn fetched_state(rows: &[Fetched]) -> HashMap<Uuid, OutcomeResult> {
+    rows.iter()
+        .filter_map(|f| f.row())
+        .map(|e| {
+            (
+                e.id,
+                OutcomeResult::Applied {
+                    status: e.status,
+                    attempts_made: e.attempts_made,
+                    scheduled_at: e.scheduled_at,
+                },
+            )
+        })
+        .collect()
+}
+
+/// The per-row report of a delivery's commit, in input order: written rows as the statements
+/// returned them (a written row no statement returned lost its row: `LeaseLost`), rows not
+/// written as fetched.
+pub fn delivery_outcomes(
+    outcomes: &[Outcome],
+    written: &HashMap<Uuid, OutcomeResult>,
+    fetched: &HashMap<Uuid, OutcomeResult>,
+) -> Vec<WrittenOutcome> {
+    outcomes
+        .iter()
+        .map(|o| {
+            let is_written = matches!(o.kind, OutcomeKind::Completed | OutcomeKind::Counted { .. });
+            let from = if is_written { written } else { fetched };
+            WrittenOutcome {
+                id: o.id,
+                result: from.get(&o.id).cloned().unwrap_or(OutcomeResult::LeaseLost),
+            }
         })
         .collect()
 }

@@ -31,10 +31,22 @@
 //!
 //! # The fetch
 //!
-//! [`Statements::fetch`] is one statement that selects heads, extends them into runs, locks
-//! with `FOR UPDATE SKIP LOCKED` and stamps the lease, in one round trip (R19–R29, R74, R76);
-//! run it in its own transaction and commit at once. How it stays flat in every backlog shape is
-//! described on [`Statements::fetch`]. It needs only the indexes of Appendix A.
+//! Two statements in one transaction: [`Statements::fetch_heads`] chooses the candidate heads
+//! (path A, a window of the oldest fetchable rows read with `SKIP LOCKED`; path B, a key walk
+//! bounded by the batch that resumes from a [`WalkCursor`]), then [`Statements::fetch_take`]
+//! locks them in head order until the batch is full, extends them into runs and stamps the
+//! lease (R19–R29, R74, R76, R85); [`Statements::fetch_take_transaction`] is the same without
+//! the stamp, for delivery in one transaction (R84). The sqlx backend runs them with
+//! `fetch_rows`, outbox-diesel with its own driver calls. They need only the indexes of
+//! Appendix A, take no advisory lock, and their work is bounded by the batch whatever the
+//! backlog.
+//!
+//! # Where the SQL lives
+//!
+//! Each statement is a file under `src/sql/statements/` (`fetch_heads.sql`, `fetch_take.sql`,
+//! `blocked_keys.sql`, …) with its parameters and result columns documented at its top,
+//! included at compile time; `{table}` is replaced by the validated, quoted table name. The
+//! DDL and the insert stay in Rust because they are assembled per layout.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -474,58 +486,31 @@ pub struct Statements {
     /// the row with its idempotency key when it has one, else to the row with its id.
     pub select_existing: String,
 
-    /// Fetch-and-lock (R19–R29, R74, R76, R81): run alone in its own transaction and commit.
+    /// Fetch, first statement: choose the candidate heads (R20, R27–R29, R85). Text and
+    /// parameters: `statements/fetch_heads.sql` (bind with [`FetchParams`] and a
+    /// [`WalkCursor`]). Returns `(head_id uuid, topic text, partition_key text)` rows: heads in
+    /// head order, then, when the key walk ran, one row with `head_id` NULL naming the walk's
+    /// last key ([`HeadRows`] reads them). Run it in the fetch transaction, then
+    /// [`Statements::fetch_take`] (lease delivery) or [`Statements::fetch_take_transaction`].
     ///
-    /// Parameters: `$1 text` worker id, `$2 int8` batch size (≥ 1), `$3 int8` lease TTL in
-    /// microseconds, `$4 int8` max_per_key (≥ 1), `$5 text[]` topics or NULL for any,
-    /// `$6 text[]` aggregate types or NULL, `$7 uuid[]` aggregate ids or NULL, `$8 int8`
-    /// candidate scan limit ([`candidate_scan_limit`]).
-    ///
-    /// Returns [`COLUMNS`] of the locked rows in return order (R22): grouped by key, keys in
-    /// head order, rows in write order. Each row has locked_at = updated_at = `now()` and
-    /// locked_by = `$1`.
-    ///
-    /// How it works, and why it stays flat:
-    ///
-    /// * **Candidates, path A.** The first `$8` fetchable rows in `(scheduled_at, created_at,
-    ///   id)` order, read from two index ranges so the lease clause never forces a scan:
-    ///   unlocked rows from `idx_<t>_pending_fetch` and expired leases from `idx_<t>_locked_at`
-    ///   (`locked_at < now() − ttl`). Only the earliest candidate of each key (by `(created_at,
-    ///   id)`) can be a head, so candidates are reduced to one per key first (a hot key that
-    ///   fills the window costs one probe, not `$8`). A candidate is a head when a probe of
-    ///   `idx_<t>_pending_key_order` finds no earlier in-line row of its key (filters ignored,
-    ///   R29); the probe is a `LATERAL … LIMIT 1`, a nested loop per candidate in head order,
-    ///   never a join of all pairs of a key's rows. Heads are produced lazily in head order
-    ///   and path A stops once `$2` of them are claimed and locked (below).
-    /// * **Path B, only when A found fewer than `$2` heads** (a one-time filter; B is not
-    ///   executed otherwise). A recursive walk over `idx_<t>_pending_key_order` that jumps from
-    ///   key to key and returns, per key, its first in-line row in one index descent (ties on
-    ///   created_at resolved by id with `FETCH FIRST 1 ROWS WITH TIES`); those that are
-    ///   fetchable and pass the filters, sorted by `(scheduled_at, created_at, id)`, are the
-    ///   heads. Its cost is one descent per key with in-line rows, never the number of rows: a
-    ///   hot key with 100,000 rows behind its head costs one step. (A key whose pending rows
-    ///   are all never-tried future rows is walked row by row, since none of them is in line.)
-    /// * **Runs.** Each head is position 1 of its run; a `LATERAL` read of the key's line after
-    ///   the head (never-tried future rows passed over), cut at the first row that is not
-    ///   fetchable or filtered out; the batch fills breadth-first (`ORDER BY position, head
-    ///   rank LIMIT $2`). With `H` heads a row at position `p` can only be picked when
-    ///   `H + p − 2 < $2` (position 1 holds `H` rows, and each level below `p` at least one),
-    ///   so each read stops after `min($4 − 1, $2 − H)` rows: nothing is read when `$4` = 1 or
-    ///   when the heads alone fill the batch.
-    /// * **Claims.** Each head is claimed with `pg_try_advisory_xact_lock` on a hash of its key
-    ///   (class [`fetch_claim_class`]) as it is taken, in head order; a key another fetch holds
-    ///   right now is passed over, so concurrent relays take different heads instead of
-    ///   selecting the same ones and losing them to `SKIP LOCKED`. The claim ends at commit,
-    ///   where the lease takes over. Path B runs only when path A found fewer than `$2` heads
-    ///   before claims (keys claimed elsewhere never send a fetch down the key walk).
-    /// * **Lock.** Heads are row-locked as they are taken (`FOR UPDATE SKIP LOCKED` in a
-    ///   `LATERAL` per head, rechecking fetchability on the latest row version): a head that
-    ///   another relay leased after this statement's snapshot is passed over for the next one,
-    ///   so the batch still fills. The run rows behind the heads are locked the same way in one
-    ///   statement; each run is cut before its first row that could not be locked, so no row
-    ///   goes out while an earlier row of its key is locked elsewhere (R28).
-    ///   Then one `UPDATE … RETURNING` stamps the lease with `now()` (R72).
-    pub fetch: String,
+    /// How it stays flat: path A reads the `window` oldest fetchable rows, row-locking them
+    /// with `SKIP LOCKED` as it reads them (concurrent relays read disjoint windows), reduces
+    /// them to one per key and probes each for an earlier in-line row; path B, only when path A
+    /// found fewer heads than the batch, walks keys from the cursor for at most `walk_limit`
+    /// keys and stops after a batch of heads. No advisory lock is taken, and no work or lock
+    /// grows with the number of keys, rows behind blocked heads, or completed rows (R85).
+    pub fetch_heads: String,
+
+    /// Fetch, second statement, lease delivery (R21, R76): lock the candidate heads in order
+    /// until the batch is full, extend them into runs (R74), lock the run rows, stamp the
+    /// lease. Text and parameters: `statements/fetch_take.sql` + `fetch_take_lease.sql`.
+    /// Returns [`COLUMNS`] of the taken rows in return order (R22). Commit right after.
+    pub fetch_take: String,
+
+    /// Fetch, second statement, transaction delivery (R84): as [`Statements::fetch_take`]
+    /// without the lease stamp (`fetch_take_transaction.sql`); the rows stay row-locked until
+    /// the cycle's transaction ends.
+    pub fetch_take_transaction: String,
 
     /// Completion write (R56) for many rows, guarded (R54). `$1 uuid[]` ids, `$2 text` worker.
     /// Returns `id uuid, status text, attempts_made int4, scheduled_at timestamptz` of the rows
@@ -540,6 +525,18 @@ pub struct Statements {
     /// elements; wins over `$4`), then `$6 text` worker. Both NULL keeps scheduled_at (backoff
     /// base 0, deferral). Returns like [`Statements::complete`].
     pub fail: String,
+
+    /// Delivery in one transaction (R84): [`Statements::complete`] guarded by the row lock the
+    /// delivery holds instead of the lease holder (same parameters and result).
+    pub complete_in_delivery: String,
+
+    /// Delivery in one transaction (R84): [`Statements::fail`] guarded by the row lock the
+    /// delivery holds (same parameters and result). Only counted failures are written there.
+    pub fail_in_delivery: String,
+
+    /// The first statement of a delivery transaction (R84, `statements/delivery_begin.sql`):
+    /// `$1 text` the idle timeout in milliseconds after which the server ends the transaction.
+    pub delivery_begin: String,
 
     /// Releases rows untouched (R77), guarded. `$1 uuid[]` ids, `$2 text` worker. Returns like
     /// [`Statements::complete`].
@@ -574,18 +571,21 @@ pub struct Statements {
     /// 1 row when the row was held, else 0 (then report "not locked").
     pub force_unlock: String,
 
-    /// Blocked keys (R80): `$1 int8` lease TTL in microseconds, `$2 int8` limit. Returns
-    /// `topic text, partition_key text, head_id uuid, attempts_made int4, max_attempts int4,
-    /// last_error text (nullable), next_try timestamptz, locked_by text (nullable), locked_at
-    /// timestamptz (nullable), waiting int8`, oldest head first (write order).
+    /// Blocked keys (R80, R85): `statements/blocked_keys.sql`. Bind with
+    /// [`BlockedKeysParams`]: `$1 int8` lease TTL in microseconds, `$2 int8` limit, `$3 int8`
+    /// candidate bound, `$4 int8` waiting cap. Returns `topic text, partition_key text,
+    /// head_id uuid, attempts_made int4, max_attempts int4, last_error text (nullable),
+    /// next_try timestamptz, locked_by text (nullable), locked_at timestamptz (nullable),
+    /// waiting int8`, oldest head first (write order); its work is bounded by `$2`–`$4`.
     pub blocked_keys: String,
 
     /// Counts (R80): no parameters. Returns `topic text, status text, count int8`, sorted by
     /// topic then status.
     pub counts: String,
 
-    /// Oldest due age (R80): no parameters. Returns one row, one column `age_us int8`
-    /// (microseconds, NULL when no pending row is due).
+    /// Oldest due age (R80, R85): `statements/oldest_due_age.sql`, no parameters. Returns one
+    /// row, one column `age_us int8` (microseconds, NULL when no pending row is due); two
+    /// one-row index reads.
     pub oldest_due_age: String,
 
     /// Test clock (scenarios.md §1 `advance`): `$1 int8` microseconds. Moves created_at,
@@ -593,47 +593,42 @@ pub struct Statements {
     pub shift_clock: String,
 }
 
-/// The columns path B of the fetch carries for each key's first in-line row.
-const FIRSTS_COLS: [&str; 11] = [
-    "id",
-    "topic",
-    "partition_key",
-    "scheduled_at",
-    "created_at",
-    "attempts_made",
-    "max_attempts",
-    "locked_at",
-    "status",
-    "aggregate_type",
-    "aggregate_id",
-];
-
-/// How many candidates path A of the fetch reads before it gives up and lets path B (the key
-/// walk) answer: `$8` of [`Statements::fetch`], twice the batch (at least 64, at most 4000).
-/// With rows of many keys interleaved, the first 2 × batch fetchable rows hold about
-/// 2 × batch × (1 − batch / keys) heads, enough whenever there are at least twice as many keys
-/// as the batch; with fewer keys path B is cheap anyway.
-pub fn candidate_scan_limit(batch: usize) -> i64 {
+/// How many of the oldest fetchable rows path A of the fetch reads (`$6` of
+/// [`Statements::fetch_heads`]): twice the batch, at least 64, at most 4000. With rows of many
+/// keys interleaved, the first 2 × batch fetchable rows hold about 2 × batch × (1 − batch /
+/// keys) heads, enough whenever there are at least twice as many keys as the batch; otherwise
+/// the key walk tops the batch up.
+pub fn fetch_window(batch: usize) -> i64 {
     (batch.saturating_mul(2)).clamp(64, 4000) as i64
 }
 
-/// The fetch parameters of `req` in bind order (`$2`–`$8`; `$1` is `req.worker`).
+/// How many keys the key walk of [`Statements::fetch_heads`] visits at most (`$7`): four times
+/// the batch, at least 64, at most 10,000. The walk stops earlier, after a batch of heads; this
+/// bound only matters when most keys it meets are blocked, and the cursor carries the walk on
+/// at the next fetch (R20).
+pub fn fetch_walk_limit(batch: usize) -> i64 {
+    (batch.saturating_mul(4)).clamp(64, 10_000) as i64
+}
+
+/// The fetch parameters of a validated request, shared by both fetch statements.
 #[derive(Debug, Clone, PartialEq)]
 pub struct FetchParams {
-    /// `$2` batch size.
+    /// Batch size.
     pub limit: i64,
-    /// `$3` lease TTL in microseconds.
+    /// Lease TTL in microseconds.
     pub lease_us: i64,
-    /// `$4` max_per_key.
+    /// max_per_key.
     pub max_per_key: i64,
-    /// `$5` topics.
+    /// Topics filter.
     pub topics: Option<Vec<String>>,
-    /// `$6` aggregate types.
+    /// Aggregate types filter.
     pub aggregate_types: Option<Vec<String>>,
-    /// `$7` aggregate ids.
+    /// Aggregate ids filter.
     pub aggregate_ids: Option<Vec<Uuid>>,
-    /// `$8` candidate scan limit.
-    pub scan_limit: i64,
+    /// Path A's window ([`fetch_window`]).
+    pub window: i64,
+    /// Path B's key bound ([`fetch_walk_limit`]).
+    pub walk_limit: i64,
 }
 
 impl FetchParams {
@@ -646,21 +641,127 @@ impl FetchParams {
             topics: req.filter.topics.clone(),
             aggregate_types: req.filter.aggregate_types.clone(),
             aggregate_ids: req.filter.aggregate_ids.clone(),
-            scan_limit: candidate_scan_limit(req.limit),
+            window: fetch_window(req.limit),
+            walk_limit: fetch_walk_limit(req.limit),
         }
     }
 }
 
-/// The class id (first key of the two-int4 advisory lock space) of the per-key claims the
-/// fetch takes ([`Statements::fetch`]): a 32-bit FNV-1a hash of `outbox-fetch:` + the dotted
-/// table name, so fetches of different tables never skip each other's keys.
-pub fn fetch_claim_class(table: &TableName) -> i32 {
-    let mut h: u32 = 0x811c_9dc5;
-    for b in format!("outbox-fetch:{}", table.dotted()).bytes() {
-        h ^= u32::from(b);
-        h = h.wrapping_mul(0x0100_0193);
+/// Where the key walk of the next fetch starts (`$8`, `$9` of [`Statements::fetch_heads`]):
+/// the last key the previous walk visited, so walk after walk goes round all keys (R20).
+/// One per repository (clones share it); starts at the first key.
+#[derive(Debug, Clone, Default)]
+pub struct WalkCursor(std::sync::Arc<std::sync::Mutex<(String, String)>>);
+
+impl WalkCursor {
+    /// The (topic, partition_key) to bind; `("", "")` starts at the first key.
+    pub fn get(&self) -> (String, String) {
+        self.0.lock().map(|c| c.clone()).unwrap_or_default()
     }
-    h as i32
+
+    /// Moves the cursor to the walk's last key, when the fetch walked.
+    pub fn advance(&self, to: Option<(String, String)>) {
+        if let (Some(to), Ok(mut c)) = (to, self.0.lock()) {
+            *c = to;
+        }
+    }
+}
+
+/// The rows of [`Statements::fetch_heads`], read: the candidate heads in head order, to bind as
+/// `$8` of [`Statements::fetch_take`], and the walk's last key, for [`WalkCursor::advance`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HeadRows {
+    /// Candidate head ids in head order.
+    pub ids: Vec<Uuid>,
+    /// The last key the walk visited (None when path A alone answered).
+    pub walked_to: Option<(String, String)>,
+}
+
+impl HeadRows {
+    /// Reads `(head_id, topic, partition_key)` rows in the statement's order.
+    pub fn new(rows: impl IntoIterator<Item = (Option<Uuid>, String, String)>) -> Self {
+        let mut out = HeadRows::default();
+        for (id, topic, key) in rows {
+            match id {
+                Some(id) => out.ids.push(id),
+                None => out.walked_to = Some((topic, key)),
+            }
+        }
+        out
+    }
+}
+
+/// The parameters of [`Statements::blocked_keys`] in bind order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockedKeysParams {
+    /// `$1` lease TTL in microseconds.
+    pub lease_us: i64,
+    /// `$2` limit.
+    pub limit: i64,
+    /// `$3` rows read from each candidate source: 4 × limit + 64, at most 100,000.
+    pub candidates: i64,
+    /// `$4` the waiting count stops here ([`outbox_core::repository::BLOCKED_WAITING_CAP`]).
+    pub waiting_cap: i64,
+}
+
+impl BlockedKeysParams {
+    /// The parameters for a lease TTL and a limit.
+    pub fn new(lease_ttl: Duration, limit: usize) -> Self {
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        Self {
+            lease_us: micros(lease_ttl),
+            limit,
+            candidates: limit.saturating_mul(4).saturating_add(64).min(100_000),
+            waiting_cap: outbox_core::repository::BLOCKED_WAITING_CAP,
+        }
+    }
+}
+
+/// The statement texts, one `.sql` file each under `src/sql/statements/`, with their
+/// parameters and result columns documented in the file. Rendered by [`render`].
+mod text {
+    pub const FETCH_HEADS: &str = include_str!("sql/statements/fetch_heads.sql");
+    pub const FETCH_TAKE: &str = include_str!("sql/statements/fetch_take.sql");
+    pub const FETCH_TAKE_LEASE: &str = include_str!("sql/statements/fetch_take_lease.sql");
+    pub const FETCH_TAKE_TRANSACTION: &str =
+        include_str!("sql/statements/fetch_take_transaction.sql");
+    pub const GET: &str = include_str!("sql/statements/get.sql");
+    pub const COMPLETE: &str = include_str!("sql/statements/complete.sql");
+    pub const FAIL: &str = include_str!("sql/statements/fail.sql");
+    pub const RELEASE: &str = include_str!("sql/statements/release.sql");
+    pub const REFRESH_LOCK: &str = include_str!("sql/statements/refresh_lock.sql");
+    pub const RELEASE_LOCK: &str = include_str!("sql/statements/release_lock.sql");
+    pub const RELEASE_LOCKS: &str = include_str!("sql/statements/release_locks.sql");
+    pub const RELEASE_STALE: &str = include_str!("sql/statements/release_stale.sql");
+    pub const REQUEUE: &str = include_str!("sql/statements/requeue.sql");
+    pub const DELETE_OLD_COMPLETED: &str = include_str!("sql/statements/delete_old_completed.sql");
+    pub const FORCE_UNLOCK: &str = include_str!("sql/statements/force_unlock.sql");
+    pub const BLOCKED_KEYS: &str = include_str!("sql/statements/blocked_keys.sql");
+    pub const COUNTS: &str = include_str!("sql/statements/counts.sql");
+    pub const OLDEST_DUE_AGE: &str = include_str!("sql/statements/oldest_due_age.sql");
+    pub const SHIFT_CLOCK: &str = include_str!("sql/statements/shift_clock.sql");
+    pub const DELIVERY_BEGIN: &str = include_str!("sql/statements/delivery_begin.sql");
+}
+
+/// A statement file made ready to send: comment lines (`--`) dropped, `{table}` replaced by
+/// the quoted, validated table name, `{columns}` / `{t_columns}` by [`COLUMNS`] (bare / with
+/// alias `t`), and each `(name, text)` of `parts` substituted for `{name}`.
+fn render(src: &str, table: &TableName, parts: &[(&str, &str)]) -> String {
+    let strip = |s: &str| {
+        s.lines()
+            .filter(|l| !l.trim_start().starts_with("--"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let mut body = strip(src);
+    for (name, text) in parts {
+        body = body.replace(&format!("{{{name}}}"), &strip(text));
+    }
+    body.replace("{table}", &table.qualified())
+        .replace("{t_columns}", &column_list("t"))
+        .replace("{columns}", &column_list(""))
+        .trim()
+        .to_owned()
 }
 
 /// A duration as whole microseconds, saturating at `i64::MAX`.
@@ -673,208 +774,7 @@ impl Statements {
     pub fn new(table: &TableName) -> Self {
         let t = table.qualified();
         let cols = column_list("");
-        let cols_t = column_list("t");
-        let in_line = |a: &str| {
-            format!(
-                "({a}.scheduled_at <= now() OR {a}.last_error IS NOT NULL OR {a}.locked_at IS NOT NULL)"
-            )
-        };
-        let filters = |a: &str| {
-            format!(
-                "($5::text[] IS NULL OR {a}.topic = ANY($5::text[])) \
-                 AND ($6::text[] IS NULL OR {a}.aggregate_type = ANY($6::text[])) \
-                 AND ($7::uuid[] IS NULL OR {a}.aggregate_id = ANY($7::uuid[]))"
-            )
-        };
-        let cutoff = "(now() - $3::int8 * INTERVAL '1 microsecond')";
-        let fetchable = |a: &str| {
-            format!(
-                "{a}.status = 'pending' AND {a}.scheduled_at <= now() AND {a}.attempts_made < {a}.max_attempts \
-                 AND ({a}.locked_at IS NULL OR {a}.locked_at < {cutoff})"
-            )
-        };
-
-        // A per-key claim for the length of the fetch transaction: concurrent fetches skip the
-        // keys another fetch is choosing right now instead of selecting the same heads and then
-        // losing them to SKIP LOCKED. A transaction-level advisory lock in the two-int4 space,
-        // class = a hash of the table, object = a hash of the key; `try`, so it never waits,
-        // and it is gone at commit, when the lease (R21) takes over. A hash collision only
-        // makes a key wait for the next fetch.
-        let claim_class = fetch_claim_class(table);
-        let claim = |a: &str| {
-            format!(
-                "pg_try_advisory_xact_lock({claim_class}, hashtext({a}.topic || chr(31) || {a}.partition_key))"
-            )
-        };
-        let fetch = format!(
-            "WITH RECURSIVE
-cand AS (
-    SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
-    FROM (
-        (SELECT u.id, u.topic, u.partition_key, u.scheduled_at, u.created_at
-           FROM {t} u
-          WHERE u.status = 'pending' AND u.locked_at IS NULL AND u.attempts_made < u.max_attempts
-            AND u.scheduled_at <= now() AND {fu}
-          ORDER BY u.scheduled_at, u.created_at, u.id
-          LIMIT $8::int8)
-        UNION ALL
-        (SELECT x.id, x.topic, x.partition_key, x.scheduled_at, x.created_at
-           FROM {t} x
-          WHERE x.locked_at < {cutoff} AND x.status = 'pending'
-            AND x.attempts_made < x.max_attempts AND x.scheduled_at <= now() AND {fx}
-          ORDER BY x.scheduled_at, x.created_at, x.id
-          LIMIT $8::int8)
-    ) c
-    ORDER BY c.scheduled_at, c.created_at, c.id
-    LIMIT $8::int8
-),
-heads_a0 AS (
-    SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
-    FROM (
-        SELECT dd.* FROM (
-            SELECT DISTINCT ON (d.topic, d.partition_key)
-                   d.id, d.topic, d.partition_key, d.scheduled_at, d.created_at
-              FROM cand d
-             ORDER BY d.topic, d.partition_key, d.created_at, d.id
-        ) dd
-        ORDER BY dd.scheduled_at, dd.created_at, dd.id
-    ) c
-    LEFT JOIN LATERAL (
-        SELECT 1 AS found
-          FROM {t} e
-         WHERE e.status = 'pending' AND e.topic = c.topic AND e.partition_key = c.partition_key
-           AND e.created_at <= c.created_at AND (e.created_at < c.created_at OR e.id < c.id)
-           AND {ile}
-         LIMIT 1
-    ) earlier ON true
-    WHERE earlier.found IS NULL
-    ORDER BY c.scheduled_at, c.created_at, c.id
-),
-heads_a AS (
-    SELECT q.* FROM heads_a0 q
-    CROSS JOIN LATERAL (
-        SELECT 1 FROM {t} hl WHERE hl.id = q.id AND {fhl} FOR UPDATE SKIP LOCKED
-    ) held
-    WHERE {claim_q}
-    LIMIT $2::int8
-),
-firsts AS (
-    (SELECT s.* FROM (
-        SELECT {fcols_k}
-          FROM {t} k
-         WHERE k.status = 'pending' AND {ilk}
-         ORDER BY k.topic, k.partition_key, k.created_at
-         FETCH FIRST 1 ROWS WITH TIES) s
-     ORDER BY s.id
-     LIMIT 1)
-    UNION ALL
-    (SELECT {fcols_n}
-       FROM firsts p
-       CROSS JOIN LATERAL (
-           SELECT s.* FROM (
-               SELECT {fcols_k}
-                 FROM {t} k
-                WHERE k.status = 'pending'
-                  AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
-                  AND {ilk}
-                ORDER BY k.topic, k.partition_key, k.created_at
-                FETCH FIRST 1 ROWS WITH TIES) s
-            ORDER BY s.id
-            LIMIT 1
-       ) n)
-),
-heads_b AS (
-    SELECT q.* FROM (
-        SELECT f.id, f.topic, f.partition_key, f.scheduled_at, f.created_at
-          FROM firsts f
-         WHERE {ff} AND {fff}
-         ORDER BY f.scheduled_at, f.created_at, f.id
-    ) q
-    CROSS JOIN LATERAL (
-        SELECT 1 FROM {t} hl WHERE hl.id = q.id AND {fhl} FOR UPDATE SKIP LOCKED
-    ) held
-    WHERE {claim_q}
-    LIMIT $2::int8
-),
-enough_a AS (
-    SELECT count(*) >= $2::int8 AS yes FROM (SELECT 1 FROM heads_a0 LIMIT $2::int8) n
-),
-heads AS (
-    SELECT * FROM heads_a WHERE (SELECT yes FROM enough_a)
-    UNION ALL
-    SELECT * FROM heads_b WHERE NOT (SELECT yes FROM enough_a)
-),
-ranked AS (
-    SELECT h.*, row_number() OVER (ORDER BY h.scheduled_at, h.created_at, h.id) AS head_rank
-    FROM heads h
-),
-runs AS (
-    SELECT h.id, h.head_rank, 1::int8 AS pos, true AS prefix_ok
-    FROM ranked h
-    UNION ALL
-    SELECT r.id, h.head_rank, r.pos,
-           bool_and(r.ok) OVER (PARTITION BY h.head_rank ORDER BY r.pos) AS prefix_ok
-    FROM ranked h
-    CROSS JOIN LATERAL (
-        SELECT q.id, 1 + row_number() OVER (ORDER BY q.created_at, q.id) AS pos, q.ok
-          FROM (
-            SELECT l.id, l.created_at, ({fl} AND {fll}) AS ok
-              FROM {t} l
-             WHERE l.status = 'pending' AND l.topic = h.topic
-               AND l.partition_key = h.partition_key
-               AND l.created_at >= h.created_at AND (l.created_at > h.created_at OR l.id > h.id)
-               AND {ill}
-             ORDER BY l.created_at, l.id
-             LIMIT LEAST($4::int8 - 1, $2::int8 - (SELECT count(*) FROM ranked))) q
-    ) r
-),
-picked AS (
-    SELECT id, head_rank, pos FROM runs
-     WHERE prefix_ok
-     ORDER BY pos, head_rank
-     LIMIT $2::int8
-),
-locked AS (
-    SELECT lk.id FROM {t} lk
-     WHERE lk.id = ANY(ARRAY(SELECT id FROM picked WHERE pos > 1))
-       AND {flk}
-     FOR UPDATE SKIP LOCKED
-),
-final AS (
-    SELECT z.id, z.head_rank, z.pos FROM (
-        SELECT p.id, p.head_rank, p.pos,
-               bool_and(p.pos = 1 OR lk.id IS NOT NULL)
-                   OVER (PARTITION BY p.head_rank ORDER BY p.pos) AS still_ok
-          FROM picked p LEFT JOIN locked lk ON lk.id = p.id
-    ) z
-    WHERE z.still_ok
-),
-upd AS (
-    UPDATE {t} t
-       SET locked_at = now(), locked_by = $1::text, updated_at = now()
-      FROM final f
-     WHERE t.id = f.id
-    RETURNING {cols_t}, f.head_rank AS head_rank__, f.pos AS pos__
-)
-SELECT {cols} FROM upd ORDER BY head_rank__, pos__",
-            fu = filters("u"),
-            fx = filters("x"),
-            ile = in_line("e"),
-            ilk = in_line("k"),
-            fcols_k = FIRSTS_COLS.map(|c| format!("k.{c}")).join(", "),
-            fcols_n = FIRSTS_COLS.map(|c| format!("n.{c}")).join(", "),
-            ff = fetchable("f"),
-            fff = filters("f"),
-            fl = fetchable("l"),
-            fll = filters("l"),
-            ill = in_line("l"),
-            flk = fetchable("lk"),
-            claim_q = claim("q"),
-            fhl = fetchable("hl"),
-        );
-
-        let outcome_ret = "RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at";
-
+        let r = |src: &str| render(src, table, &[]);
         Statements {
             table: table.clone(),
             layout: Layout::Plain,
@@ -882,137 +782,47 @@ SELECT {cols} FROM upd ORDER BY head_rank__, pos__",
             schema_lock: "SELECT pg_advisory_xact_lock(hashtext($1::text))".into(),
             now: "SELECT now()".into(),
             notify: "SELECT pg_notify($1::text, '')".into(),
-            get: format!("SELECT {cols} FROM {t} WHERE id = $1::uuid"),
+            get: r(text::GET),
             insert: insert_statement(&t, &cols, ""),
             select_existing: format!(
                 "SELECT {cols} FROM {t} WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])"
             ),
-            fetch,
-            complete: format!(
-                "UPDATE {t} t
-    SET status = 'completed', completed_at = now(), locked_at = NULL, locked_by = NULL,
-        updated_at = now()
-  WHERE t.id = ANY($1::uuid[]) AND t.status = 'pending' AND t.locked_by = $2::text
-{outcome_ret}"
+            fetch_heads: r(text::FETCH_HEADS),
+            fetch_take: render(
+                text::FETCH_TAKE,
+                table,
+                &[("finish", text::FETCH_TAKE_LEASE)],
             ),
-            fail: format!(
-                "UPDATE {t} t
-    SET attempts_made = t.attempts_made + CASE WHEN o.counted THEN 1 ELSE 0 END,
-        status = CASE WHEN o.counted AND t.attempts_made + 1 >= t.max_attempts
-                      THEN 'failed' ELSE t.status END,
-        last_error = o.error,
-        scheduled_at = CASE WHEN o.retry_at IS NOT NULL THEN o.retry_at
-                            WHEN o.after_us IS NOT NULL
-                            THEN now() + o.after_us * INTERVAL '1 microsecond'
-                            ELSE t.scheduled_at END,
-        locked_at = NULL, locked_by = NULL, updated_at = now()
-   FROM unnest($1::uuid[], $2::bool[], $3::text[], $4::int8[], $5::timestamptz[])
-        AS o(id, counted, error, after_us, retry_at)
-  WHERE t.id = o.id AND t.status = 'pending' AND t.locked_by = $6::text
-{outcome_ret}"
+            fetch_take_transaction: render(
+                text::FETCH_TAKE,
+                table,
+                &[("finish", text::FETCH_TAKE_TRANSACTION)],
             ),
-            release: format!(
-                "UPDATE {t} t
-    SET locked_at = NULL, locked_by = NULL, updated_at = now()
-  WHERE t.id = ANY($1::uuid[]) AND t.status = 'pending' AND t.locked_by = $2::text
-{outcome_ret}"
+            complete: render(
+                text::COMPLETE,
+                table,
+                &[("holder", "t.locked_by = $2::text")],
             ),
-            refresh_lock: format!(
-                "UPDATE {t} SET locked_at = now(), updated_at = now()
-  WHERE id = $1::uuid AND status = 'pending' AND locked_by = $2::text"
+            fail: render(text::FAIL, table, &[("holder", "t.locked_by = $6::text")]),
+            complete_in_delivery: render(
+                text::COMPLETE,
+                table,
+                &[("holder", "$2::text IS NOT NULL")],
             ),
-            release_lock: format!(
-                "UPDATE {t} SET locked_at = NULL, locked_by = NULL, updated_at = now()
-  WHERE id = $1::uuid AND status = 'pending' AND locked_by = $2::text"
-            ),
-            release_locks: format!(
-                "UPDATE {t} SET locked_at = NULL, locked_by = NULL, updated_at = now()
-  WHERE id = ANY($1::uuid[]) AND status = 'pending' AND locked_by = $2::text"
-            ),
-            release_stale: format!(
-                "WITH s AS (
-    SELECT id FROM {t}
-     WHERE locked_at < now() - $1::int8 * INTERVAL '1 microsecond' AND status = 'pending'
-     ORDER BY locked_at
-     LIMIT $2::int8
-     FOR UPDATE SKIP LOCKED
-)
-UPDATE {t} t SET locked_at = NULL, locked_by = NULL, updated_at = now()
-  FROM s WHERE t.id = s.id"
-            ),
-            requeue: format!(
-                "UPDATE {t}
-    SET status = 'pending', attempts_made = 0, last_error = NULL, scheduled_at = now(),
-        completed_at = NULL, locked_at = NULL, locked_by = NULL, updated_at = now()
-  WHERE id = $1::uuid AND status = 'failed'"
-            ),
-            delete_old_completed: format!(
-                "DELETE FROM {t} WHERE id IN (
-    SELECT id FROM {t}
-     WHERE status = 'completed' AND completed_at IS NOT NULL
-       AND completed_at < now() - $1::int4 * INTERVAL '1 day'
-     ORDER BY completed_at
-     LIMIT $2::int8
-     FOR UPDATE SKIP LOCKED)"
-            ),
-            force_unlock: format!(
-                "UPDATE {t} SET locked_at = NULL, locked_by = NULL, last_error = $2::text,
-        updated_at = now()
-  WHERE id = $1::uuid AND locked_at IS NOT NULL"
-            ),
-            blocked_keys: format!(
-                "WITH RECURSIVE keys AS (
-    (SELECT k.topic, k.partition_key FROM {t} k
-      WHERE k.status = 'pending' ORDER BY k.topic, k.partition_key LIMIT 1)
-    UNION ALL
-    (SELECT nk.topic, nk.partition_key
-       FROM keys p
-       CROSS JOIN LATERAL (
-           SELECT k.topic, k.partition_key FROM {t} k
-            WHERE k.status = 'pending' AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
-            ORDER BY k.topic, k.partition_key LIMIT 1
-       ) nk)
-),
-heads AS (
-    SELECT f.* FROM keys k
-    CROSS JOIN LATERAL (
-        SELECT h.id, h.topic, h.partition_key, h.attempts_made, h.max_attempts, h.last_error,
-               h.scheduled_at, h.locked_by, h.locked_at, h.created_at
-          FROM {t} h
-         WHERE h.status = 'pending' AND h.topic = k.topic AND h.partition_key = k.partition_key
-           AND {ilh}
-         ORDER BY h.created_at, h.id LIMIT 1
-    ) f
-)
-SELECT h.topic::text, h.partition_key::text, h.id AS head_id, h.attempts_made, h.max_attempts,
-       h.last_error::text, h.scheduled_at AS next_try, h.locked_by::text, h.locked_at,
-       (SELECT count(*) FROM {t} w
-         WHERE w.status = 'pending' AND w.topic = h.topic AND w.partition_key = h.partition_key
-           AND w.created_at >= h.created_at AND (w.created_at > h.created_at OR w.id > h.id))::int8
-         AS waiting
-  FROM heads h
- WHERE (h.locked_at IS NOT NULL AND h.locked_at >= now() - $1::int8 * INTERVAL '1 microsecond')
-    OR h.scheduled_at > now()
- ORDER BY h.created_at, h.id
- LIMIT $2::int8",
-                ilh = in_line("h"),
-            ),
-            counts: format!(
-                "SELECT topic::text, status::text, count(*)::int8 FROM {t}
-  GROUP BY topic, status ORDER BY topic, status"
-            ),
-            oldest_due_age: format!(
-                "SELECT (EXTRACT(EPOCH FROM (now() - min(scheduled_at))) * 1000000)::int8 AS age_us
-  FROM {t} WHERE status = 'pending' AND scheduled_at <= now()"
-            ),
-            shift_clock: format!(
-                "UPDATE {t} SET
-    created_at = created_at - $1::int8 * INTERVAL '1 microsecond',
-    scheduled_at = scheduled_at - $1::int8 * INTERVAL '1 microsecond',
-    locked_at = locked_at - $1::int8 * INTERVAL '1 microsecond',
-    completed_at = completed_at - $1::int8 * INTERVAL '1 microsecond',
-    updated_at = updated_at - $1::int8 * INTERVAL '1 microsecond'"
-            ),
+            fail_in_delivery: render(text::FAIL, table, &[("holder", "$6::text IS NOT NULL")]),
+            delivery_begin: r(text::DELIVERY_BEGIN),
+            release: r(text::RELEASE),
+            refresh_lock: r(text::REFRESH_LOCK),
+            release_lock: r(text::RELEASE_LOCK),
+            release_locks: r(text::RELEASE_LOCKS),
+            release_stale: r(text::RELEASE_STALE),
+            requeue: r(text::REQUEUE),
+            delete_old_completed: r(text::DELETE_OLD_COMPLETED),
+            force_unlock: r(text::FORCE_UNLOCK),
+            blocked_keys: r(text::BLOCKED_KEYS),
+            counts: r(text::COUNTS),
+            oldest_due_age: r(text::OLDEST_DUE_AGE),
+            shift_clock: r(text::SHIFT_CLOCK),
         }
     }
 
@@ -1400,6 +1210,65 @@ pub mod fixtures {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every rendered statement is complete: no `{placeholder}` left, no comment line, the
+    /// table quoted, and every `$n` it uses numbered from 1 without a gap.
+    #[test]
+    fn statement_files_render_completely() {
+        let t = TableName::new("ops.outbox_events").unwrap();
+        let s = Statements::new(&t);
+        let all = [
+            ("fetch_heads", &s.fetch_heads),
+            ("fetch_take", &s.fetch_take),
+            ("fetch_take_transaction", &s.fetch_take_transaction),
+            ("get", &s.get),
+            ("complete", &s.complete),
+            ("fail", &s.fail),
+            ("complete_in_delivery", &s.complete_in_delivery),
+            ("fail_in_delivery", &s.fail_in_delivery),
+            ("release", &s.release),
+            ("refresh_lock", &s.refresh_lock),
+            ("release_lock", &s.release_lock),
+            ("release_locks", &s.release_locks),
+            ("release_stale", &s.release_stale),
+            ("requeue", &s.requeue),
+            ("delete_old_completed", &s.delete_old_completed),
+            ("force_unlock", &s.force_unlock),
+            ("blocked_keys", &s.blocked_keys),
+            ("counts", &s.counts),
+            ("oldest_due_age", &s.oldest_due_age),
+            ("shift_clock", &s.shift_clock),
+        ];
+        for (name, text) in all {
+            assert!(!text.contains('{') && !text.contains('}'), "{name}: {text}");
+            assert!(!text.contains("--"), "{name} keeps a comment");
+            assert!(text.contains("\"ops\".\"outbox_events\""), "{name}: {text}");
+            let mut used: Vec<u32> = text
+                .split('$')
+                .skip(1)
+                .filter_map(|p| {
+                    let d: String = p.chars().take_while(char::is_ascii_digit).collect();
+                    d.parse().ok()
+                })
+                .collect();
+            used.sort_unstable();
+            used.dedup();
+            assert!(
+                used.iter().enumerate().all(|(i, n)| *n == i as u32 + 1),
+                "{name} parameters {used:?}"
+            );
+        }
+        let want: Vec<(&str, usize)> = vec![
+            ("fetch_heads", 9),
+            ("fetch_take", 8),
+            ("fetch_take_transaction", 8),
+            ("blocked_keys", 4),
+        ];
+        for (name, n) in want {
+            let text = all.iter().find(|(k, _)| *k == name).unwrap().1;
+            assert!(text.contains(&format!("${n}")) && !text.contains(&format!("${}", n + 1)));
+        }
+    }
 
     #[test]
     fn table_names_follow_r78() {

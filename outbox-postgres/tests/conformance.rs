@@ -4,3 +4,12 @@
 use outbox_postgres::testing::PgFactory;
 
 outbox_conformance::suite!(postgres: PgFactory::new());
+
+/// The whole suite again with every relay delivering in one transaction (R84), plus TX-01 to
+/// TX-05; trial names start with `transaction::`.
+mod transaction {
+    use outbox_conformance::InTransaction;
+    use outbox_postgres::testing::PgFactory;
+
+    outbox_conformance::suite!(postgres_transaction: InTransaction(PgFactory::new()));
+}

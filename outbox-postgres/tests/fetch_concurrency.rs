@@ -1,14 +1,15 @@
-//! Concurrent fetches take different heads (R20, R21): a key another fetch has claimed, or a
-//! head another transaction has row-locked, is passed over for the next head, so the batch
-//! still fills, and the fetch never waits.
+//! Concurrent fetches take different heads (R20, R21, R85): a head another transaction has
+//! row-locked is passed over for the next head, so the batch still fills, and the fetch never
+//! waits; open fetches read disjoint windows; a fetch holds no lock per key it visits.
 
 use std::time::Duration;
 
 use outbox_core::event::{NewEvent, WorkerId};
 use outbox_core::repository::{FetchRequest, OutboxRepository};
-use outbox_postgres::PgOutboxWriter;
-use outbox_postgres::sql::fetch_claim_class;
+use outbox_postgres::sql::WalkCursor;
+use outbox_postgres::testing::shapes::{self, Shape};
 use outbox_postgres::testing::{PgHarness, database_url};
+use outbox_postgres::{PgOutboxWriter, fetch_rows};
 use uuid::Uuid;
 
 async fn write_one(h: &PgHarness, key: &str) -> Uuid {
@@ -43,7 +44,7 @@ async fn fetch_ids(h: &PgHarness, worker: &str, limit: usize) -> Vec<Uuid> {
 }
 
 #[tokio::test]
-async fn a_claimed_key_and_a_row_locked_head_are_passed_over_and_the_batch_still_fills() {
+async fn row_locked_heads_are_passed_over_and_the_batch_still_fills() {
     let h = PgHarness::create(&database_url(), "outbox_events").await;
     // Write order a1, b1, c1, d1, a2: heads in head order are a1, b1, c1, d1.
     let a1 = write_one(&h, "a").await;
@@ -52,40 +53,135 @@ async fn a_claimed_key_and_a_row_locked_head_are_passed_over_and_the_batch_still
     let d1 = write_one(&h, "d").await;
     let _a2 = write_one(&h, "a").await;
 
-    // Another fetch is choosing key a right now: it holds a's claim (the expression of
-    // `Statements::fetch`'s claim) in an open transaction.
-    let mut claimer = h.pool().begin().await.unwrap();
-    let got: bool =
-        sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, hashtext($2 || chr(31) || $3))")
-            .bind(fetch_claim_class(h.table()))
-            .bind("things")
-            .bind("a")
-            .fetch_one(&mut *claimer)
-            .await
-            .unwrap();
-    assert!(got);
-    // And b's head is row-locked by a transaction that has not committed.
+    // a's and b's heads are row-locked by a transaction that has not committed (a fetch of a
+    // relay in transaction delivery, or any other writer).
     let mut locker = h.pool().begin().await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(format!(
-        "SELECT id FROM {} WHERE id = $1 FOR UPDATE",
+        "SELECT id FROM {} WHERE id = ANY($1) FOR UPDATE",
         h.table().qualified()
     )))
-    .bind(b1)
-    .fetch_one(&mut *locker)
+    .bind(vec![a1, b1])
+    .fetch_all(&mut *locker)
     .await
     .unwrap();
 
-    assert_eq!(
-        fetch_ids(&h, "w1", 2).await,
-        vec![c1, d1],
-        "the two oldest heads that are free, not a fetch cut short by the busy ones"
-    );
-
-    claimer.rollback().await.unwrap();
+    let got = fetch_ids(&h, "w1", 2).await;
     locker.rollback().await.unwrap();
+    assert_eq!(
+        got,
+        vec![c1, d1],
+        "the two oldest heads that are free, not a fetch cut short by the busy ones, and never \
+         a2 while a1 is held"
+    );
     assert_eq!(
         fetch_ids(&h, "w2", 10).await,
         vec![a1, b1],
         "once released, a and b are heads again (c and d are leased to w1; a2 waits behind a1)"
     );
+}
+
+/// Two fetches in open transactions at once (as two relays in transaction delivery, or two
+/// lease fetches that overlap) take disjoint, full batches: the second reads past the rows the
+/// first holds instead of colliding on the same window (R85, PG-12).
+#[tokio::test]
+async fn two_open_fetches_take_disjoint_full_batches() {
+    let h = PgHarness::create(&database_url(), "outbox_events").await;
+    let mut ids = Vec::new();
+    for k in 0..12 {
+        ids.push(write_one(&h, &format!("k{k}")).await);
+    }
+    let repo = h.sqlx_repository();
+    let stmts = repo.statements().clone();
+    let fetch = |worker: &'static str| {
+        let req = FetchRequest::new(WorkerId::new(worker).unwrap(), 3).max_per_key(1);
+        let mut p = outbox_postgres::sql::FetchParams::new(&req);
+        p.window = 6; // 2 × batch (the default has a floor of 64)
+        p
+    };
+    let (c1, c2) = (WalkCursor::default(), WalkCursor::default());
+    let mut t1 = h.pool().begin().await.unwrap();
+    let got1 = fetch_rows(
+        &mut t1,
+        &stmts,
+        &stmts.fetch_take_transaction,
+        "w1",
+        &fetch("w1"),
+        &c1,
+    )
+    .await
+    .unwrap();
+    let mut t2 = h.pool().begin().await.unwrap();
+    let got2 = tokio::time::timeout(
+        Duration::from_secs(10),
+        fetch_rows(
+            &mut t2,
+            &stmts,
+            &stmts.fetch_take_transaction,
+            "w2",
+            &fetch("w2"),
+            &c2,
+        ),
+    )
+    .await
+    .expect("never waits")
+    .unwrap();
+    let id = |r: &sqlx::postgres::PgRow| -> Uuid { sqlx::Row::get(r, "id") };
+    let (got1, got2): (Vec<Uuid>, Vec<Uuid>) =
+        (got1.iter().map(id).collect(), got2.iter().map(id).collect());
+    t1.rollback().await.unwrap();
+    t2.rollback().await.unwrap();
+    assert_eq!(got1, ids[0..3], "the first fetch takes the oldest heads");
+    // The second reads past the first's window (rows 0..6, held until it commits) and takes
+    // the next three heads: a full batch, disjoint, without waiting.
+    assert_eq!(
+        got2,
+        ids[6..9],
+        "the second fetch takes the heads after the first's window"
+    );
+}
+
+/// Regression (issue 11): the fetch took one advisory lock per key it visited, so a stuck key
+/// with rows behind it plus many keys exhausted PostgreSQL's lock table. A fetch transaction
+/// now holds no advisory lock and a constant number of other locks, whatever the number of keys
+/// (R85): checked on a stuck key with 200 rows behind it plus 3,000 one-row keys, where the
+/// earlier statement held 3,001 advisory locks.
+#[tokio::test]
+async fn a_fetch_holds_no_lock_per_visited_key() {
+    let h = PgHarness::create(&database_url(), "outbox_events").await;
+    shapes::build(
+        h.pool(),
+        h.table(),
+        Shape::Stuck {
+            behind: 200,
+            keys: 3_000,
+        },
+    )
+    .await
+    .unwrap();
+    let repo = h.sqlx_repository();
+    let stmts = repo.statements().clone();
+    let req = FetchRequest::new(WorkerId::new("w1").unwrap(), 100).max_per_key(16);
+    let p = outbox_postgres::sql::FetchParams::new(&req);
+    let mut tx = h.pool().begin().await.unwrap();
+    let rows = fetch_rows(
+        &mut tx,
+        &stmts,
+        &stmts.fetch_take,
+        "w1",
+        &p,
+        &WalkCursor::default(),
+    )
+    .await
+    .unwrap();
+    let (advisory, total): (i64, i64) = sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE locktype = 'advisory'), count(*)
+           FROM pg_locks WHERE pid = pg_backend_pid()",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(rows.len(), 100, "a full batch of the one-row keys");
+    assert_eq!(advisory, 0, "advisory locks held by the fetch");
+    assert!(total < 64, "locks held by the fetch transaction: {total}");
 }

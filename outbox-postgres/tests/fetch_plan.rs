@@ -1,13 +1,14 @@
-//! The fetch's plan reads the outbox table through indexes only: no sequential scan of the
-//! table in backlog shapes (a) and (d) of the issue (R33; "the fetch must stay flat"); and the
-//! heads it returns are those of the plain head rule on random tables, through both paths.
+//! The fetch's plans read the outbox table through indexes only: no sequential scan of the
+//! table in backlog shapes (a), (d) and (f) (R33, R85); and the rows it returns are heads of the
+//! plain head rule on random tables, in head order, through both paths (the oldest heads
+//! exactly when path A answers alone; R20 lets the key walk take others).
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
-use outbox_postgres::bind_fetch;
-use outbox_postgres::sql::{FetchParams, TableName};
+use outbox_postgres::sql::{FetchParams, HeadRows, TableName, WalkCursor};
 use outbox_postgres::testing::PgHarness;
 use outbox_postgres::testing::shapes::{self, Shape};
+use outbox_postgres::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use sqlx::{AssertSqlSafe, Row};
 
 fn seq_scans(plan: &serde_json::Value, table: &str, out: &mut Vec<String>) {
@@ -43,22 +44,50 @@ async fn check(shape: Shape) {
                 "FORMAT JSON"
             };
             let mut tx = h.pool().begin().await.unwrap();
-            let row = bind_fetch(
-                sqlx::query(AssertSqlSafe(format!("EXPLAIN ({opts}) {}", stmts.fetch))),
-                "w1",
-                p.clone(),
+            let explain = |text: &str| AssertSqlSafe(format!("EXPLAIN ({opts}) {text}"));
+            let heads_plan: serde_json::Value = bind_fetch_heads(
+                sqlx::query(explain(&stmts.fetch_heads)),
+                &p,
+                (String::new(), String::new()),
             )
             .fetch_one(&mut *tx)
             .await
-            .expect("explain");
-            tx.rollback().await.unwrap();
-            let plan: serde_json::Value = row.try_get(0).unwrap();
-            let mut found = Vec::new();
-            seq_scans(&plan, "outbox_events", &mut found);
-            assert!(
-                found.is_empty(),
-                "{shape:?}, max_per_key {per_key}, {opts}: {found:?}\n{plan:#}"
+            .expect("explain heads")
+            .try_get(0)
+            .unwrap();
+            let heads = HeadRows::new(
+                bind_fetch_heads(
+                    sqlx::query(AssertSqlSafe(stmts.fetch_heads.clone())),
+                    &p,
+                    (String::new(), String::new()),
+                )
+                .fetch_all(&mut *tx)
+                .await
+                .expect("heads")
+                .iter()
+                .map(|r| (r.get(0), r.get(1), r.get(2))),
             );
+            assert!(!heads.ids.is_empty(), "{shape:?}: no heads");
+            let take_plan: serde_json::Value = bind_fetch_take(
+                sqlx::query(explain(&stmts.fetch_take)),
+                "w1",
+                &p,
+                heads.ids.clone(),
+            )
+            .fetch_one(&mut *tx)
+            .await
+            .expect("explain take")
+            .try_get(0)
+            .unwrap();
+            tx.rollback().await.unwrap();
+            for plan in [heads_plan, take_plan] {
+                let mut found = Vec::new();
+                seq_scans(&plan, "outbox_events", &mut found);
+                assert!(
+                    found.is_empty(),
+                    "{shape:?}, max_per_key {per_key}, {opts}: {found:?}\n{plan:#}"
+                );
+            }
         }
     }
 }
@@ -71,6 +100,11 @@ async fn no_seq_scan_in_shape_a() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_seq_scan_in_shape_d() {
     check(Shape::D).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_seq_scan_in_shape_f() {
+    check(Shape::F).await;
 }
 
 /// Random rows over few keys and few distinct created_at values (so keys have ties), in every
@@ -105,8 +139,8 @@ SELECT gen_random_uuid(), 'e', '{{}}', x.st, y.att, 3, x.le, x.sch,
     )
 }
 
-/// The head rule written as plainly as possible (contract R27–R29, lease 300 s): the first
-/// `$1` fetchable rows with no earlier in-line row of their key, in head order.
+/// The head rule written as plainly as possible (contract R27–R29, lease 300 s): the
+/// fetchable rows with no earlier in-line row of their key, in head order.
 fn naive_heads(t: &TableName) -> String {
     format!(
         "SELECT h.id FROM {q} h
@@ -120,48 +154,72 @@ fn naive_heads(t: &TableName) -> String {
                    AND (e.created_at, e.id) < (h.created_at, h.id)
                    AND (e.scheduled_at <= now() OR e.last_error IS NOT NULL
                         OR e.locked_at IS NOT NULL))
-          ORDER BY h.scheduled_at, h.created_at, h.id
-          LIMIT $1",
+          ORDER BY h.scheduled_at, h.created_at, h.id",
         q = t.qualified()
     )
 }
 
-/// With max_per_key 1 the fetch returns exactly the heads of the plain definition, in head
-/// order, on random tables with ties in created_at, through path A (candidate window of
-/// 2 × batch, heads found there) and path B (the key walk) alike.
+/// With max_per_key 1 every row the fetch returns is a head of the plain definition, in head
+/// order, and it returns min(batch, heads) of them, on random tables with ties in created_at;
+/// when path A (the window) answers alone, exactly the oldest heads. Both paths are exercised
+/// (`walked` counts the fetches where the key walk ran).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fetched_heads_match_the_head_rule_on_random_tables() {
+async fn fetched_heads_follow_the_head_rule_on_random_tables() {
     let h = PgHarness::create(&outbox_postgres::testing::database_url(), "outbox_events").await;
     let stmts = h.sqlx_repository().statements().clone();
     let t = h.table().clone();
-    let mut compared = 0;
+    let (mut compared, mut walked) = (0, 0);
     for seed in 1..=60u32 {
         for batch in [1usize, 3, 6] {
             sqlx::raw_sql(AssertSqlSafe(random_rows(&t, seed * 7 + batch as u32)))
                 .execute(h.pool())
                 .await
                 .expect("random rows");
-            let want: Vec<uuid::Uuid> = sqlx::query_scalar(AssertSqlSafe(naive_heads(&t)))
-                .bind(batch as i64)
+            let all: Vec<uuid::Uuid> = sqlx::query_scalar(AssertSqlSafe(naive_heads(&t)))
                 .fetch_all(h.pool())
                 .await
                 .expect("naive heads");
             let req = FetchRequest::new(WorkerId::new("w1").unwrap(), batch).max_per_key(1);
             let mut p = FetchParams::new(&req);
-            p.scan_limit = 2 * batch as i64;
+            p.window = 2 * batch as i64;
+            let cursor = WalkCursor::default();
             let mut tx = h.pool().begin().await.unwrap();
             let got: Vec<uuid::Uuid> =
-                bind_fetch(sqlx::query(AssertSqlSafe(stmts.fetch.clone())), "w1", p)
-                    .fetch_all(&mut *tx)
+                fetch_rows(&mut tx, &stmts, &stmts.fetch_take, "w1", &p, &cursor)
                     .await
                     .expect("fetch")
                     .iter()
                     .map(|r| r.try_get("id").unwrap())
                     .collect();
             tx.rollback().await.unwrap();
-            assert_eq!(got, want, "seed {seed}, batch {batch}");
+            assert_eq!(
+                got.len(),
+                batch.min(all.len()),
+                "seed {seed}, batch {batch}"
+            );
+            let positions: Vec<usize> = got
+                .iter()
+                .map(|id| {
+                    all.iter()
+                        .position(|a| a == id)
+                        .unwrap_or_else(|| panic!("seed {seed}, batch {batch}: {id} is not a head"))
+                })
+                .collect();
+            assert!(
+                positions.windows(2).all(|w| w[0] < w[1]),
+                "seed {seed}, batch {batch}: not in head order: {positions:?}"
+            );
+            if cursor.get() == (String::new(), String::new()) {
+                assert_eq!(got, all[..got.len()], "seed {seed}, batch {batch}: path A");
+            } else {
+                walked += 1;
+            }
             compared += 1;
         }
     }
     assert_eq!(compared, 180);
+    assert!(
+        walked > 0 && walked < 180,
+        "both paths ran: walked {walked} of 180"
+    );
 }

@@ -12,5 +12,6 @@ pub mod pg;
 pub mod pipeline;
 pub mod runs;
 pub mod stand;
+pub mod tx;
 pub mod validation;
 pub mod writing;

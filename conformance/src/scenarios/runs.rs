@@ -9,8 +9,8 @@ use outbox_core::WorkerId;
 use outbox_core::error::RepositoryError;
 use outbox_core::event::{NewEvent, OutboxEvent, Status};
 use outbox_core::repository::{
-    BlockedKey, Capabilities, FetchRequest, Fetched, OutboxRepository, Outcome, OutcomeKind,
-    StatusCount, WrittenOutcome,
+    BlockedKey, Capabilities, Delivery, DeliveryBound, FetchRequest, Fetched, OutboxRepository,
+    Outcome, OutcomeKind, StatusCount, WrittenOutcome,
 };
 use outbox_core::scripted::{Action, Gate};
 use uuid::Uuid;
@@ -383,6 +383,35 @@ pub async fn x_04(f: &dyn Factory) {
     assert!(!c.broker.called_ids().contains(&e[2]));
 }
 
+/// Keys interleaved round-robin, each key's rows reversed.
+fn interleave(rows: Vec<Fetched>) -> Vec<Fetched> {
+    let mut keys: Vec<(outbox_core::ordering::Key, Vec<Fetched>)> = Vec::new();
+    for r in rows {
+        let k = r.key();
+        match keys.iter_mut().find(|(kk, _)| *kk == k) {
+            Some((_, v)) => v.push(r),
+            None => keys.push((k, vec![r])),
+        }
+    }
+    for (_, v) in &mut keys {
+        v.reverse();
+    }
+    let mut out = Vec::new();
+    let mut depth = 0;
+    loop {
+        let before = out.len();
+        for (_, v) in &keys {
+            if let Some(r) = v.get(depth) {
+                out.push(r.clone());
+            }
+        }
+        if out.len() == before {
+            return out;
+        }
+        depth += 1;
+    }
+}
+
 /// A repository that hands out what the one under test fetched in another order: keys
 /// interleaved round-robin, each key's rows in reverse write order (what a careless third-party
 /// backend might return). Everything else goes straight through.
@@ -400,32 +429,15 @@ impl OutboxRepository for Interleaving {
         self.0.get(id).await
     }
     async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError> {
-        let rows = self.0.fetch_and_lock(req).await?;
-        let mut keys: Vec<(outbox_core::ordering::Key, Vec<Fetched>)> = Vec::new();
-        for r in rows {
-            let k = r.key();
-            match keys.iter_mut().find(|(kk, _)| *kk == k) {
-                Some((_, v)) => v.push(r),
-                None => keys.push((k, vec![r])),
-            }
-        }
-        for (_, v) in &mut keys {
-            v.reverse();
-        }
-        let mut out = Vec::new();
-        let mut depth = 0;
-        loop {
-            let before = out.len();
-            for (_, v) in &keys {
-                if let Some(r) = v.get(depth) {
-                    out.push(r.clone());
-                }
-            }
-            if out.len() == before {
-                return Ok(out);
-            }
-            depth += 1;
-        }
+        Ok(interleave(self.0.fetch_and_lock(req).await?))
+    }
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        bound: DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
+        let (rows, d) = self.0.begin_delivery(req, bound).await?;
+        Ok((interleave(rows), d))
     }
     async fn write_outcomes(
         &self,

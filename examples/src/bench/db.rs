@@ -264,7 +264,8 @@ pub async fn lease_reference_drain(
     sql_drain(url, conns, batch, fetch, mark, true).await
 }
 
-/// The library's own fetch and completion statements ([`Statements::fetch`],
+/// The library's own fetch and completion statements ([`Statements::fetch_heads`] and
+/// [`Statements::fetch_take`],
 /// [`Statements::complete`]) run by hand with a timer around every round trip: where the
 /// relay's database time goes, statement by statement.
 pub async fn statement_profile(
@@ -282,18 +283,21 @@ pub async fn statement_profile(
     )
     .max_per_key(max_per_key);
     let p = FetchParams::new(&req);
+    let cursor = sql::WalkCursor::default();
     let mut out = SqlDrain::default();
     let started = Instant::now();
     loop {
         let t0 = Instant::now();
         let mut tx = conn.begin().await.map_err(db("begin"))?;
         let t1 = Instant::now();
-        let rows = outbox_postgres::bind_fetch(
-            sqlx::query(AssertSqlSafe(stmts.fetch.as_str())),
+        let rows = outbox_postgres::fetch_rows(
+            &mut tx,
+            &stmts,
+            &stmts.fetch_take,
             "bench-profile",
-            p.clone(),
+            &p,
+            &cursor,
         )
-        .fetch_all(&mut *tx)
         .await
         .map_err(db("fetch"))?;
         let t2 = Instant::now();

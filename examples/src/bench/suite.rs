@@ -77,6 +77,33 @@ fn standard(brokers: bool) -> Vec<Spec> {
             "hot_100",
             "--mode relay --store sqlx --relays 1 --events 1000 --keys 1 --batch 100 --max-per-key 100 --check-order",
         ),
+        // Delivery in one transaction (R84), the same shapes.
+        spec(
+            "tx_1",
+            &format!("--mode relay --store sqlx --delivery transaction --relays 1 {t1}"),
+        ),
+        spec(
+            "tx_4",
+            &format!("--mode relay --store sqlx --delivery transaction --relays 4 {t1}"),
+        ),
+        spec(
+            "dtx_1",
+            &format!("--mode relay --store diesel --delivery transaction --relays 1 {t1}"),
+        ),
+        spec(
+            "tx_hot_100",
+            "--mode relay --store sqlx --delivery transaction --relays 1 --events 1000 --keys 1 --batch 100 --max-per-key 100 --check-order",
+        ),
+        spec(
+            "tx_one",
+            &format!("--mode relay --delivery transaction --relays 1 {one}"),
+        ),
+        spec(
+            "tx_mixed",
+            &format!(
+                "--mode relay --delivery transaction --relays 1 --max-per-key 100 --check-order {mixed}"
+            ),
+        ),
         spec("ref_one", &format!("--mode reference --relays 1 {one}")),
         spec("sqlx_one", &format!("--mode relay --relays 1 {one}")),
         spec("ref_mixed", &format!("--mode reference --relays 1 {mixed}")),
@@ -96,6 +123,14 @@ fn standard(brokers: bool) -> Vec<Spec> {
             spec(
                 "sqlx_nats",
                 &format!("--mode relay --broker nats --relays 1 {t1}"),
+            ),
+            spec(
+                "tx_nats",
+                &format!("--mode relay --broker nats --delivery transaction --relays 1 {t1}"),
+            ),
+            spec(
+                "tx_redis",
+                &format!("--mode relay --broker redis --delivery transaction --relays 1 {t1}"),
             ),
             spec(
                 "raw_redis",
@@ -239,9 +274,93 @@ fn print_table(r: &BTreeMap<&'static str, Vec<Value>>, memory: Option<&Value>, r
     println!();
     println!("| target | measured | ev/s | against | ev/s | ratio | goal | holds |");
     println!("|---|---|---:|---|---:|---:|---:|---|");
-    let rows: [(&str, &str, &str, &str, f64); 13] = [
+    let rows: [(&str, &str, &str, &str, f64); 25] = [
         ("1", "sqlx_1", "ref_1", "1 relay vs reference 1 conn", 0.8),
         ("1", "sqlx_4", "ref_4", "4 relays vs reference 4 conns", 0.8),
+        (
+            "#11",
+            "sqlx_1",
+            "ref_1",
+            "lease mode, 1 relay vs reference",
+            0.5,
+        ),
+        (
+            "#11",
+            "sqlx_4",
+            "sqlx_1",
+            "lease mode, 4 relays vs 1 relay",
+            1.3,
+        ),
+        (
+            "#12",
+            "tx_1",
+            "ref_1",
+            "transaction mode, 1 relay vs reference",
+            0.7,
+        ),
+        (
+            "#12",
+            "tx_4",
+            "ref_4",
+            "transaction mode, 4 relays vs reference 4 conns",
+            0.7,
+        ),
+        (
+            "#12",
+            "tx_4",
+            "tx_1",
+            "transaction mode, 4 relays vs 1 relay",
+            1.0,
+        ),
+        (
+            "#12",
+            "tx_nats",
+            "tx_1",
+            "transaction mode, NATS e2e vs no-op",
+            0.85,
+        ),
+        (
+            "#12",
+            "tx_redis",
+            "tx_1",
+            "transaction mode, Redis e2e vs no-op",
+            0.85,
+        ),
+        (
+            "#12",
+            "sqlx_nats",
+            "sqlx_1",
+            "lease mode, NATS e2e vs no-op",
+            0.85,
+        ),
+        (
+            "#12",
+            "sqlx_redis",
+            "sqlx_1",
+            "lease mode, Redis e2e vs no-op",
+            0.85,
+        ),
+        (
+            "#12",
+            "dtx_1",
+            "tx_1",
+            "transaction mode, diesel vs sqlx",
+            0.9,
+        ),
+        (
+            "4",
+            "tx_one",
+            "ref_one",
+            "transaction mode, 100,000 keys of 1 row",
+            0.7,
+        ),
+        (
+            "4",
+            "tx_mixed",
+            "ref_mixed",
+            "transaction mode, hot 20,000 + 1,000 × 20",
+            0.7,
+        ),
         (
             "(1)",
             "lease_1",
@@ -320,7 +439,7 @@ fn print_table(r: &BTreeMap<&'static str, Vec<Value>>, memory: Option<&Value>, r
             fr(q),
         );
     }
-    for n in ["sqlx_4", "diesel_4"] {
+    for n in ["sqlx_4", "diesel_4", "tx_4"] {
         if let Some(v) = r.get(n) {
             let e: Vec<String> = v.iter().map(|x| x["empty_fetches"].to_string()).collect();
             let c: Vec<String> = v.iter().map(|x| x["cycles"].to_string()).collect();
@@ -331,12 +450,34 @@ fn print_table(r: &BTreeMap<&'static str, Vec<Value>>, memory: Option<&Value>, r
             );
         }
     }
-    if let Some(h) = r.get("hot_100") {
+    for n in ["sqlx_4", "tx_4"] {
+        if let Some(v) = r.get(n) {
+            let share: Vec<f64> = v
+                .iter()
+                .map(|x| {
+                    let (e, c) = (f(x, "empty_fetches"), f(x, "cycles"));
+                    100.0 * e / (e + c)
+                })
+                .collect();
+            let m = median(share.clone());
+            println!(
+                "| #11 | {n}: empty fetches, % of all fetches | {} | | | | ≤ 5 % | {} |",
+                m.map_or("–".into(), |m| format!("{m:.1} %")),
+                if m.is_some_and(|m| m <= 5.0) {
+                    "yes"
+                } else {
+                    "**no**"
+                }
+            );
+        }
+    }
+    for (n, what) in [("hot_100", "lease"), ("tx_hot_100", "transaction")] {
+        let Some(h) = r.get(n) else { continue };
         let secs = median(h.iter().map(|x| f(x, "seconds")).collect());
         let cycles: Vec<String> = h.iter().map(|x| x["cycles"].to_string()).collect();
         let in_order = h.iter().all(|x| x["in_order"] == Value::Bool(true));
         println!(
-            "| 3 | hot key, 1,000 events, max_per_key 100 | {} s (median) | cycles {} | want 10 | in order: {in_order} | < 0.3 s | {} |",
+            "| 3 | hot key ({what}), 1,000 events, max_per_key 100 | {} s (median) | cycles {} | want 10 | in order: {in_order} | < 0.3 s | {} |",
             secs.map_or("–".into(), |s| format!("{s:.3}")),
             cycles.join(", "),
             if secs.is_some_and(|s| s < 0.3) && in_order && h.iter().all(|x| x["cycles"] == 10) {

@@ -96,6 +96,18 @@ impl OutboxRepository for Timed {
         self.phases.fetches.fetch_add(1, Ordering::Relaxed);
         r
     }
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        bound: outbox_core::DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn outbox_core::Delivery>), RepositoryError> {
+        // The delivery's commit (its outcome write) is not timed separately.
+        let t = Instant::now();
+        let r = self.inner.begin_delivery(req, bound).await;
+        add(&self.phases.fetch_ns, t.elapsed());
+        self.phases.fetches.fetch_add(1, Ordering::Relaxed);
+        r
+    }
     async fn write_outcomes(
         &self,
         worker: &WorkerId,

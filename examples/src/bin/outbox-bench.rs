@@ -164,6 +164,9 @@ pub struct RunArgs {
     /// Keys published at once per relay; raw mode uses relays × this many in flight.
     #[arg(long, default_value_t = 16)]
     pub publish_concurrency: usize,
+    /// Delivery mode of the relay (relay mode): lease or transaction.
+    #[arg(long, default_value = "lease", value_parser = parse_delivery)]
+    pub delivery: outbox_core::DeliveryMode,
     /// Check every key's publishes arrive in write order (relay mode).
     #[arg(long)]
     pub check_order: bool,
@@ -173,6 +176,11 @@ pub struct RunArgs {
     pub profile: bool,
     #[command(flatten)]
     pub conn: Conn,
+}
+
+fn parse_delivery(s: &str) -> Result<outbox_core::DeliveryMode, String> {
+    s.parse()
+        .map_err(|e: outbox_core::ConfigError| e.to_string())
 }
 
 /// VmHWM (peak resident set) of this process in MiB, from /proc/self/status.
@@ -205,6 +213,7 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
     let mut out = json!({
         "mode": a.mode.to_possible_value().map(|v| v.get_name().to_owned()),
         "store": format!("{:?}", a.store).to_lowercase(),
+        "delivery": a.delivery.to_string(),
         "broker": format!("{:?}", a.broker).to_lowercase(),
         "events": shape.total(),
         "keys": a.keys + usize::from(a.hot_events > 0),
@@ -217,11 +226,14 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
     let (seconds, cycles, extra) = match a.mode {
         Mode::Preload => {
             let fresh = db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2).await?;
+            let stmts = outbox_postgres::sql::Statements::new(&fresh.table);
             eprintln!(
-                "kept table {}; fetch statement ($1 worker, $2 batch, $3 lease µs, $4 max_per_key, $5-$7 NULL filters, $8 scan limit {}):\n{}",
+                "kept table {}; fetch statements (parameters in outbox-postgres/src/sql/statements/; window {}, walk limit {}):\n{}\n\n{}",
                 fresh.table,
-                outbox_postgres::sql::candidate_scan_limit(a.batch),
-                outbox_postgres::sql::Statements::new(&fresh.table).fetch
+                outbox_postgres::sql::fetch_window(a.batch),
+                outbox_postgres::sql::fetch_walk_limit(a.batch),
+                stmts.fetch_heads,
+                stmts.fetch_take
             );
             (0.0, 0, json!({ "table": fresh.table.to_string() }))
         }
@@ -344,6 +356,7 @@ async fn relay_drain(
                 .batch_size(a.batch)
                 .max_per_key(a.max_per_key)
                 .publish_concurrency(a.publish_concurrency)
+                .delivery(a.delivery)
                 .build()
                 .map_err(|e| BenchError(format!("relay settings: {e}")))?,
         ));

@@ -41,6 +41,12 @@ pub struct RunArgs {
     #[arg(long, env = "OUTBOX_PUBLISH_CONCURRENCY", default_value_t = 16)]
     pub publish_concurrency: usize,
     /// Lease TTL: a row locked longer than this may be taken by another relay.
+    /// How rows are delivered: `lease` (stamp a lease, publish with no transaction open, write
+    /// outcomes in a second transaction) or `transaction` (hold the rows' row locks in one
+    /// transaction while publishing, write each row once, free them at once on a crash). See
+    /// the README, "Choosing the delivery mode".
+    #[arg(long, env = "OUTBOX_DELIVERY", default_value = "lease", value_parser = parse_delivery)]
+    pub delivery: outbox_core::DeliveryMode,
     #[arg(long, env = "OUTBOX_LEASE", default_value = "300s", value_parser = parse_dur)]
     pub lease: Duration,
     /// How long an idle relay waits between fetches when no NOTIFY wakes it.
@@ -71,6 +77,11 @@ pub struct RunArgs {
     /// Serves Prometheus metrics on this address, e.g. 127.0.0.1:9000 (cargo feature `prometheus`).
     #[arg(long, env = "OUTBOX_METRICS_ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+}
+
+fn parse_delivery(s: &str) -> std::result::Result<outbox_core::DeliveryMode, String> {
+    s.parse()
+        .map_err(|e: outbox_core::ConfigError| e.to_string())
 }
 
 fn usage<E: std::fmt::Display>(flag: &'static str) -> impl Fn(E) -> CliError {
@@ -315,6 +326,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
             .lease_ttl(a.lease)
             .poll_interval(a.poll_interval)
             .publish_timeout(a.publish_timeout)
+            .delivery(a.delivery)
             .backoff(backoff)
             .step(Arc::new(metrics.clone()))
             .build()
@@ -393,8 +405,9 @@ fn check_settings(a: &RunArgs, id: &str, backoff: Backoff) -> Result<()> {
         .lease_ttl(a.lease)
         .poll_interval(a.poll_interval)
         .publish_timeout(a.publish_timeout)
+        .delivery(a.delivery)
         .backoff(backoff)
         .build()
         .map(drop)
-        .map_err(|e| CliError::usage(format!("{e} (check --batch-size, --max-per-key, --publish-concurrency, --lease, --publish-timeout)")))
+        .map_err(|e| CliError::usage(format!("{e} (check --batch-size, --max-per-key, --publish-concurrency, --lease, --publish-timeout, --delivery)")))
 }

@@ -1,0 +1,162 @@
+-- fetch_heads: choose the heads a fetch may take (R20, R27-R29, R85). First of the two fetch
+-- statements; run it in the fetch transaction, then fetch_take with the ids it returns.
+--
+-- Parameters:
+--   $1 int8    batch size (>= 1)
+--   $2 int8    lease TTL in microseconds (a lease older than that has expired)
+--   $3 text[]  topics, or NULL for any
+--   $4 text[]  aggregate types, or NULL for any
+--   $5 uuid[]  aggregate ids, or NULL for any
+--   $6 int8    window: how many of the oldest fetchable rows path A reads
+--   $7 int8    walk limit: how many keys path B visits at most
+--   $8 text    walk cursor, topic: path B starts at the first key >= ($8, $9)
+--   $9 text    walk cursor, partition key ('' and '' start at the first key)
+--
+-- Returns rows of (head_id uuid, topic text, partition_key text): the candidate heads in head
+-- order (scheduled_at, created_at, id), then, when path B walked, one last row with head_id NULL
+-- naming the last key it visited (the caller's next cursor).
+--
+-- Path A, the window: the $6 oldest fetchable rows, row-locked with SKIP LOCKED as they are
+-- read, so concurrent fetches read disjoint windows instead of colliding on the same one.
+-- Only the earliest window row of each key can be its head; it is one when no earlier in-line
+-- row of its key exists (one LIMIT 1 probe of idx_<t>_pending_key_order per key, filters
+-- ignored, R29). Its heads are locked already, so fetch_take can always take them.
+--
+-- Path B, the walk, runs only when path A found fewer than $1 heads (the window is full of rows
+-- queued behind blocked heads, or of one hot key). It visits keys in (topic, partition_key)
+-- order from the cursor, wrapping around once, reading each key's first in-line row in one
+-- descent of idx_<t>_pending_key_order, and stops after $1 fetchable heads or $7 keys: its cost
+-- is bounded by the batch, never by the number of keys (R85), and the cursor makes every key's
+-- turn come within a bounded number of fetches (R20). Walk heads are not locked here.
+--
+-- Nothing here takes an advisory lock, and the only row locks are the window's $6 rows.
+WITH RECURSIVE
+win_u AS MATERIALIZED (
+    SELECT u.id, u.topic, u.partition_key, u.scheduled_at, u.created_at
+      FROM {table} u
+     WHERE u.status = 'pending' AND u.locked_at IS NULL AND u.attempts_made < u.max_attempts
+       AND u.scheduled_at <= now()
+       AND ($3::text[] IS NULL OR u.topic = ANY($3::text[]))
+       AND ($4::text[] IS NULL OR u.aggregate_type = ANY($4::text[]))
+       AND ($5::uuid[] IS NULL OR u.aggregate_id = ANY($5::uuid[]))
+     ORDER BY u.scheduled_at, u.created_at, u.id
+     LIMIT $6::int8
+       FOR UPDATE SKIP LOCKED
+),
+win_x AS MATERIALIZED (
+    SELECT x.id, x.topic, x.partition_key, x.scheduled_at, x.created_at
+      FROM {table} x
+     WHERE x.locked_at < now() - $2::int8 * INTERVAL '1 microsecond'
+       AND x.status = 'pending' AND x.attempts_made < x.max_attempts AND x.scheduled_at <= now()
+       AND ($3::text[] IS NULL OR x.topic = ANY($3::text[]))
+       AND ($4::text[] IS NULL OR x.aggregate_type = ANY($4::text[]))
+       AND ($5::uuid[] IS NULL OR x.aggregate_id = ANY($5::uuid[]))
+     ORDER BY x.scheduled_at, x.created_at, x.id
+     LIMIT $6::int8
+       FOR UPDATE SKIP LOCKED
+),
+win AS (
+    SELECT w.* FROM (SELECT * FROM win_u UNION ALL SELECT * FROM win_x) w
+     ORDER BY w.scheduled_at, w.created_at, w.id
+     LIMIT $6::int8
+),
+heads_a AS MATERIALIZED (
+    SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
+      FROM (SELECT DISTINCT ON (d.topic, d.partition_key) d.*
+              FROM win d
+             ORDER BY d.topic, d.partition_key, d.created_at, d.id) c
+      LEFT JOIN LATERAL (
+           SELECT 1 AS found
+             FROM {table} e
+            WHERE e.status = 'pending' AND e.topic = c.topic AND e.partition_key = c.partition_key
+              AND e.created_at <= c.created_at AND (e.created_at < c.created_at OR e.id < c.id)
+              AND (e.scheduled_at <= now() OR e.last_error IS NOT NULL OR e.locked_at IS NOT NULL)
+            LIMIT 1
+      ) earlier ON true
+     WHERE earlier.found IS NULL
+),
+walk AS (
+    SELECT 1 AS depth, f.*, o.ok, o.ok::int AS found
+      FROM (
+           (SELECT s.*, false AS wrapped FROM (
+                SELECT k.id, k.topic, k.partition_key, k.scheduled_at, k.created_at, k.status,
+                       k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
+                       k.aggregate_id
+                  FROM {table} k
+                 WHERE k.status = 'pending'
+                   AND (k.topic, k.partition_key) >= ($8::text, $9::text)
+                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                 ORDER BY k.topic, k.partition_key, k.created_at
+                 FETCH FIRST 1 ROWS WITH TIES) s
+            ORDER BY s.id LIMIT 1)
+           UNION ALL
+           (SELECT s.*, true AS wrapped FROM (
+                SELECT k.id, k.topic, k.partition_key, k.scheduled_at, k.created_at, k.status,
+                       k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
+                       k.aggregate_id
+                  FROM {table} k
+                 WHERE k.status = 'pending'
+                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                 ORDER BY k.topic, k.partition_key, k.created_at
+                 FETCH FIRST 1 ROWS WITH TIES) s
+            ORDER BY s.id LIMIT 1)
+           LIMIT 1
+      ) f
+     CROSS JOIN LATERAL (SELECT
+           f.scheduled_at <= now() AND f.attempts_made < f.max_attempts
+           AND (f.locked_at IS NULL OR f.locked_at < now() - $2::int8 * INTERVAL '1 microsecond')
+           AND ($3::text[] IS NULL OR f.topic = ANY($3::text[]))
+           AND ($4::text[] IS NULL OR f.aggregate_type = ANY($4::text[]))
+           AND ($5::uuid[] IS NULL OR f.aggregate_id = ANY($5::uuid[])) AS ok) o
+     WHERE (SELECT count(*) FROM heads_a) < $1::int8
+    UNION ALL
+    SELECT p.depth + 1, n.*, o.ok, p.found + o.ok::int
+      FROM walk p
+     CROSS JOIN LATERAL (
+           (SELECT s.*, p.wrapped AS wrapped FROM (
+                SELECT k.id, k.topic, k.partition_key, k.scheduled_at, k.created_at, k.status,
+                       k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
+                       k.aggregate_id
+                  FROM {table} k
+                 WHERE k.status = 'pending'
+                   AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
+                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                 ORDER BY k.topic, k.partition_key, k.created_at
+                 FETCH FIRST 1 ROWS WITH TIES) s
+            ORDER BY s.id LIMIT 1)
+           UNION ALL
+           (SELECT s.*, true AS wrapped FROM (
+                SELECT k.id, k.topic, k.partition_key, k.scheduled_at, k.created_at, k.status,
+                       k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
+                       k.aggregate_id
+                  FROM {table} k
+                 WHERE k.status = 'pending' AND NOT p.wrapped
+                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                 ORDER BY k.topic, k.partition_key, k.created_at
+                 FETCH FIRST 1 ROWS WITH TIES) s
+            ORDER BY s.id LIMIT 1)
+           LIMIT 1
+     ) n
+     CROSS JOIN LATERAL (SELECT
+           n.scheduled_at <= now() AND n.attempts_made < n.max_attempts
+           AND (n.locked_at IS NULL OR n.locked_at < now() - $2::int8 * INTERVAL '1 microsecond')
+           AND ($3::text[] IS NULL OR n.topic = ANY($3::text[]))
+           AND ($4::text[] IS NULL OR n.aggregate_type = ANY($4::text[]))
+           AND ($5::uuid[] IS NULL OR n.aggregate_id = ANY($5::uuid[])) AS ok) o
+     WHERE p.depth < $7::int8 AND p.found < $1::int8
+       AND NOT (n.wrapped AND (n.topic, n.partition_key) >= ($8::text, $9::text))
+),
+heads AS (
+    SELECT id, topic, partition_key, scheduled_at, created_at FROM heads_a
+    UNION
+    SELECT w.id, w.topic, w.partition_key, w.scheduled_at, w.created_at FROM walk w
+     WHERE w.ok
+)
+SELECT r.head_id, r.topic::text, r.partition_key::text FROM (
+    SELECT h.id AS head_id, h.topic, h.partition_key, 0 AS part, h.scheduled_at, h.created_at
+      FROM heads h
+    UNION ALL
+    (SELECT NULL::uuid, w.topic, w.partition_key, 1, NULL::timestamptz, NULL::timestamptz
+       FROM walk w ORDER BY w.depth DESC LIMIT 1)
+) r
+ORDER BY r.part, r.scheduled_at, r.created_at, r.head_id
