@@ -1027,7 +1027,8 @@ pub struct OutageFigures {
     /// Rows the relay fetched while the broker was away.
     pub rows_fetched_during: usize,
     /// Row writes the relay made while the broker was away: in the lease mode every fetched
-    /// row is written twice (the lease, then its outcome).
+    /// row is written twice (the lease, then its outcome); in transaction delivery only
+    /// completions and counted failures are written.
     pub row_writes_during: usize,
     /// From the broker answering again to the first acknowledged publish.
     pub first_publish_after: Duration,
@@ -1040,12 +1041,13 @@ pub struct OutageFigures {
 /// [`outbox_conformance::broker::LoopbackProxy`]; after 20 rows went out the proxy takes the
 /// broker away (`fault`) for `outage`, then brings it back. Checks that every event arrives and
 /// that, per key, first deliveries are in write order; returns the figures of the outage. The
-/// relay runs with publish timeout 2 s (the adapter's own 1 s), poll interval 1 s, the
-/// defaults otherwise.
+/// relay runs in `delivery` mode with publish timeout 2 s (the adapter's own 1 s), poll
+/// interval 1 s, the defaults otherwise.
 pub async fn broker_outage_on_postgres(
     b: &dyn outbox_conformance::broker::BrokerUnderTest,
     fault: BrokerFault,
     outage: Duration,
+    delivery: outbox_core::repository::DeliveryMode,
 ) -> OutageFigures {
     use std::collections::{HashMap, HashSet};
     use std::sync::Mutex;
@@ -1136,6 +1138,7 @@ pub async fn broker_outage_on_postgres(
         .max_per_key(2)
         .publish_timeout(Duration::from_secs(2))
         .poll_interval(Duration::from_secs(1))
+        .delivery(delivery)
         .step(log.clone())
         .build()
         .expect("relay"),
@@ -1166,16 +1169,27 @@ pub async fn broker_outage_on_postgres(
         BrokerFault::Reset => proxy.stop_resetting(),
     }
     let up = std::time::Instant::now();
-    let (cycles_during, rows_fetched_during) = {
+    let (cycles_during, rows_fetched_during, row_writes_during) = {
         let c = log.cycles.lock().expect("log");
         let during: Vec<&CycleReport> = c[cycles_before..]
             .iter()
             .filter(|(at, _)| *at <= up)
             .map(|(_, r)| r)
             .collect();
+        let fetched = during.iter().map(|r| r.fetched.len()).sum::<usize>();
+        let writes = match delivery {
+            // Every fetched row is written twice: its lease, then its outcome.
+            outbox_core::repository::DeliveryMode::Lease => 2 * fetched,
+            // Only completions and counted failures are written (R84).
+            outbox_core::repository::DeliveryMode::Transaction => during
+                .iter()
+                .map(|r| r.completed.len() + r.counted.len())
+                .sum(),
+        };
         (
             during.iter().filter(|r| !r.breaker_open).count(),
-            during.iter().map(|r| r.fetched.len()).sum::<usize>(),
+            fetched,
+            writes,
         )
     };
     let first_after = |l: &Log| {
@@ -1236,7 +1250,7 @@ pub async fn broker_outage_on_postgres(
     OutageFigures {
         cycles_during,
         rows_fetched_during,
-        row_writes_during: 2 * rows_fetched_during,
+        row_writes_during,
         first_publish_after: first.saturating_duration_since(up),
         outage: up.saturating_duration_since(down),
     }
