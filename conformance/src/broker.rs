@@ -1,4 +1,4 @@
-//! Broker trials (scenarios.md section 16, K-01 to K-06) and a broker outage trial, run against
+//! Broker trials (K-01 to K-06) and a broker outage trial, run against
 //! a live broker through a real adapter.
 //!
 //! A broker adapter crate implements [`BrokerUnderTest`] in its tests and invokes

@@ -1,5 +1,5 @@
 //! The scenario toolkit: a trial's harness, scripted broker, relay clock and helpers that turn
-//! the conventions of scenarios.md into code.
+//! the suite's conventions into code.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,7 +18,7 @@ use uuid::Uuid;
 
 use crate::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
 
-/// Relay settings of a cycle; defaults are the suite's conventions (scenarios.md §1).
+/// Relay settings of a cycle; defaults are the suite's conventions.
 #[derive(Clone)]
 pub struct Cfg {
     /// Worker id.
@@ -45,7 +45,7 @@ pub struct Cfg {
     pub steps: Vec<Arc<dyn PipelineStep>>,
     /// Use the peer backend's repository.
     pub peer: bool,
-    /// The delivery mode; `None` takes the harness's ([`Harness::delivery`](crate::Harness::delivery)).
+    /// The delivery mode; `None` takes the harness's ([`Harness::delivery`]).
     pub delivery: Option<outbox_core::DeliveryMode>,
 }
 
@@ -241,7 +241,7 @@ impl Ctx {
 
     /// Trial time: the backend's now plus everything advanced. On a backend whose advance moves
     /// its clock (in memory) this counts advances twice, so it is only for differences taken on
-    /// a database clock; see [`Ctx::elapsed_since`].
+    /// a database clock.
     pub fn shifted(&self, t: DateTime<Utc>) -> DateTime<Utc> {
         if self.kind() == BackendKind::Memory {
             t

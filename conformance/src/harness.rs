@@ -14,14 +14,14 @@ use outbox_core::event::{NewEvent, Status};
 use outbox_core::repository::{DeliveryMode, OutboxRepository, WriteResult};
 use uuid::Uuid;
 
-/// The kind of backend, which decides the scenarios that apply (tags [mem] and [pg]).
+/// The kind of backend, which decides the scenarios that apply (tags `[mem]` and `[pg]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BackendKind {
-    /// The in-memory reference backend (runs [all] and [mem]).
+    /// The in-memory reference backend (runs `[all]` and `[mem]`).
     Memory,
-    /// A Postgres backend (runs [all] and [pg]).
+    /// A Postgres backend (runs `[all]` and `[pg]`).
     Postgres,
-    /// Any other backend (runs [all]).
+    /// Any other backend (runs `[all]`).
     Other,
 }
 
@@ -104,14 +104,14 @@ pub trait Harness: Send + Sync {
     ) -> Option<Result<(), String>> {
         None
     }
-    /// For [pg] scenarios PG-03 and PG-10: validates `table` as the backend's table-name setting
+    /// For `[pg]` scenarios PG-03 and PG-10: validates `table` as the backend's table-name setting
     /// (`table` or `schema.table`) and, when valid, runs the backend's schema creation for it.
     /// `None`: the backend has no such setting; `Some(Err(text))`: the name was rejected or the
     /// creation failed.
     async fn create_schema_for(&self, _table: &str) -> Option<Result<(), String>> {
         None
     }
-    /// For [pg] scenarios: runs SQL on a connection of its own and returns the rows as JSON
+    /// For `[pg]` scenarios: runs SQL on a connection of its own and returns the rows as JSON
     /// objects. `{table}` in the text is replaced by the qualified table name.
     async fn sql(&self, _statement: &str) -> Result<Vec<serde_json::Value>, String> {
         Err("this backend has no SQL".into())

@@ -11,8 +11,8 @@ pub use harness::{BackendKind, Factory, Harness, InTransaction, RowPatch, WriteT
 
 /// Generates one `#[tokio::test]` per scenario, named after its ID (`o_01` is O-01).
 ///
-/// `suite!(memory: FACTORY)` runs the [all] and [mem] scenarios; `suite!(postgres: FACTORY)` the
-/// [all] and [pg] ones; `suite!(other: FACTORY)` the [all] ones. FACTORY is an expression
+/// `suite!(memory: FACTORY)` runs the `[all]` and `[mem]` scenarios; `suite!(postgres: FACTORY)` the
+/// `[all]` and `[pg]` ones; `suite!(other: FACTORY)` the `[all]` ones. FACTORY is an expression
 /// evaluated per test whose value implements [`Factory`].
 ///
 /// `suite!(postgres_partitioned: FACTORY)` is for a Postgres harness whose table has the

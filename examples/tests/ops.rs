@@ -179,7 +179,7 @@ async fn commands_on_a_missing_table_say_to_migrate() {
             "--reason",
             "x",
         ],
-        &["run", "--until-drained"],
+        &["run", "--broker", "noop", "--until-drained"],
     ] {
         let out = relay(&args(&db, cmd)).await;
         assert_eq!(out.code, 3, "{cmd:?}: {}", out.stderr);
@@ -468,11 +468,30 @@ async fn force_unlock_releases_a_held_row_and_refuses_bad_input() {
 async fn run_refuses_invalid_settings_before_connecting() {
     let db = Db::fresh().await;
     for (flags, needle) in [
-        (&["--worker-id", "has space"][..], "worker"),
-        (&["--batch-size", "0"], "batch_size"),
-        (&["--lease", "10s", "--publish-timeout", "30s"], "lease_ttl"),
-        (&["--poll-interval", "fast"], "duration"),
-        (&["--metrics-prefix", "1bad"], "metrics prefix"),
+        (
+            &["--broker", "stdout", "--worker-id", "has space"][..],
+            "worker",
+        ),
+        (&["--broker", "stdout", "--batch-size", "0"], "batch_size"),
+        (
+            &[
+                "--broker",
+                "stdout",
+                "--lease",
+                "10s",
+                "--publish-timeout",
+                "30s",
+            ],
+            "lease_ttl",
+        ),
+        (
+            &["--broker", "stdout", "--poll-interval", "fast"],
+            "duration",
+        ),
+        (
+            &["--broker", "stdout", "--metrics-prefix", "1bad"],
+            "metrics prefix",
+        ),
         (&["--broker", "kafka"], "kafka"),
     ] {
         let mut a = args(&db, &["run"]);

@@ -64,6 +64,14 @@ impl Message {
         }
     }
 
+    /// The W3C trace context the event was written with (the attribute `traceparent`, see
+    /// [`crate::trace`]); adapters send it so the consumer continues the producer's trace.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.attributes
+            .get(crate::trace::TRACEPARENT)
+            .map(String::as_str)
+    }
+
     /// The payload as JSON.
     pub fn payload(&self) -> serde_json::Value {
         serde_json::from_slice(&self.body).unwrap_or(serde_json::Value::Null)
@@ -87,16 +95,41 @@ pub struct Ack {
 ///   K-03, T-01); an adapter's own retries end within the relay's publish timeout;
 /// * the relay never calls `publish` for two rows of one key at once, and never batches them
 ///   (K-02, X-01).
+///
+/// Tracing: the relay's publish span records [`messaging_system`](Self::messaging_system) and
+/// [`destination_name`](Self::destination_name) as the OpenTelemetry attributes
+/// `messaging.system` and `messaging.destination.name`. An adapter sends the message's
+/// `traceparent` attribute ([`Message::traceparent`]) the way its broker carries headers.
 #[async_trait]
 pub trait Broker: Send + Sync {
     /// Publishes one message.
     async fn publish(&self, message: &Message) -> Result<Ack, BrokerError>;
+
+    /// The OpenTelemetry `messaging.system` of this broker, e.g. `nats`, `redis`; `unknown` by
+    /// default.
+    fn messaging_system(&self) -> &'static str {
+        "unknown"
+    }
+
+    /// Where `message` goes, for `messaging.destination.name` (NATS subject, Redis stream
+    /// key); the topic by default.
+    fn destination_name(&self, message: &Message) -> String {
+        message.topic.clone()
+    }
 }
 
 #[async_trait]
 impl<B: Broker + ?Sized> Broker for std::sync::Arc<B> {
     async fn publish(&self, message: &Message) -> Result<Ack, BrokerError> {
         (**self).publish(message).await
+    }
+
+    fn messaging_system(&self) -> &'static str {
+        (**self).messaging_system()
+    }
+
+    fn destination_name(&self, message: &Message) -> String {
+        (**self).destination_name(message)
     }
 }
 
@@ -116,6 +149,10 @@ impl Broker for StdoutBroker {
         println!("{line}");
         Ok(Ack::default())
     }
+
+    fn messaging_system(&self) -> &'static str {
+        "stdout"
+    }
 }
 
 /// A broker that acknowledges everything and does nothing (for benchmarks).
@@ -126,5 +163,9 @@ pub struct NoopBroker;
 impl Broker for NoopBroker {
     async fn publish(&self, _m: &Message) -> Result<Ack, BrokerError> {
         Ok(Ack::default())
+    }
+
+    fn messaging_system(&self) -> &'static str {
+        "noop"
     }
 }

@@ -58,6 +58,10 @@ pub mod limits {
     pub const DEFAULT_MAX_ATTEMPTS: i32 = 6;
     /// Default `error_max_length` in bytes (R9).
     pub const DEFAULT_ERROR_MAX_LENGTH: usize = 2000;
+    /// The largest `error_max_length` (R9): the size of the `last_error` column,
+    /// `varchar(2000)`. A larger setting would let a long error fail the whole outcome
+    /// transaction on the database, so it is a configuration error instead.
+    pub const ERROR_MAX_LENGTH_MAX: usize = 2000;
     /// Suffix appended to a truncated last_error (R9).
     pub const TRUNCATED_SUFFIX: &str = "... [TRUNCATED]";
     /// The text stored for an empty error (R9).
@@ -159,6 +163,14 @@ pub struct OutboxEvent {
 }
 
 impl OutboxEvent {
+    /// The W3C trace context stored with the row (the header `traceparent`), if any.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.headers
+            .as_ref()
+            .and_then(|h| h.get(crate::trace::TRACEPARENT))
+            .map(String::as_str)
+    }
+
     /// The ordering key (R26).
     pub fn key(&self) -> crate::ordering::Key {
         crate::ordering::Key::new(&self.topic, &self.partition_key)
@@ -222,6 +234,13 @@ impl NewEvent {
     /// Headers (none when empty).
     pub fn headers(&self) -> Option<&BTreeMap<String, String>> {
         self.headers.as_ref()
+    }
+    /// The W3C trace context stored with the event (the header `traceparent`), if any.
+    pub fn traceparent(&self) -> Option<&str> {
+        self.headers
+            .as_ref()
+            .and_then(|h| h.get(crate::trace::TRACEPARENT))
+            .map(String::as_str)
     }
     /// Trace id.
     pub fn trace_id(&self) -> Option<&str> {
@@ -399,6 +418,7 @@ pub struct EventBuilder {
     event_type: Option<String>,
     payload: Option<PayloadInput>,
     headers: Vec<(String, String)>,
+    traceparent: Option<String>,
     trace_id: Option<String>,
     idempotency_key: Option<String>,
     correlation_id: Option<String>,
@@ -474,6 +494,25 @@ impl EventBuilder {
         self.headers
             .extend(h.into_iter().map(|(k, v)| (k.into(), v.into())));
         self
+    }
+    /// The W3C trace context of the code writing the event
+    /// (`00-<32 hex trace id>-<16 hex span id>-<2 hex flags>`), checked at build. It is stored
+    /// as the reserved header `traceparent` and sent with the message (the NATS header and the
+    /// Redis field `traceparent`), so the consumer continues this trace; see
+    /// [`crate::trace`]. Setting the header `traceparent` as well is a duplicate-key error.
+    pub fn traceparent(mut self, v: impl Into<String>) -> Self {
+        self.traceparent = Some(v.into());
+        self
+    }
+    /// The trace context of the current `tracing` span, through tracing-opentelemetry (feature
+    /// `opentelemetry`), as [`traceparent`](Self::traceparent) would store it. Without a valid
+    /// OpenTelemetry context (no tracing-opentelemetry layer, no span) it stores none.
+    #[cfg(feature = "opentelemetry")]
+    pub fn current_trace_context(self) -> Self {
+        match crate::trace::current() {
+            Some(tp) => self.traceparent(tp.as_str()),
+            None => self,
+        }
     }
     /// Trace id (≤ 64).
     pub fn trace_id(mut self, v: impl Into<String>) -> Self {
@@ -560,7 +599,11 @@ impl EventBuilder {
             limits::IDEMPOTENCY_KEY_MAX,
         )?;
         let (payload, payload_json) = validate_payload(self.payload)?;
-        let headers = validate_headers(self.headers)?;
+        let mut raw_headers = self.headers;
+        if let Some(tp) = self.traceparent {
+            raw_headers.push((crate::trace::TRACEPARENT.to_owned(), tp));
+        }
+        let headers = validate_headers(raw_headers)?;
         let max_attempts = match self.max_attempts {
             None | Some(0) => limits::DEFAULT_MAX_ATTEMPTS,
             Some(n) if (1..=i32::MAX as i64).contains(&n) => n as i32,
@@ -758,6 +801,15 @@ pub fn validate_headers(
                 "value contains a control character (only TAB is allowed)",
             ));
         }
+        if k.eq_ignore_ascii_case(crate::trace::TRACEPARENT) {
+            if k != crate::trace::TRACEPARENT {
+                return Err(header_err(
+                    k,
+                    "the reserved trace-context key is spelled `traceparent` (lowercase)",
+                ));
+            }
+            crate::trace::TraceParent::parse(v)?;
+        }
         if !folded.insert(k.to_lowercase()) {
             return Err(header_err(
                 k,
@@ -841,12 +893,21 @@ pub fn normalize_error(text: &str, max_bytes: usize) -> String {
     format!("{}{}", &t[..end], limits::TRUNCATED_SUFFIX)
 }
 
-/// Validates an `error_max_length` setting (R9): at least 16 bytes.
+/// Validates an `error_max_length` setting (R9): greater than the 15-byte truncation suffix
+/// and at most [`limits::ERROR_MAX_LENGTH_MAX`] (2,000 bytes, the size of the `last_error`
+/// column).
 pub fn check_error_max_length(v: usize) -> Result<usize, crate::error::ConfigError> {
     if v <= limits::TRUNCATED_SUFFIX.len() {
         return Err(crate::error::ConfigError::new(format!(
             "error_max_length must be greater than {} (the length of the truncation suffix), got {v}",
             limits::TRUNCATED_SUFFIX.len()
+        )));
+    }
+    if v > limits::ERROR_MAX_LENGTH_MAX {
+        return Err(crate::error::ConfigError::new(format!(
+            "error_max_length must be at most {} bytes (the size of the last_error column, varchar({})), got {v}; a longer text could not be stored",
+            limits::ERROR_MAX_LENGTH_MAX,
+            limits::ERROR_MAX_LENGTH_MAX
         )));
     }
     Ok(v)
@@ -1103,6 +1164,45 @@ mod tests {
     }
 
     #[test]
+    fn traceparent_is_validated_and_stored_as_the_reserved_header() {
+        const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let e = base()
+            .traceparent(TP)
+            .header("tenant", "a")
+            .build()
+            .unwrap();
+        assert_eq!(e.traceparent(), Some(TP));
+        assert_eq!(
+            e.headers().unwrap().get("traceparent").map(String::as_str),
+            Some(TP)
+        );
+        let row = e.into_row(Utc::now());
+        assert_eq!(row.traceparent(), Some(TP));
+        // Through the header too, with the same check.
+        assert_eq!(
+            base()
+                .header("traceparent", TP)
+                .build()
+                .unwrap()
+                .traceparent(),
+            Some(TP)
+        );
+        for b in [
+            base().traceparent("not-a-trace"),
+            base().header("traceparent", "00-xyz"),
+            base().header("TraceParent", TP),
+            base().traceparent(TP).header("traceparent", TP),
+        ] {
+            let err = b.build().unwrap_err();
+            assert!(
+                matches!(&err, ValidationError::Header { key, .. } if key.eq_ignore_ascii_case("traceparent")),
+                "{err}"
+            );
+        }
+        assert!(base().build().unwrap().traceparent().is_none());
+    }
+
+    #[test]
     fn error_text_normalization() {
         let x = normalize_error(&"x".repeat(3000), 2000);
         assert_eq!(x.len(), 2000);
@@ -1111,6 +1211,12 @@ mod tests {
         assert_eq!(normalize_error(" ", 2000), "Unknown error");
         assert!(check_error_max_length(15).is_err());
         assert!(check_error_max_length(16).is_ok());
+        assert_eq!(check_error_max_length(2000).unwrap(), 2000);
+        let e = check_error_max_length(2001).unwrap_err().to_string();
+        assert!(
+            e.contains("at most 2000") && e.contains("last_error"),
+            "{e}"
+        );
         assert_eq!(force_unlock_text("  ops ").unwrap(), "Force unlock: ops");
         assert!(force_unlock_text("").is_err());
         assert!(force_unlock_text(&"a".repeat(256)).is_err());

@@ -10,10 +10,12 @@ mod finite;
 pub mod ids;
 pub mod memory;
 pub mod ordering;
+pub mod redact;
 pub mod relay;
 pub mod repository;
 pub mod scripted;
 pub mod step;
+pub mod trace;
 
 pub use backoff::{Backoff, Jitter};
 pub use broker::{Ack, Broker, Message};
@@ -25,6 +27,7 @@ pub use repository::{
     Delivery, DeliveryBound, DeliveryMode, FetchFilter, FetchRequest, Fetched, OutboxRepository,
 };
 pub use step::{PipelineStep, StepDecision};
+pub use trace::TraceParent;
 
 /// Re-exported so users need not depend on tokio-util for the shutdown signal.
 pub use tokio_util::sync::CancellationToken;

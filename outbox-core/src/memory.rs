@@ -119,7 +119,7 @@ impl MemoryConfig {
         self.batch_size = check_backend_batch_size(n)?;
         Ok(self)
     }
-    /// `error_max_length` in bytes (> 15; R9).
+    /// `error_max_length` in bytes (16 to 2,000, the size of the backends' `last_error` column; R9).
     pub fn error_max_length(mut self, n: usize) -> Result<Self, ConfigError> {
         self.error_max_length = crate::event::check_error_max_length(n)?;
         Ok(self)

@@ -1029,15 +1029,31 @@ impl Relay {
             }
             // The publish (R45, R36).
             let msg = Message::from_event(row);
+            // OpenTelemetry messaging attributes, and the trace context stored with the row
+            // (see `crate::trace`), recorded on the span as `messaging.traceparent`.
             let span = tracing::info_span!(
                 "process",
                 otel.name = %format_args!("process {}", row.event_type),
+                otel.kind = "producer",
+                messaging.system = self.broker.messaging_system(),
+                messaging.destination.name = %self.broker.destination_name(&msg),
+                messaging.message.id = %row.id,
+                messaging.operation.type = "send",
+                messaging.traceparent = msg.traceparent().unwrap_or(""),
                 event.id = %row.id,
                 "event.type" = %row.event_type,
                 worker.id = %self.config.worker_id,
                 event.trace_id = row.trace_id.as_deref().unwrap_or(""),
                 error = tracing::field::Empty,
             );
+            #[cfg(feature = "opentelemetry")]
+            if let Some(tp) = msg
+                .traceparent()
+                .and_then(|t| crate::trace::TraceParent::parse(t).ok())
+            {
+                use tracing_opentelemetry::OpenTelemetrySpanExt;
+                span.add_link(crate::trace::span_context(&tp));
+            }
             let started = self.clock.now();
             // A broker client that panics is a refusal of this row (counted), not the end of
             // the cycle.

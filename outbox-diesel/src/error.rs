@@ -58,7 +58,7 @@ pub enum Error {
 /// with `outbox_postgres::sql::classify`: diesel-async keeps the SQLSTATE only as a
 /// [`DatabaseErrorKind`] for the integrity and serialization classes, and reports every other
 /// code as `Unknown` with the server's message alone. So the kinds are mapped here, and the
-/// `Unknown` rest is told apart by the server's wording ([`classify_unknown`]).
+/// `Unknown` rest is told apart by the server's wording (`classify_unknown`).
 pub fn map_diesel(table: &TableName, e: DieselError) -> RepositoryError {
     match e {
         DieselError::DatabaseError(kind, info) => {

@@ -8,6 +8,7 @@ mod prepared;
 mod repository;
 mod row;
 pub mod schema;
+pub mod tls;
 mod writer;
 
 pub use error::Error;

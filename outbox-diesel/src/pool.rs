@@ -3,8 +3,9 @@
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
-use diesel_async::pooled_connection::AsyncDieselConnectionManager;
 use diesel_async::pooled_connection::deadpool::{Object, Pool};
+use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+use futures::FutureExt;
 
 use crate::error::Error;
 
@@ -70,8 +71,26 @@ impl PoolSettings {
 /// Builds a pool for `database_url` (`postgres://user@host:port/db`). No connection is opened
 /// until one is needed; an unreachable database shows as [`outbox_core::RepositoryError::Unavailable`]
 /// on first use.
+///
+/// TLS: `sslmode=require`, `verify-ca` or `verify-full` in the URL (with `sslrootcert=` for a
+/// CA outside the system store) connects over rustls, with the cargo feature `tls`; see
+/// [`crate::tls`]. A bad TLS parameter or CA file fails here, with [`Error::Config`].
 pub fn build_pool(database_url: &str, settings: &PoolSettings) -> Result<PgPool, Error> {
-    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new(database_url);
+    let _tls = crate::tls::parse_url(database_url)?;
+    #[cfg(feature = "tls")]
+    if let Some(t) = &_tls.tls {
+        crate::tls::client_config(t)?;
+    }
+    #[cfg(not(feature = "tls"))]
+    if _tls.tls.is_some() {
+        return Err(Error::Config(
+            "the database URL asks for TLS (sslmode=require/verify-ca/verify-full), and outbox-diesel was built without its `tls` feature; enable it (rustls, no OpenSSL)".into(),
+        ));
+    }
+    let mut config = ManagerConfig::default();
+    config.custom_setup = Box::new(|url| crate::tls::establish(url).boxed());
+    let manager =
+        AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
     Pool::builder(manager)
         .max_size(settings.max_size)
         .wait_timeout(Some(settings.wait_timeout))

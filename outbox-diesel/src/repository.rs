@@ -85,7 +85,8 @@ impl DieselConfig {
         Ok(self)
     }
 
-    /// last_error limit in bytes (R9), default 2000.
+    /// last_error limit in bytes (R9): 16 to 2,000 (the size of the `last_error` column), default
+    /// 2,000; a larger value is a configuration error.
     pub fn error_max_length(mut self, n: usize) -> Result<Self, Error> {
         self.error_max_length = outbox_core::event::check_error_max_length(n)
             .map_err(|e| Error::Config(e.to_string()))?;
@@ -514,6 +515,14 @@ pub(crate) async fn fetch_in(
     p: &FetchParams,
     cursor: &WalkCursor,
 ) -> Result<Vec<FetchedRow>, diesel::result::Error> {
+    // As outbox_postgres::fetch_rows: a delivery transaction releases its window's row locks
+    // before the take.
+    let release_window = take == stmts.fetch_take_transaction;
+    if release_window {
+        diesel::sql_query(stmts.window_savepoint.as_str())
+            .execute(c)
+            .await?;
+    }
     let (ct, ck) = cursor.get();
     let heads: Vec<HeadRow> = Prepared(
         diesel::sql_query(stmts.fetch_heads.as_str())
@@ -536,6 +545,11 @@ pub(crate) async fn fetch_in(
             .map(|h| (h.head_id, h.topic, h.partition_key)),
     );
     cursor.advance(heads.walked_to);
+    if release_window {
+        diesel::sql_query(stmts.window_release.as_str())
+            .execute(c)
+            .await?;
+    }
     if heads.ids.is_empty() {
         return Ok(Vec::new());
     }

@@ -1,7 +1,7 @@
 //! The outbox table as a diesel `table!`, checked in.
 //!
-//! It describes the default table `outbox_events` exactly as contract.md Appendix A (the
-//! ancestor's DDL) defines it, column for column and in the same order; the migrations create
+//! It describes the default table `outbox_events` exactly as the ancestor's DDL defines it
+//! (R78), column for column and in the same order; the migrations create
 //! it from the DDL shared with `outbox-postgres` (see [`crate::migrations`]). The repository
 //! queries with `diesel::sql_query` because the table name is configurable, but it decodes rows
 //! with the SQL types declared here (see `OutboxRow`), so a column whose type drifted from this

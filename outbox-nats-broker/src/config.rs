@@ -1,5 +1,6 @@
 //! Settings of the NATS broker adapter.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::error::NatsBrokerError;
@@ -107,8 +108,8 @@ impl StreamSpec {
 }
 
 /// Settings of [`crate::NatsBroker`]. [`validate`](Self::validate) (called by the
-/// constructors) checks them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// constructors) checks them. Its `Debug` output shows the URL with passwords replaced by `***`.
+#[derive(Clone, PartialEq, Eq)]
 pub struct NatsBrokerConfig {
     pub(crate) url: String,
     pub(crate) subject_prefix: String,
@@ -119,6 +120,38 @@ pub struct NatsBrokerConfig {
     pub(crate) reconnect_delay_max: Duration,
     pub(crate) ensure_stream: Option<StreamSpec>,
     pub(crate) client_name: Option<String>,
+    pub(crate) credentials_file: Option<PathBuf>,
+    pub(crate) tls: NatsTls,
+}
+
+/// TLS settings of a NATS connection (rustls; no OpenSSL). A `tls://` URL, or a server that
+/// requires TLS, turns TLS on without any of them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NatsTls {
+    /// Refuse to connect without TLS.
+    pub required: bool,
+    /// PEM file of the certificate authorities to trust besides the system's.
+    pub root_certificates: Option<PathBuf>,
+    /// PEM files of the client certificate and its key, for servers that verify clients.
+    pub client_certificate: Option<(PathBuf, PathBuf)>,
+}
+
+impl std::fmt::Debug for NatsBrokerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsBrokerConfig")
+            .field("url", &outbox_core::redact::secrets(&self.url))
+            .field("subject_prefix", &self.subject_prefix)
+            .field("key_token", &self.key_token)
+            .field("body", &self.body)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("reconnect_delay_max", &self.reconnect_delay_max)
+            .field("ensure_stream", &self.ensure_stream)
+            .field("client_name", &self.client_name)
+            .field("credentials_file", &self.credentials_file)
+            .field("tls", &self.tls)
+            .finish()
+    }
 }
 
 /// Default adapter timeout: the longest a publish waits for its acknowledgement.
@@ -142,7 +175,33 @@ impl NatsBrokerConfig {
             reconnect_delay_max: DEFAULT_RECONNECT_DELAY_MAX,
             ensure_stream: None,
             client_name: None,
+            credentials_file: None,
+            tls: NatsTls::default(),
         }
+    }
+
+    /// Authenticates with a NATS credentials file (`.creds`: a user JWT and its NKey seed, as
+    /// `nsc` writes it). The file is read when connecting; an unreadable or malformed file is a
+    /// [`NatsBrokerError::Config`].
+    pub fn credentials_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.credentials_file = Some(path.into());
+        self
+    }
+
+    /// TLS settings (see [`NatsTls`]).
+    pub fn tls(mut self, tls: NatsTls) -> Self {
+        self.tls = tls;
+        self
+    }
+
+    /// The credentials file, if set.
+    pub fn credentials_file_path(&self) -> Option<&std::path::Path> {
+        self.credentials_file.as_deref()
+    }
+
+    /// The TLS settings.
+    pub fn tls_settings(&self) -> &NatsTls {
+        &self.tls
     }
 
     /// The text put before the topic, usually ending in `.` (e.g. `outbox.`): subject =
@@ -197,7 +256,8 @@ impl NatsBrokerConfig {
         self
     }
 
-    /// The server URL(s).
+    /// The server URL(s), as given (with any password: print
+    /// [`outbox_core::redact::secrets`] of it, never the URL itself).
     pub fn url(&self) -> &str {
         &self.url
     }
@@ -224,6 +284,30 @@ impl NatsBrokerConfig {
         }
         if self.timeout.is_zero() {
             return bad("timeout must be > 0".into());
+        }
+        let files = self
+            .credentials_file
+            .iter()
+            .map(|p| ("credentials file", p))
+            .chain(
+                self.tls
+                    .root_certificates
+                    .iter()
+                    .map(|p| ("TLS root certificates", p)),
+            )
+            .chain(
+                self.tls
+                    .client_certificate
+                    .iter()
+                    .flat_map(|(c, k)| [("TLS client certificate", c), ("TLS client key", k)]),
+            );
+        for (what, path) in files {
+            if !path.is_file() {
+                return bad(format!(
+                    "the {what} {} is not a readable file; check the path",
+                    path.display()
+                ));
+            }
         }
         if self.connect_timeout.is_zero() {
             return bad("connect_timeout must be > 0".into());
@@ -282,6 +366,34 @@ impl NatsBrokerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn debug_output_hides_the_password_of_the_url() {
+        let c = NatsBrokerConfig::new("nats://app:s3cret-pw@127.0.0.1:4222");
+        let d = format!("{c:?}");
+        assert!(!d.contains("s3cret-pw") && d.contains("app:***@"), "{d}");
+    }
+
+    #[test]
+    fn missing_credential_and_certificate_files_are_configuration_errors() {
+        let c = NatsBrokerConfig::new("nats://127.0.0.1:4222")
+            .credentials_file("/nonexistent/outbox.creds");
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("credentials file /nonexistent/outbox.creds"),
+            "{e}"
+        );
+        let c = NatsBrokerConfig::new("nats://127.0.0.1:4222").tls(NatsTls {
+            required: true,
+            root_certificates: Some("/nonexistent/ca.pem".into()),
+            client_certificate: None,
+        });
+        let e = c.validate().unwrap_err().to_string();
+        assert!(
+            e.contains("TLS root certificates /nonexistent/ca.pem"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn validation() {

@@ -20,7 +20,7 @@ use tokio::time::Instant;
 
 pub use config::{
     BodyFormat, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_DELAY_MAX, DEFAULT_TIMEOUT, KeyToken,
-    NatsBrokerConfig, StreamSpec, StreamStorage,
+    NatsBrokerConfig, NatsTls, StreamSpec, StreamStorage,
 };
 pub use error::NatsBrokerError;
 
@@ -38,7 +38,7 @@ pub struct NatsBroker {
 impl std::fmt::Debug for NatsBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsBroker")
-            .field("url", &self.config.url)
+            .field("url", &outbox_core::redact::secrets(&self.config.url))
             .field("subject_prefix", &self.config.subject_prefix)
             .field("state", &self.client.connection_state())
             .finish_non_exhaustive()
@@ -53,11 +53,12 @@ impl NatsBroker {
         config.validate()?;
         let notify = Arc::new(Notify::new());
         let client = options(&config, &notify)
+            .await?
             .connect(config.url.as_str())
             .await
             .map_err(|e| NatsBrokerError::Connect {
-                url: config.url.clone(),
-                message: e.to_string(),
+                url: outbox_core::redact::secrets(&config.url),
+                message: outbox_core::redact::secrets(&e.to_string()),
             })?;
         let broker = Self::assemble(client, config, notify);
         broker.ensure_stream().await?;
@@ -77,12 +78,13 @@ impl NatsBroker {
         }
         let notify = Arc::new(Notify::new());
         let client = options(&config, &notify)
+            .await?
             .retry_on_initial_connect()
             .connect(config.url.as_str())
             .await
             .map_err(|e| NatsBrokerError::Connect {
-                url: config.url.clone(),
-                message: e.to_string(),
+                url: outbox_core::redact::secrets(&config.url),
+                message: outbox_core::redact::secrets(&e.to_string()),
             })?;
         Ok(Self::assemble(client, config, notify))
     }
@@ -208,7 +210,9 @@ impl NatsBroker {
         }
     }
 
-    /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id.
+    /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id. The
+    /// stored W3C trace context is among them as the header `traceparent`
+    /// ([`Message::traceparent`]), so a consumer continues the producer's trace.
     pub fn headers(&self, m: &Message) -> Result<HeaderMap, BrokerError> {
         let mut h = HeaderMap::new();
         for (k, v) in &m.attributes {
@@ -332,7 +336,10 @@ fn is_temporary(e: &jetstream::Error) -> bool {
         .contains(&e.error_code())
 }
 
-fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::ConnectOptions {
+async fn options(
+    config: &NatsBrokerConfig,
+    notify: &Arc<Notify>,
+) -> Result<async_nats::ConnectOptions, NatsBrokerError> {
     let n = notify.clone();
     let max = config.reconnect_delay_max;
     let mut o = async_nats::ConnectOptions::new()
@@ -361,11 +368,39 @@ fn options(config: &NatsBrokerConfig, notify: &Arc<Notify>) -> async_nats::Conne
     if let Some(name) = &config.client_name {
         o = o.name(name);
     }
-    o
+    if let Some(path) = &config.credentials_file {
+        o = o.credentials_file(path).await.map_err(|e| {
+            NatsBrokerError::Config(format!(
+                "could not load the NATS credentials file {}: {e}; give the .creds file `nsc` wrote (a user JWT and its seed)",
+                path.display()
+            ))
+        })?;
+    }
+    let tls = &config.tls;
+    if tls.required {
+        o = o.require_tls(true);
+    }
+    if let Some(roots) = &tls.root_certificates {
+        o = o.add_root_certificates(roots.clone());
+    }
+    if let Some((cert, key)) = &tls.client_certificate {
+        o = o.add_client_certificate(cert.clone(), key.clone());
+    }
+    Ok(o)
 }
 
 #[async_trait]
 impl Broker for NatsBroker {
+    fn messaging_system(&self) -> &'static str {
+        "nats"
+    }
+
+    /// The subject (the topic when the partition key cannot be a subject token).
+    fn destination_name(&self, m: &Message) -> String {
+        self.subject(m)
+            .unwrap_or_else(|_| self.config.subject_for_topic(&m.topic))
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let subject = self.subject(m)?;
         let headers = self.headers(m)?;
@@ -374,7 +409,7 @@ impl Broker for NatsBroker {
         if state != State::Connected {
             return Err(BrokerError::transient(format!(
                 "NATS: not connected to {} (connection {state}); the message for {subject:?} was not sent",
-                self.config.url
+                outbox_core::redact::secrets(&self.config.url)
             )));
         }
         let deadline = Instant::now() + self.config.timeout;
@@ -401,5 +436,30 @@ impl Broker for NatsBroker {
                 self.config.timeout
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_connect_error_never_shows_the_password_of_the_url() {
+        let cfg = NatsBrokerConfig::new("nats://app:s3cret-pw@127.0.0.1:1")
+            .connect_timeout(Duration::from_secs(2));
+        let e = NatsBroker::connect(cfg).await.unwrap_err().to_string();
+        assert!(e.contains("127.0.0.1:1"), "{e}");
+        assert!(!e.contains("s3cret-pw"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_credentials_file_that_is_no_credentials_file_is_a_configuration_error() {
+        let path = std::env::temp_dir().join(format!("outbox-bad-{}.creds", std::process::id()));
+        std::fs::write(&path, "not a credentials file").unwrap();
+        let cfg = NatsBrokerConfig::new("nats://127.0.0.1:4222").credentials_file(&path);
+        let e = NatsBroker::connect(cfg).await.unwrap_err();
+        std::fs::remove_file(&path).ok();
+        assert!(matches!(e, NatsBrokerError::Config(_)), "{e}");
+        assert!(e.to_string().contains("credentials file"), "{e}");
     }
 }

@@ -77,7 +77,8 @@ impl PgConfig {
         Ok(self)
     }
 
-    /// last_error limit in bytes (R9), default 2000.
+    /// last_error limit in bytes (R9): 16 to 2,000 (the size of the `last_error` column), default
+    /// 2,000; a larger value is a configuration error.
     pub fn error_max_length(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
         self.error_max_length = outbox_core::event::check_error_max_length(n)?;
         Ok(self)
@@ -356,12 +357,23 @@ impl PgOutboxWriter {
     /// Writes `events` in one insert statement: created_at is one `clock_timestamp()` for the
     /// call (R73); a repeated idempotency key returns the row already there (R16, R17). Returns,
     /// per event in order, the stored row and whether this call inserted it (R13).
+    ///
+    /// Fails with [`RepositoryError::Other`], writing nothing, when `conn` is not inside a sqlx
+    /// transaction (R12): in autocommit the events would reach the relay whether or not the
+    /// application's change commits. Open one with `pool.begin()` or `conn.begin()` and pass
+    /// `&mut *tx`; a transaction begun with a raw `BEGIN` statement is not seen by sqlx and is
+    /// refused too.
     pub async fn write(
         &self,
         conn: &mut PgConnection,
         events: Vec<NewEvent>,
     ) -> Result<Vec<WriteResult>, RepositoryError> {
         let table = &self.stmts.table;
+        if !sqlx::Connection::is_in_transaction(&*conn) {
+            return Err(RepositoryError::Other(
+                "the outbox write needs the caller's open transaction, and this connection is in autocommit: open one with `let mut tx = pool.begin().await?`, pass `&mut *tx`, and commit it with the application's change".into(),
+            ));
+        }
         if events.is_empty() {
             return Ok(Vec::new());
         }
@@ -474,6 +486,11 @@ pub fn bind_fetch_take<'q>(
 /// ([`Statements::fetch_heads`], from `cursor`, which it then advances), then `take` (the text of
 /// [`Statements::fetch_take`] or [`Statements::fetch_take_transaction`]). Returns the taken
 /// rows ([`sql::COLUMNS`]) in return order.
+///
+/// With [`Statements::fetch_take_transaction`] the heads statement runs inside
+/// [`Statements::window_savepoint`] and the window's row locks are released
+/// ([`Statements::window_release`]) before the take: the delivery transaction stays open for
+/// the whole cycle and must hold only the rows it took.
 pub async fn fetch_rows(
     conn: &mut sqlx::PgConnection,
     stmts: &Statements,
@@ -482,6 +499,12 @@ pub async fn fetch_rows(
     p: &FetchParams,
     cursor: &WalkCursor,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
+    let release_window = take == stmts.fetch_take_transaction;
+    if release_window {
+        sqlx::query(AssertSqlSafe(stmts.window_savepoint.as_str()))
+            .execute(&mut *conn)
+            .await?;
+    }
     let heads = bind_fetch_heads(
         sqlx::query(AssertSqlSafe(stmts.fetch_heads.as_str())),
         p,
@@ -496,6 +519,11 @@ pub async fn fetch_rows(
             .collect::<Result<Vec<_>, sqlx::Error>>()?,
     );
     cursor.advance(heads.walked_to);
+    if release_window {
+        sqlx::query(AssertSqlSafe(stmts.window_release.as_str()))
+            .execute(&mut *conn)
+            .await?;
+    }
     if heads.ids.is_empty() {
         return Ok(Vec::new());
     }

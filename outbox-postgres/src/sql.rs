@@ -412,7 +412,7 @@ pub fn create_key_order_index_concurrently(table: &TableName) -> String {
     create_index(table, &ix, true, true)
 }
 
-/// The ancestor's DDL exactly as contract.md Appendix A writes it (no `IF NOT EXISTS`), with the
+/// The ancestor's DDL exactly as the ancestor library created it (R78) (no `IF NOT EXISTS`), with the
 /// table name replaced. For tests (PG-02, PG-10) and for users who copy the SQL.
 pub fn ancestor_ddl(table: &TableName) -> Vec<String> {
     let mut v = vec![create_table(table, false, Layout::Plain)];
@@ -534,6 +534,15 @@ pub struct Statements {
     /// delivery holds (same parameters and result). Only counted failures are written there.
     pub fail_in_delivery: String,
 
+    /// `SAVEPOINT outbox_window`: in a delivery transaction (R84), taken before
+    /// [`Statements::fetch_heads`], so that [`Statements::window_release`] can drop the row
+    /// locks of its window before [`Statements::fetch_take_transaction`]; the transaction then
+    /// holds only the rows it took for the rest of the cycle.
+    pub window_savepoint: String,
+
+    /// `ROLLBACK TO SAVEPOINT outbox_window` (see [`Statements::window_savepoint`]).
+    pub window_release: String,
+
     /// The first statement of a delivery transaction (R84, `statements/delivery_begin.sql`):
     /// `$1 text` the idle timeout in milliseconds after which the server ends the transaction.
     pub delivery_begin: String,
@@ -588,7 +597,7 @@ pub struct Statements {
     /// one-row index reads.
     pub oldest_due_age: String,
 
-    /// Test clock (scenarios.md §1 `advance`): `$1 int8` microseconds. Moves created_at,
+    /// Test clock (the conformance harness's `advance`): `$1 int8` microseconds. Moves created_at,
     /// scheduled_at, locked_at, completed_at and updated_at of every row back by that much.
     pub shift_clock: String,
 }
@@ -811,6 +820,8 @@ impl Statements {
             ),
             fail_in_delivery: render(text::FAIL, table, &[("holder", "$6::text IS NOT NULL")]),
             delivery_begin: r(text::DELIVERY_BEGIN),
+            window_savepoint: "SAVEPOINT outbox_window".into(),
+            window_release: "ROLLBACK TO SAVEPOINT outbox_window".into(),
             release: r(text::RELEASE),
             refresh_lock: r(text::REFRESH_LOCK),
             release_lock: r(text::RELEASE_LOCK),

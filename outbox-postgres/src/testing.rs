@@ -1,5 +1,5 @@
 //! The conformance harness of the sqlx backend (feature `testing`): a fresh schema per trial,
-//! so trials run in parallel, and the fixtures of scenarios.md §1.
+//! so trials run in parallel, and the fixtures of the conformance harness.
 //!
 //! * [`PgFactory`] makes a [`PgHarness`] per trial: a schema `obx_<random>`, the outbox table
 //!   in it (default name `outbox_events`, or another validated name), an `aggregates` table
@@ -192,7 +192,7 @@ impl PgFactory {
         self
     }
 
-    /// Creates each trial's table with the ancestor's DDL exactly as contract.md Appendix A
+    /// Creates each trial's table with the ancestor's DDL exactly as the ancestor library created it (R78)
     /// writes it (`outbox_conformance::scenarios::pg::ANCESTOR_DDL`) instead of this crate's
     /// schema creation.
     pub fn ancestor_ddl(mut self) -> Self {

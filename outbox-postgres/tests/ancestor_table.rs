@@ -1,5 +1,5 @@
 //! The core ordering, head-run and backoff scenarios on a table created with the ancestor's DDL
-//! exactly as contract.md Appendix A writes it (R78): the library needs nothing beyond it.
+//! exactly as the ancestor library created it (R78) (R78): the library needs nothing beyond it.
 
 use outbox_postgres::testing::PgFactory;
 

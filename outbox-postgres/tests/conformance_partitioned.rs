@@ -1,5 +1,5 @@
 //! The shared conformance suite against the sqlx backend with the partitioned layout
-//! (`PgFactory::partitioned`): every [all] scenario and every [pg] scenario but PG-02 and PG-10,
+//! (`PgFactory::partitioned`): every `[all]` scenario and every `[pg]` scenario but PG-02 and PG-10,
 //! which are about the plain table of Appendix A (see `outbox_conformance::suite!`); their
 //! partitioned forms are in `tests/partitioned.rs`.
 

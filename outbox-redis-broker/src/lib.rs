@@ -32,6 +32,10 @@ pub const ATTRIBUTE_FIELDS: [&str; 10] = [
     "causation_id",
 ];
 
+/// The field that carries the W3C trace context the event was written with
+/// (`outbox_core::trace`); it is not repeated in the `headers` field.
+pub const TRACEPARENT_FIELD: &str = outbox_core::trace::TRACEPARENT;
+
 /// A Redis broker could not be configured or started.
 #[derive(Debug, Error)]
 #[non_exhaustive]
@@ -51,14 +55,27 @@ pub enum RedisBrokerError {
     },
 }
 
-/// Settings of [`RedisBroker`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of [`RedisBroker`]. Its `Debug` output shows the URL with the password replaced by
+/// `***`.
+#[derive(Clone, PartialEq, Eq)]
 pub struct RedisBrokerConfig {
     url: String,
     key_pattern: String,
     max_len: Option<u64>,
     timeout: Duration,
     connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for RedisBrokerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBrokerConfig")
+            .field("url", &outbox_core::redact::secrets(&self.url))
+            .field("key_pattern", &self.key_pattern)
+            .field("max_len", &self.max_len)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
 }
 
 impl RedisBrokerConfig {
@@ -174,12 +191,12 @@ impl RedisBroker {
         )
         .await
         .map_err(|_| RedisBrokerError::Connect {
-            url: config.url.clone(),
+            url: outbox_core::redact::secrets(&config.url),
             message: format!("no connection within {:?}", config.connect_timeout),
         })?
         .map_err(|e| RedisBrokerError::Connect {
-            url: config.url.clone(),
-            message: e.to_string(),
+            url: outbox_core::redact::secrets(&config.url),
+            message: outbox_core::redact::secrets(&e.to_string()),
         })?;
         Ok(Self { conn, config })
     }
@@ -191,8 +208,8 @@ impl RedisBroker {
         let client = client(&config)?;
         let conn = ConnectionManager::new_lazy_with_config(client, manager_config(&config))
             .map_err(|e| RedisBrokerError::Connect {
-                url: config.url.clone(),
-                message: e.to_string(),
+                url: outbox_core::redact::secrets(&config.url),
+                message: outbox_core::redact::secrets(&e.to_string()),
             })?;
         Ok(Self { conn, config })
     }
@@ -232,9 +249,11 @@ impl RedisBroker {
     }
 
     /// The fields XADD writes for a message, in order: `event_id`, `event_type`, `topic`,
-    /// `partition_key`, `payload`, `headers` (only when the event has headers of its own), then
-    /// `aggregate_type`, `aggregate_id` and those of `schema_version`, `trace_id`,
-    /// `correlation_id`, `causation_id` that are set.
+    /// `partition_key`, `payload`, `headers` (only when the event has headers of its own, the
+    /// trace context apart), then `aggregate_type`, `aggregate_id` and those of
+    /// `schema_version`, `trace_id`, `correlation_id`, `causation_id` that are set, then
+    /// `traceparent` when the event was written with a W3C trace context (a field of its own,
+    /// so a consumer continues the producer's trace without parsing `headers`).
     pub fn fields(m: &Message) -> Vec<(&'static str, String)> {
         let payload = String::from_utf8_lossy(&m.body).into_owned();
         let mut out = vec![
@@ -247,7 +266,9 @@ impl RedisBroker {
         let headers: BTreeMap<&str, &str> = m
             .attributes
             .iter()
-            .filter(|(k, _)| !ATTRIBUTE_FIELDS.contains(&k.as_str()))
+            .filter(|(k, _)| {
+                !ATTRIBUTE_FIELDS.contains(&k.as_str()) && k.as_str() != TRACEPARENT_FIELD
+            })
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
         if !headers.is_empty() {
@@ -261,14 +282,17 @@ impl RedisBroker {
                 out.push((name, v.clone()));
             }
         }
+        if let Some(tp) = m.traceparent() {
+            out.push((TRACEPARENT_FIELD, tp.to_owned()));
+        }
         out
     }
 }
 
 fn client(config: &RedisBrokerConfig) -> Result<redis::Client, RedisBrokerError> {
     redis::Client::open(config.url.as_str()).map_err(|e| RedisBrokerError::Connect {
-        url: config.url.clone(),
-        message: e.to_string(),
+        url: outbox_core::redact::secrets(&config.url),
+        message: outbox_core::redact::secrets(&e.to_string()),
     })
 }
 
@@ -318,6 +342,15 @@ pub fn map_error(e: &RedisError, key: &str) -> BrokerError {
 
 #[async_trait]
 impl Broker for RedisBroker {
+    fn messaging_system(&self) -> &'static str {
+        "redis"
+    }
+
+    /// The stream key.
+    fn destination_name(&self, m: &Message) -> String {
+        self.stream_key(m)
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let key = self.stream_key(m);
         let mut cmd = redis::cmd("XADD");
@@ -345,6 +378,28 @@ impl Broker for RedisBroker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn the_password_of_the_url_reaches_no_error_and_no_debug_output() {
+        let cfg = RedisBrokerConfig::new("redis://app:s3cret-pw@127.0.0.1:1/0")
+            .connect_timeout(Duration::from_secs(2));
+        let debug = format!("{cfg:?}");
+        assert!(
+            !debug.contains("s3cret-pw") && debug.contains("app:***@"),
+            "{debug}"
+        );
+        let e = RedisBroker::connect(cfg).await.unwrap_err().to_string();
+        assert!(e.contains("127.0.0.1:1"), "{e}");
+        assert!(!e.contains("s3cret-pw"), "{e}");
+    }
+
+    #[cfg(feature = "tls")]
+    #[tokio::test]
+    async fn a_rediss_url_is_accepted_with_the_tls_feature() {
+        // Lazy: nothing connects; without rustls the client refuses the scheme at once.
+        let b = RedisBroker::connect_lazy(RedisBrokerConfig::new("rediss://127.0.0.1:6380"));
+        assert!(b.is_ok(), "{:?}", b.err());
+    }
 
     #[test]
     fn config_validation() {

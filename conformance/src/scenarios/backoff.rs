@@ -1,4 +1,4 @@
-//! B: backoff and attempts, and H: outcome mapping of a step (scenarios.md §8 and §9).
+//! B: backoff and attempts, and H: outcome mapping of a step.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! L: leases, crash and shutdown (scenarios.md §11).
+//! L: leases, crash and shutdown.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,4 +1,4 @@
-//! R and C: requeue and cleanup (scenarios.md §13).
+//! R and C: requeue and cleanup.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

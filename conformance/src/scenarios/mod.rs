@@ -1,4 +1,4 @@
-//! The scenarios of scenarios.md, one async function per ID, grouped as the document groups them.
+//! The conformance scenarios, one async function per ID (`o_02` is O-02), grouped by letter.
 //!
 //! Each function takes a [`Factory`](crate::Factory), makes the fresh stores it needs, and
 //! panics (through `assert!`) when the backend breaks the contract.

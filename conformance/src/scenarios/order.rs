@@ -1,4 +1,4 @@
-//! O: per-key ordering (scenarios.md §5).
+//! O: per-key ordering.
 
 use std::time::Duration;
 

@@ -1,4 +1,4 @@
-//! T: transient failures and outages (scenarios.md §10).
+//! T: transient failures and outages.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

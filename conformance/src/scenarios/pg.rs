@@ -1,4 +1,4 @@
-//! PG: Postgres backends (scenarios.md §15) and P-08 (an undecodable row fails alone).
+//! PG: Postgres backends and P-08 (an undecodable row fails alone).
 //!
 //! These run through [`Harness::sql`](crate::Harness::sql) (plain SQL on the trial's table,
 //! `{table}` being the quoted qualified table name) and
@@ -19,7 +19,7 @@ use uuid::Uuid;
 use crate::ctx::{Cfg, Ctx};
 use crate::harness::Factory;
 
-/// The ancestor's DDL exactly as contract.md Appendix A writes it, for table `outbox_events`.
+/// The ancestor's DDL exactly as the ancestor library created it (R78), for table `outbox_events`.
 pub const ANCESTOR_DDL: &str = r#"CREATE TABLE outbox_events (
     id              uuid          NOT NULL,
     event_type      varchar(100)  NOT NULL,

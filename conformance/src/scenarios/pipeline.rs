@@ -1,5 +1,5 @@
 //! P: pipeline stop, circuit breaker, terminal failures, commit failure; M: operator visibility
-//! and hooks (scenarios.md §12 and §14).
+//! and hooks.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

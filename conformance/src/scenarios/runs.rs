@@ -1,4 +1,4 @@
-//! Q: head runs, and X: concurrency across keys (scenarios.md §6 and §7).
+//! Q: head runs, and X: concurrency across keys.
 
 use std::sync::Arc;
 use std::time::Duration;

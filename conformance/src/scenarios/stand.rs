@@ -1,4 +1,4 @@
-//! S: the stand test (scenarios.md §17): two serialized writers, four relays in rounds, a broker
+//! S: the stand test: two serialized writers, four relays in rounds, a broker
 //! that rejects 5 % and fails 3 % transiently, all from one printed seed.
 
 use std::collections::{HashMap, HashSet};

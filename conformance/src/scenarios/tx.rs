@@ -1,6 +1,6 @@
-//! TX: delivery in one transaction (scenarios.md §15a, R84). They run with the relays of the
+//! TX: delivery in one transaction (R84). They run with the relays of the
 //! trial in delivery mode `transaction` ([`InTransaction`](crate::InTransaction)); TX-01,
-//! TX-02, TX-03 and TX-05 need SQL ([pg]); TX-02's commit variant and TX-04 run on every
+//! TX-02, TX-03 and TX-05 need SQL (`[pg]`); TX-02's commit variant and TX-04 run on every
 //! backend that supports the mode.
 
 use std::collections::HashMap;

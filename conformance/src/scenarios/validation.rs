@@ -1,4 +1,4 @@
-//! V: validation (scenarios.md §3). Every case checks that nothing is written on error.
+//! V: validation. Every case checks that nothing is written on error.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -310,6 +310,9 @@ pub async fn v_17(f: &dyn Factory) {
     assert!(r(10_001, 2000).is_err());
     assert!(r(1000, 15).is_err());
     assert!(r(1000, 16).is_ok());
+    // The last_error column holds 2,000 bytes: a larger setting is refused (R9).
+    assert!(r(1000, 2000).is_ok());
+    assert!(r(1000, 2001).is_err());
     assert!(BuildSettings::new().with_skew_seconds(-1).is_err());
     assert!(BuildSettings::new().with_skew_seconds(0).is_ok());
     let _: Value = json!(null);

@@ -1,4 +1,4 @@
-//! W: writing, and I: idempotency (scenarios.md §2 and §4).
+//! W: writing, and I: idempotency.
 
 use std::time::Duration;
 

@@ -13,13 +13,30 @@ use crate::error::{CliError, Result, code};
 /// Broker settings (each used only by its broker).
 #[derive(Debug, Clone, Args)]
 pub struct BrokerArgs {
-    /// The broker: nats (feature `nats`, default on), redis (feature `redis`), stdout (a JSON
-    /// line per event) or noop (acknowledges everything; benchmarks).
-    #[arg(long, env = "OUTBOX_BROKER", value_enum, default_value_t = BrokerKind::Stdout)]
+    /// The broker, required: nats (feature `nats`, default on), redis (feature `redis`), stdout
+    /// (a JSON line per event on stdout; rows are marked completed) or noop (acknowledges and
+    /// discards every event; benchmarks only). There is no default, so a forgotten flag never
+    /// drains the outbox into a terminal.
+    #[arg(long, env = "OUTBOX_BROKER", value_enum)]
     pub broker: BrokerKind,
-    /// NATS server URL(s), comma separated.
+    /// NATS server URL(s), comma separated (`tls://` for TLS).
     #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
     pub nats_url: String,
+    /// NATS credentials file (`.creds`, a user JWT and its NKey seed, as `nsc` writes it).
+    #[arg(long, env = "NATS_CREDS")]
+    pub nats_creds: Option<std::path::PathBuf>,
+    /// Refuse to connect to NATS without TLS.
+    #[arg(long, env = "OUTBOX_NATS_TLS_REQUIRED")]
+    pub nats_tls_required: bool,
+    /// PEM file of certificate authorities to trust for NATS TLS (besides the system's).
+    #[arg(long, env = "OUTBOX_NATS_TLS_CA")]
+    pub nats_tls_ca: Option<std::path::PathBuf>,
+    /// PEM client certificate for NATS TLS (with --nats-tls-key).
+    #[arg(long, env = "OUTBOX_NATS_TLS_CERT", requires = "nats_tls_key")]
+    pub nats_tls_cert: Option<std::path::PathBuf>,
+    /// PEM key of the --nats-tls-cert client certificate.
+    #[arg(long, env = "OUTBOX_NATS_TLS_KEY", requires = "nats_tls_cert")]
+    pub nats_tls_key: Option<std::path::PathBuf>,
     /// NATS subject = this prefix + topic.
     #[arg(long, env = "OUTBOX_NATS_SUBJECT_PREFIX", default_value = "outbox.")]
     pub nats_subject_prefix: String,
@@ -31,7 +48,7 @@ pub struct BrokerArgs {
     /// dropped by JetStream). Make it longer than the lease.
     #[arg(long, env = "OUTBOX_NATS_DUPLICATE_WINDOW", default_value = "10m", value_parser = crate::parse_dur)]
     pub nats_duplicate_window: Duration,
-    /// Redis URL.
+    /// Redis URL (`rediss://` for TLS).
     #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
     pub redis_url: String,
     /// Redis stream key pattern: `{topic}` required, `{partition_key}` optional.
@@ -77,7 +94,12 @@ pub fn compiled_in() -> Vec<&'static str> {
 pub async fn build(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match a.broker {
         BrokerKind::Stdout => Ok(Arc::new(StdoutBroker)),
-        BrokerKind::Noop => Ok(Arc::new(NoopBroker)),
+        BrokerKind::Noop => {
+            tracing::warn!(
+                "--broker noop: every event is acknowledged and DISCARDED (marked completed, sent nowhere); use it for benchmarks only"
+            );
+            Ok(Arc::new(NoopBroker))
+        }
         BrokerKind::Nats => nats(a).await,
         BrokerKind::Redis => redis(a).await,
     }
@@ -89,7 +111,15 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     let mut cfg = NatsBrokerConfig::new(a.nats_url.clone())
         .subject_prefix(a.nats_subject_prefix.clone())
         .timeout(a.broker_timeout)
-        .client_name("outbox-relay");
+        .client_name("outbox-relay")
+        .tls(outbox_nats_broker::NatsTls {
+            required: a.nats_tls_required,
+            root_certificates: a.nats_tls_ca.clone(),
+            client_certificate: a.nats_tls_cert.clone().zip(a.nats_tls_key.clone()),
+        });
+    if let Some(creds) = &a.nats_creds {
+        cfg = cfg.credentials_file(creds.clone());
+    }
     if !a.nats_stream.is_empty() {
         cfg = cfg.ensure_stream(
             StreamSpec::new(a.nats_stream.clone()).duplicate_window(a.nats_duplicate_window),

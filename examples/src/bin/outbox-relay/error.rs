@@ -39,10 +39,12 @@ pub struct CliError {
 }
 
 impl CliError {
+    /// A failure; passwords of any URL the message quotes (the driver's text included) are
+    /// replaced by `***` here, so no error message of the binary carries one.
     pub fn new(code: i32, message: impl Into<String>) -> Self {
         Self {
             code,
-            message: message.into(),
+            message: outbox_core::redact::secrets(&message.into()),
         }
     }
 

@@ -7,13 +7,18 @@
 //! cargo run -p outbox-examples --bin outbox-relay -- run --broker nats --until-drained
 //! ```
 //!
-//! Every flag also reads the environment variable named in `--help`. The exit codes are in
-//! `--help` and in `examples/README.md`.
+//! Every flag also reads the environment variable named in `--help`; `--help` never shows the
+//! values of those variables (they may hold passwords). The exit codes are in `--help` and in
+//! `examples/README.md`.
+
+// The doc comments of the flags are clap's help text, plain text for a terminal (`[:password]`
+// is not a link there); rustdoc need not resolve them.
+#![allow(rustdoc::broken_intra_doc_links)]
 
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use outbox_postgres::TableName;
 use uuid::Uuid;
 
@@ -45,8 +50,14 @@ struct Cli {
 /// Where the outbox table is.
 #[derive(Debug, Clone, Args)]
 pub struct DbArgs {
-    /// PostgreSQL URL, e.g. postgres://user[:password]@host[:port]/database.
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    /// PostgreSQL URL, e.g. postgres://user[:password]@host[:port]/database (required by
+    /// every command that connects; `migrate --print-sql` does not).
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "",
+        hide_default_value = true
+    )]
     pub database_url: String,
     /// The backend crate that runs the queries: sqlx (outbox-postgres) or diesel (outbox-diesel,
     /// cargo feature `diesel`). Both use the same table.
@@ -88,6 +99,13 @@ enum Command {
         #[arg(long, default_value_t = outbox_postgres::sql::partitioned::DEFAULT_MONTHS_AHEAD,
               requires = "partitioned")]
         months_ahead: u32,
+        /// Prints the DDL instead of running it, and connects to nothing: the exact statements
+        /// `migrate` runs for this --table and layout (schema, table, indexes; with
+        /// --partitioned the default partition and the monthly partitions from the month the
+        /// script runs in). Every statement is idempotent. Save it as a sqlx migration, e.g.
+        /// `outbox-relay migrate --print-sql > migrations/20260101000000_outbox.sql`.
+        #[arg(long)]
+        print_sql: bool,
     },
     /// Row counts per topic and status, blocked keys, and the age of the oldest due row.
     Stats {
@@ -170,7 +188,8 @@ pub enum BrokerKind {
     Redis,
     /// One JSON line per event on stdout (always compiled in).
     Stdout,
-    /// Acknowledges everything and sends nothing (always compiled in; for benchmarks).
+    /// Acknowledges everything and sends nothing: every event is marked completed and lost
+    /// (always compiled in; for benchmarks only, and only when named).
     Noop,
 }
 
@@ -195,7 +214,14 @@ async fn dispatch(cmd: Command) -> Result<(), CliError> {
             db,
             partitioned,
             months_ahead,
-        } => ops::migrate(&db, partitioned, months_ahead).await,
+            print_sql,
+        } => {
+            if print_sql {
+                ops::print_sql(&db, partitioned, months_ahead)
+            } else {
+                ops::migrate(&db, partitioned, months_ahead).await
+            }
+        }
         Command::Stats { db, json, lease } => ops::stats(&db, json, lease).await,
         Command::BlockedKeys {
             db,
@@ -218,8 +244,28 @@ async fn dispatch(cmd: Command) -> Result<(), CliError> {
     }
 }
 
+/// The command line, with `hide_env_values` on every argument that reads the environment, in
+/// every subcommand: `--help` names the variables and never prints their values (a
+/// `DATABASE_URL` holds a password).
+fn command() -> clap::Command {
+    fn hide(cmd: clap::Command) -> clap::Command {
+        cmd.mut_args(|a| {
+            if a.get_env().is_some() {
+                a.hide_env_values(true)
+            } else {
+                a
+            }
+        })
+        .mut_subcommands(hide)
+    }
+    hide(Cli::command())
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::from_arg_matches(&command().get_matches()) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     init_tracing(cli.log_json);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -237,5 +283,35 @@ fn main() -> ExitCode {
             eprintln!("error: {}", e.message);
             ExitCode::from(e.code as u8)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every argument that reads the environment hides its value in `--help`, in every
+    /// subcommand.
+    #[test]
+    fn no_argument_shows_its_environment_value_in_help() {
+        fn walk(cmd: &clap::Command, seen: &mut usize) {
+            for a in cmd.get_arguments() {
+                if a.get_env().is_some() {
+                    *seen += 1;
+                    assert!(
+                        a.is_hide_env_values_set(),
+                        "{} --{} shows its env value",
+                        cmd.get_name(),
+                        a.get_id()
+                    );
+                }
+            }
+            for s in cmd.get_subcommands() {
+                walk(s, seen);
+            }
+        }
+        let mut seen = 0;
+        walk(&command(), &mut seen);
+        assert!(seen > 20, "only {seen} arguments read the environment");
     }
 }

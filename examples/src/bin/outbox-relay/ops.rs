@@ -23,6 +23,41 @@ fn fmt_age(d: Option<Duration>) -> String {
     }
 }
 
+/// `migrate --print-sql`: the statements of `migrate` (from `outbox_postgres::sql::ddl` or
+/// `sql::partitioned::ddl`, the source the library's schema creation runs), each ended by `;`,
+/// for a migrations folder. Connects to nothing.
+pub fn print_sql(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()> {
+    let t = &db.table;
+    let (layout, stmts) = if partitioned {
+        outbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
+            .map_err(|e| CliError::usage(format!("--months-ahead: {e}")))?;
+        (
+            "partitioned",
+            outbox_postgres::sql::partitioned::ddl(t, months_ahead),
+        )
+    } else {
+        ("plain", outbox_postgres::sql::ddl(t))
+    };
+    println!(
+        "-- The outbox table {t} ({layout} layout), as `outbox-relay migrate` creates it ({} {}).
+-- Every statement is idempotent.
+",
+        env!("CARGO_PKG_NAME"),
+        env!("CARGO_PKG_VERSION")
+    );
+    println!("{}", ddl_script(&stmts));
+    Ok(())
+}
+
+/// Statements joined as a script: each ended by `;` and a blank line.
+pub fn ddl_script(stmts: &[String]) -> String {
+    stmts
+        .iter()
+        .map(|s| format!("{s};\n"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 pub async fn migrate(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()> {
     let layout = if partitioned {
         outbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
@@ -84,11 +119,11 @@ async fn refuse_plain_table(db: &DbArgs) -> Result<()> {
 
 #[cfg(feature = "diesel")]
 async fn migrate_diesel(db: &DbArgs, layout: Layout, months_ahead: u32) -> Result<()> {
-    use diesel_async::AsyncConnection;
     let fail = |e: String| CliError::new(code::OTHER, e);
     // Checks the URL and the connection first, for the same messages and exit codes as sqlx.
     store::connect_pool(&db.database_url, 1).await?;
-    let conn = diesel_async::AsyncPgConnection::establish(&db.database_url)
+    // Over rustls when the URL asks for TLS (sslmode=require/verify-ca/verify-full).
+    let conn = outbox_diesel::tls::establish(&db.database_url)
         .await
         .map_err(|e| fail(format!("could not connect: {e}")))?;
     let mut conn = outbox_diesel::run_migrations_with(conn, &db.table, layout)

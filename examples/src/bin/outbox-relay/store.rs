@@ -150,6 +150,17 @@ pub fn parse_url(url: &str) -> Result<PgConnectOptions> {
             "invalid --database-url: it must start with postgres:// or postgresql://, got scheme {scheme:?}; expected postgres://user[:password]@host[:port]/database"
         )));
     }
+    // A missing CA file would reach the driver as a bare "No such file or directory".
+    let root = url
+        .split_once('?')
+        .into_iter()
+        .flat_map(|(_, q)| q.split('&'))
+        .find_map(|p| p.strip_prefix("sslrootcert="));
+    if let Some(path) = root.filter(|p| !std::path::Path::new(p).is_file()) {
+        return Err(CliError::usage(format!(
+            "invalid --database-url: its sslrootcert file {path} is not a readable file; give the PEM file of the CA that signed the server's certificate"
+        )));
+    }
     PgConnectOptions::from_str(url).map_err(|e| {
         CliError::usage(format!(
             "invalid --database-url: {e}; expected postgres://user[:password]@host[:port]/database"
