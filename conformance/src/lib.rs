@@ -5,6 +5,7 @@ pub mod broker;
 pub mod ctx;
 pub mod harness;
 pub mod memory;
+pub mod net;
 pub mod scenarios;
 
 pub use harness::{BackendKind, Factory, Harness, InTransaction, RowPatch, WriteTx};

@@ -21,7 +21,6 @@ use diesel::sql_types::{Text, Uuid as SqlUuid};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use outbox_core::{CancellationToken, NewEvent, OutboxRepository, Relay, Status};
 use outbox_diesel::{DieselConfig, DieselOutboxRepository, PoolSettings, WriteError, build_pool};
-use outbox_examples::wake;
 use outbox_postgres::TableName;
 use outbox_redis_broker::{RedisBroker, RedisBrokerConfig};
 use serde_json::json;
@@ -55,9 +54,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .worker_id(outbox_examples::default_worker_id())
             .build()?,
     );
-    // LISTEN runs on a sqlx connection (the wake-up helper); the relay itself uses diesel.
-    let listen_pool = sqlx::PgPool::connect(&db).await?;
-    wake::spawn_listener(&listen_pool, &table, vec![relay.waker()]).await?;
+    // LISTEN on diesel-async's notification stream (no sqlx); reconnects by itself.
+    let _listener = outbox_diesel::WakeListener::spawn(&db, &table, vec![relay.waker()]).await?;
     let stop = CancellationToken::new();
     let running = tokio::spawn({
         let (relay, stop) = (relay.clone(), stop.clone());
@@ -108,7 +106,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     stop.cancel();
-    running.await?;
+    running.await??;
 
     let client = redis::Client::open(redis_url)?;
     let mut rc = client.get_multiplexed_async_connection().await?;

@@ -24,7 +24,6 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use outbox_core::broker::{Ack, Broker, Message};
 use outbox_core::{BrokerError, CancellationToken, NewEvent, Relay};
-use outbox_examples::wake;
 use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
 use outbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
 use rand::RngExt;
@@ -93,9 +92,11 @@ async fn measure(
         .poll_interval(poll)
         .build()?,
     );
-    if notify {
-        wake::spawn_listener(&pool, &table, vec![relay.waker()]).await?;
-    }
+    let _listener = if notify {
+        Some(outbox_postgres::WakeListener::spawn(&pool, &table, vec![relay.waker()]).await?)
+    } else {
+        None
+    };
     let stop = CancellationToken::new();
     let running = tokio::spawn({
         let (relay, stop) = (relay.clone(), stop.clone());
@@ -135,7 +136,7 @@ async fn measure(
         }
     }
     stop.cancel();
-    running.await?;
+    running.await??;
     let _ = js.delete_stream(&stream).await;
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "DROP SCHEMA \"{schema}\" CASCADE"

@@ -16,9 +16,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::backoff::Backoff;
+use outbox_core::metrics::MetricsStep;
 use outbox_core::scripted::{Action, ScriptedBroker};
 use outbox_core::{CancellationToken, InMemoryRepository, NewEvent, OutboxRepository, Relay};
-use outbox_examples::metrics::MetricsStep;
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
@@ -30,6 +30,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .parse()?;
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(addr)
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+            &[0.001, 0.005, 0.025, 0.1, 0.5, 2.5, 10.0],
+        )?
         .install()?;
 
     let repo = InMemoryRepository::default();
@@ -61,27 +65,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         first.expect("written"),
         [Action::Reject("refused once".into())],
     );
+    let metrics = MetricsStep::new();
     let relay = Relay::builder(Arc::new(repo.clone()), Arc::new(broker))
         .backoff(Backoff::new(0.0, 1.0)?) // retry at once, so the example ends quickly
-        .step(Arc::new(MetricsStep::new()))
+        .step(Arc::new(metrics.clone()))
         .build()?;
     let token = CancellationToken::new();
     while repo.oldest_due_age().await?.is_some() {
         relay.cycle(&token).await?;
     }
-    let counts = repo.counts().await?;
-    let pending: i64 = counts
-        .iter()
-        .filter(|c| c.status == outbox_core::Status::Pending)
-        .map(|c| c.count)
-        .sum();
-    MetricsStep::new().record_backlog(
-        pending as u64,
-        repo.blocked_keys(Duration::from_secs(300), 1000)
-            .await?
-            .len() as u64,
-        None,
-    );
+    // The backlog gauges (the binary updates them periodically).
+    metrics
+        .update_backlog(&repo, Duration::from_secs(300))
+        .await?;
 
     // Scrape our own endpoint once.
     let mut s = tokio::net::TcpStream::connect(addr).await?;

@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use outbox_core::{CancellationToken, NewEvent, Relay};
-use outbox_examples::wake;
 use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
 use outbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
 use serde_json::json;
@@ -56,7 +55,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .worker_id(outbox_examples::default_worker_id())
             .build()?,
     );
-    wake::spawn_listener(&pool, &table, vec![relay.waker()]).await?;
+    // Wakes the relay on each commit of a notifying writer; reconnects by itself.
+    let _listener =
+        outbox_postgres::WakeListener::spawn(&pool, &table, vec![relay.waker()]).await?;
     let stop = CancellationToken::new();
     let running = tokio::spawn({
         let (relay, stop) = (relay.clone(), stop.clone());
@@ -116,6 +117,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
     stop.cancel();
-    running.await?;
+    running.await??;
     Ok(())
 }

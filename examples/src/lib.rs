@@ -1,9 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
-pub mod metrics;
-pub mod wake;
-
 /// The default worker id of a relay process: `{host}-{pid}`, with every character that R10 does
 /// not allow (`^[A-Za-z0-9.\-/:]+$`) replaced by `-`, cut to 255 characters.
 pub fn default_worker_id() -> String {

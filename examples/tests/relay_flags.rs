@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{Db, check_order, command, wait};
+use common::{Db, check_order, command, stderr_lines, wait};
 use uuid::Uuid;
 
 const TOPIC: &str = "flags";
@@ -327,22 +327,6 @@ async fn three_loops_in_one_process_publish_every_event_once_in_key_order() {
     db.drop_schema().await;
 }
 
-/// Reads the child's stderr lines into a channel as they come.
-fn stderr_lines(child: &mut tokio::process::Child) -> tokio::sync::mpsc::UnboundedReceiver<String> {
-    use tokio::io::AsyncBufReadExt;
-    let err = child.stderr.take().expect("stderr piped");
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        let mut lines = tokio::io::BufReader::new(err).lines();
-        while let Ok(Some(l)) = lines.next_line().await {
-            if tx.send(l).is_err() {
-                return;
-            }
-        }
-    });
-    rx
-}
-
 /// Parses a JSON log line and checks its shape: an object with a level and `fields.message`.
 fn json_line(l: &str) -> serde_json::Value {
     let v: serde_json::Value =
@@ -385,7 +369,7 @@ async fn json_logs(how: &str) {
         extra.push("--log-json");
     }
     let mut cmd = command(&strs(&run_args(&db, &extra)));
-    cmd.env("RUST_LOG", "info,outbox_relay=debug")
+    cmd.env("RUST_LOG", "info,outbox_core::relay=debug")
         .stdout(Stdio::null());
     match how {
         "flag" => cmd.env_remove("OUTBOX_LOG_JSON"),
@@ -556,7 +540,7 @@ async fn scrape(addr: std::net::SocketAddr) -> Option<String> {
 
 #[cfg(feature = "prometheus")]
 #[tokio::test(flavor = "multi_thread")]
-async fn metrics_addr_serves_the_r70_metrics_while_running_and_sigterm_exits_0() {
+async fn metrics_addr_serves_the_metrics_while_running_and_sigterm_exits_0() {
     let db = Db::fresh().await;
     db.migrate().await;
     let written = db.write_events(TOPIC, 20, 10, 25).await;
@@ -566,6 +550,7 @@ async fn metrics_addr_serves_the_r70_metrics_while_running_and_sigterm_exits_0()
         .and_then(|l| l.local_addr())
         .expect("free port");
     let addr_s = addr.to_string();
+    // The summary line off: the backlog gauges must still be updated (every 10 s).
     let mut cmd = command(&strs(&run_args(
         &db,
         &[
@@ -574,32 +559,32 @@ async fn metrics_addr_serves_the_r70_metrics_while_running_and_sigterm_exits_0()
             "--metrics-addr",
             &addr_s,
             "--summary-interval",
-            "100ms",
+            "0",
         ],
     )));
     let child = cmd.spawn().expect("spawn");
 
-    // Scrape until every row is counted as published and a summary after the drain set the
-    // backlog gauge to 0.
+    // Scrape until every row is counted as published and a backlog update after the drain set
+    // the pending gauge to 0.
     let deadline = Instant::now() + Duration::from_secs(60);
-    let published = "outbox_events_published_total";
+    let outcomes = "outbox_publish_outcomes_total";
     let samples = loop {
         if let Some(body) = scrape(addr).await {
             let s = parse_exposition(&body);
-            let success: f64 = s
+            let published: f64 = s
                 .iter()
-                .filter(|x| x.name == published && x.labels["status"] == "success")
+                .filter(|x| x.name == outcomes && x.labels["outcome"] == "published")
                 .map(|x| x.value)
                 .sum();
-            let backlog = s.iter().find(|x| x.name == "outbox_backlog");
-            if success as usize == n && backlog.is_some_and(|b| b.value == 0.0) {
+            let pending = s.iter().find(|x| x.name == "outbox_pending_events");
+            if published as usize == n && pending.is_some_and(|b| b.value == 0.0) {
                 break s;
             }
-            assert!(success as usize <= n, "more successes than rows: {body}");
+            assert!(published as usize <= n, "more publishes than rows: {body}");
         }
         assert!(
             Instant::now() < deadline,
-            "the metrics did not show {n} published rows and an empty backlog within 60 s (last: {:?})",
+            "the metrics did not show {n} published rows and no pending row within 60 s (last: {:?})",
             scrape(addr).await
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -609,22 +594,45 @@ async fn metrics_addr_serves_the_r70_metrics_while_running_and_sigterm_exits_0()
         assert_eq!(v.len(), 1, "{name}: {v:?}");
         v[0]
     };
-    // Every publish succeeded: one series, status success, event type of the rows.
-    let pubs: Vec<&Sample> = samples.iter().filter(|x| x.name == published).collect();
+    // Every publish succeeded: one outcome series, `published`, with no other label.
+    let outs: Vec<&Sample> = samples.iter().filter(|x| x.name == outcomes).collect();
+    assert_eq!(outs.len(), 1, "{outs:?}");
+    assert_eq!(outs[0].labels.len(), 1, "{outs:?}");
+    assert_eq!(outs[0].value as usize, n);
+    // The histograms: one observation per completed publish, with the binary's buckets.
+    for h in [
+        "outbox_publish_duration_seconds",
+        "outbox_write_to_ack_seconds",
+    ] {
+        assert_eq!(one(&format!("{h}_count")).value as usize, n, "{h}");
+        assert!(one(&format!("{h}_sum")).value >= 0.0, "{h}");
+        let buckets: Vec<&Sample> = samples
+            .iter()
+            .filter(|x| x.name == format!("{h}_bucket"))
+            .collect();
+        assert_eq!(buckets.len(), 18, "{h}: 17 buckets and +Inf: {buckets:?}");
+        let inf = buckets
+            .iter()
+            .find(|b| b.labels["le"] == "+Inf")
+            .unwrap_or_else(|| panic!("{h}: no +Inf bucket"));
+        assert_eq!(inf.value as usize, n, "{h}");
+    }
+    // The contract's series (R70): every row counted with status success.
+    let pubs: Vec<&Sample> = samples
+        .iter()
+        .filter(|x| x.name == "outbox_events_published_total")
+        .collect();
     assert_eq!(pubs.len(), 1, "{pubs:?}");
     assert_eq!(pubs[0].labels["event_type"], "test.event");
     assert_eq!(pubs[0].labels["status"], "success");
     assert_eq!(pubs[0].value as usize, n);
-    // The handler duration: one observation per completed publish.
     let count = one("outbox_handler_duration_seconds_count");
     assert_eq!(count.labels["event_type"], "test.event");
     assert_eq!(count.value as usize, n);
-    assert!(one("outbox_handler_duration_seconds_sum").value >= 0.0);
-    // The gauges: the last fetch (an empty one after the drain, or the last batch), and the
-    // summary's backlog figures.
     let batch = one("outbox_locked_batch_size").value;
     assert!((0.0..=20.0).contains(&batch), "locked batch size {batch}");
-    assert_eq!(one("outbox_backlog").value, 0.0);
+    // The backlog gauges.
+    assert_eq!(one("outbox_pending_events").value, 0.0);
     assert_eq!(one("outbox_blocked_keys").value, 0.0);
     assert_eq!(one("outbox_oldest_due_age_seconds").value, 0.0);
     assert_eq!(completed(&db).await, n);

@@ -96,6 +96,14 @@ pub struct Ack {
 /// * the relay never calls `publish` for two rows of one key at once, and never batches them
 ///   (K-02, X-01).
 ///
+/// Outage recovery (optional; both default to "not offered"): while a relay loop waits out an
+/// outage (a cycle found the broker unreachable), it starts the next cycle as soon as
+/// [`reconnects`](Broker::reconnects) moves or [`probe`](Broker::probe) answers
+/// [`Probe::Up`], instead of waiting out its whole back-off. Checked by the loop tests in
+/// `outbox-core/src/relay/run_loop.rs` (`outage_backoff_cuts_cycles_and_writes_and_a_reconnect_wakes_the_loop`,
+/// `without_reconnect_events_the_probe_wakes_the_loop`), and for the adapters by
+/// `outbox-nats-broker/tests/reconnect.rs` and `outbox-redis-broker/tests/reconnect.rs`.
+///
 /// Tracing: the relay's publish span records [`messaging_system`](Self::messaging_system) and
 /// [`destination_name`](Self::destination_name) as the OpenTelemetry attributes
 /// `messaging.system` and `messaging.destination.name`. An adapter sends the message's
@@ -116,6 +124,78 @@ pub trait Broker: Send + Sync {
     fn destination_name(&self, message: &Message) -> String {
         message.topic.clone()
     }
+
+    /// A counter of the client's (re)connections: it moves each time the connection to the
+    /// broker is established again. A relay loop waiting out an outage wakes when it changes.
+    /// Default: `None` (the client has no connection events; see [`probe`](Broker::probe)).
+    fn reconnects(&self) -> Option<ReconnectWatch> {
+        None
+    }
+
+    /// A cheap reachability check (one round trip, no message sent), called every
+    /// `probe_interval` while a relay loop waits out an outage, for clients without connection
+    /// events. Default: [`Probe::Unsupported`] (never called again).
+    async fn probe(&self) -> Probe {
+        Probe::Unsupported
+    }
+}
+
+/// What [`Broker::probe`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probe {
+    /// The broker answered.
+    Up,
+    /// The broker did not answer.
+    Down,
+    /// This broker offers no probe.
+    Unsupported,
+}
+
+/// The sending side of a reconnection counter, kept by a broker adapter: call
+/// [`connected`](Self::connected) from the client's "connected" event.
+#[derive(Debug, Clone)]
+pub struct ReconnectSignal(std::sync::Arc<tokio::sync::watch::Sender<u64>>);
+
+impl Default for ReconnectSignal {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ReconnectSignal {
+    /// A counter at 0.
+    pub fn new() -> Self {
+        Self(std::sync::Arc::new(tokio::sync::watch::channel(0).0))
+    }
+
+    /// Records one (re)connection and wakes every watcher.
+    pub fn connected(&self) {
+        self.0.send_modify(|n| *n = n.wrapping_add(1));
+    }
+
+    /// A watcher for [`Broker::reconnects`].
+    pub fn watch(&self) -> ReconnectWatch {
+        ReconnectWatch(self.0.subscribe())
+    }
+}
+
+/// The watching side of a [`ReconnectSignal`].
+#[derive(Debug, Clone)]
+pub struct ReconnectWatch(tokio::sync::watch::Receiver<u64>);
+
+impl ReconnectWatch {
+    /// Forgets the (re)connections so far: [`changed`](Self::changed) waits for the next one.
+    pub fn mark_seen(&mut self) {
+        self.0.borrow_and_update();
+    }
+
+    /// Waits for a (re)connection after the last [`mark_seen`](Self::mark_seen) (or the last
+    /// return of this method). Never returns when the broker is gone.
+    pub async fn changed(&mut self) {
+        if self.0.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 #[async_trait]
@@ -130,6 +210,14 @@ impl<B: Broker + ?Sized> Broker for std::sync::Arc<B> {
 
     fn destination_name(&self, message: &Message) -> String {
         (**self).destination_name(message)
+    }
+
+    fn reconnects(&self) -> Option<ReconnectWatch> {
+        (**self).reconnects()
+    }
+
+    async fn probe(&self) -> Probe {
+        (**self).probe().await
     }
 }
 

@@ -8,6 +8,8 @@
 //! * [`BrokerError`]: a publish failed, either transiently (no attempt spent) or because the
 //!   broker rejected the message (an attempt is spent).
 //! * [`StepError`]: a pipeline step failed.
+//! * [`RunError`]: a relay loop ([`crate::Relay::run`]) stopped on a failure that retrying
+//!   cannot fix.
 
 use thiserror::Error;
 
@@ -233,4 +235,24 @@ impl StepError {
             transient: true,
         }
     }
+}
+
+/// Why a relay loop ([`crate::Relay::run`]) stopped. Failures that retrying can fix (the
+/// database or the broker unreachable) never end the loop; it waits and retries with backoff.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum RunError {
+    /// The fetch failed in a way retrying cannot fix (missing table or column, missing
+    /// permission, a constraint or another non-transient backend error), `tries` times in a
+    /// row.
+    #[error(
+        "the relay stopped after {tries} failed fetches in a row: {source}; retrying cannot fix this: check that the outbox table exists (run the migrations) and that the database user may read and update it"
+    )]
+    Repository {
+        /// Consecutive failed fetches.
+        tries: u32,
+        /// The last error.
+        #[source]
+        source: RepositoryError,
+    },
 }

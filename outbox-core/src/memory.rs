@@ -195,7 +195,9 @@ impl InMemoryRepository {
         }
     }
 
-    /// Test fixture: makes the next outcome write fail as a failed commit would (R57).
+    /// Test hook (cargo feature `testing`): makes the next outcome write fail as a failed commit
+    /// would (R57).
+    #[cfg(any(test, feature = "testing"))]
     pub fn fail_next_outcome_commit(&self) {
         self.inner.fail_next_commit.store(true, Ordering::SeqCst);
     }

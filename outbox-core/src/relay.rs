@@ -20,7 +20,8 @@
 //! 5. after the commit, the observers of the pipeline steps (R68, R83).
 //!
 //! [`Relay::run`] loops cycles: at once after a cycle that fetched rows and found the broker
-//! reachable, else after the poll interval or a wake-up (R61).
+//! reachable, else after the poll interval or a wake-up (R61); the loop lives in `relay/run_loop.rs`
+//! (waits, outage back-off, which fetch errors end it).
 
 use std::collections::{HashMap, HashSet};
 use std::panic::AssertUnwindSafe;
@@ -45,6 +46,13 @@ use crate::repository::{
     Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult, Retry, WrittenOutcome,
 };
 use crate::step::{ObservedOutcome, PipelineStep, StepDecision};
+
+mod run_loop;
+
+pub use run_loop::{
+    DEFAULT_MAX_PERMANENT_FAILURES, DEFAULT_PROBE_INTERVAL, DEFAULT_REPOSITORY_BACKOFF,
+    LoopBackoff, LoopControl, LoopHooks, RunOptions,
+};
 
 /// Default loop batch size (R61).
 pub const DEFAULT_BATCH_SIZE: usize = 50;
@@ -1108,44 +1116,6 @@ impl Relay {
             return;
         }
     }
-
-    /// Runs cycles until `shutdown` is cancelled (R61). Returns after the cycle in flight ends.
-    pub async fn run(&self, shutdown: CancellationToken) {
-        let mut idle_wait = self.config.poll_interval;
-        loop {
-            if shutdown.is_cancelled() {
-                return;
-            }
-            let (again, idle) = match self.cycle(&shutdown).await {
-                Ok(r) => (
-                    !r.fetched.is_empty() && !r.broker_unreachable && !r.breaker_open,
-                    r.fetched.is_empty() && !r.breaker_open,
-                ),
-                Err(e) => {
-                    tracing::warn!(error = %e, transient = e.is_transient(), "fetch failed; waiting for the next poll");
-                    (false, false)
-                }
-            };
-            if again {
-                idle_wait = self.config.poll_interval;
-                continue;
-            }
-            let wait = if idle {
-                idle_wait
-            } else {
-                self.config.poll_interval
-            };
-            tokio::select! {
-                _ = tokio::time::sleep(wait) => {
-                    if idle {
-                        idle_wait = (idle_wait * 2).min(self.config.idle_backoff_max);
-                    }
-                }
-                _ = self.wake.notified() => idle_wait = self.config.poll_interval,
-                _ = shutdown.cancelled() => return,
-            }
-        }
-    }
 }
 
 /// The rows of a fetch as runs by key: keys in order of their first row, each key's rows in
@@ -1256,7 +1226,7 @@ mod tests {
         relay.waker().notify_one();
         tokio::time::sleep(Duration::from_millis(1_200)).await;
         stop.cancel();
-        task.await.unwrap();
+        task.await.unwrap().unwrap();
         let secs: Vec<f64> = times
             .lock()
             .unwrap()

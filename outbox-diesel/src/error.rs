@@ -47,6 +47,16 @@ pub enum Error {
         /// What failed.
         message: String,
     },
+    /// The wake-up listener could not connect or LISTEN.
+    #[error(
+        "LISTEN on {channel} failed: {message}; check the database URL and that PostgreSQL runs (the relays still poll without it)"
+    )]
+    Listen {
+        /// The notification channel.
+        channel: String,
+        /// What failed.
+        message: String,
+    },
     /// A backend operation failed.
     #[error(transparent)]
     Repository(#[from] RepositoryError),

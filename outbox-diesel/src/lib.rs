@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod error;
+pub mod listen;
 pub mod migrations;
 pub mod pool;
 mod prepared;
@@ -12,6 +13,7 @@ pub mod tls;
 mod writer;
 
 pub use error::Error;
+pub use listen::WakeListener;
 pub use migrations::{
     OutboxMigrations, create_schema, create_schema_with, ensure_partitions, run_migrations,
     run_migrations_url, run_migrations_with,

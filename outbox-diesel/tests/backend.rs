@@ -372,11 +372,14 @@ async fn the_outbox_statements_are_prepared_once_per_connection() {
         )
         .bind::<Text, _>(needle)
     };
-    let fetches: Count = count("heads_a0").get_result(&mut conn).await.unwrap();
-    assert_eq!(
-        fetches.n, 1,
-        "the fetch is prepared once and reused, not re-planned per call"
-    );
+    // The fetch's two statements (fetch_heads.sql, fetch_take.sql).
+    for needle in ["win_u AS MATERIALIZED", "taken AS MATERIALIZED"] {
+        let fetches: Count = count(needle).get_result(&mut conn).await.unwrap();
+        assert_eq!(
+            fetches.n, 1,
+            "the fetch statement with {needle:?} is prepared once and reused, not re-planned per call"
+        );
+    }
     let inserts: Count = count("INSERT INTO").get_result(&mut conn).await.unwrap();
     assert_eq!(
         inserts.n, 1,

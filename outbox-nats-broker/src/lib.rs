@@ -14,6 +14,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use async_trait::async_trait;
+use outbox_core::broker::{ReconnectSignal, ReconnectWatch};
 use outbox_core::{Ack, Broker, BrokerError, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -33,6 +34,7 @@ pub struct NatsBroker {
     js: jetstream::Context,
     config: Arc<NatsBrokerConfig>,
     state_changed: Arc<Notify>,
+    reconnected: ReconnectSignal,
 }
 
 impl std::fmt::Debug for NatsBroker {
@@ -52,7 +54,8 @@ impl NatsBroker {
     pub async fn connect(config: NatsBrokerConfig) -> Result<Self, NatsBrokerError> {
         config.validate()?;
         let notify = Arc::new(Notify::new());
-        let client = options(&config, &notify)
+        let signal = ReconnectSignal::new();
+        let client = options(&config, &notify, &signal)
             .await?
             .connect(config.url.as_str())
             .await
@@ -60,7 +63,7 @@ impl NatsBroker {
                 url: outbox_core::redact::secrets(&config.url),
                 message: outbox_core::redact::secrets(&e.to_string()),
             })?;
-        let broker = Self::assemble(client, config, notify);
+        let broker = Self::assemble(client, config, notify, signal);
         broker.ensure_stream().await?;
         Ok(broker)
     }
@@ -77,7 +80,8 @@ impl NatsBroker {
             ));
         }
         let notify = Arc::new(Notify::new());
-        let client = options(&config, &notify)
+        let signal = ReconnectSignal::new();
+        let client = options(&config, &notify, &signal)
             .await?
             .retry_on_initial_connect()
             .connect(config.url.as_str())
@@ -86,7 +90,7 @@ impl NatsBroker {
                 url: outbox_core::redact::secrets(&config.url),
                 message: outbox_core::redact::secrets(&e.to_string()),
             })?;
-        Ok(Self::assemble(client, config, notify))
+        Ok(Self::assemble(client, config, notify, signal))
     }
 
     /// Uses a client the application already has. [`wait_connected`](Self::wait_connected)
@@ -96,12 +100,22 @@ impl NatsBroker {
         config: NatsBrokerConfig,
     ) -> Result<Self, NatsBrokerError> {
         config.validate()?;
-        let broker = Self::assemble(client, config, Arc::new(Notify::new()));
+        let broker = Self::assemble(
+            client,
+            config,
+            Arc::new(Notify::new()),
+            ReconnectSignal::new(),
+        );
         broker.ensure_stream().await?;
         Ok(broker)
     }
 
-    fn assemble(client: async_nats::Client, config: NatsBrokerConfig, notify: Arc<Notify>) -> Self {
+    fn assemble(
+        client: async_nats::Client,
+        config: NatsBrokerConfig,
+        notify: Arc<Notify>,
+        reconnected: ReconnectSignal,
+    ) -> Self {
         let js = jetstream::ContextBuilder::new()
             .timeout(config.timeout)
             .backpressure_on_inflight(true)
@@ -111,6 +125,7 @@ impl NatsBroker {
             js,
             config: Arc::new(config),
             state_changed: notify,
+            reconnected,
         }
     }
 
@@ -339,8 +354,10 @@ fn is_temporary(e: &jetstream::Error) -> bool {
 async fn options(
     config: &NatsBrokerConfig,
     notify: &Arc<Notify>,
+    signal: &ReconnectSignal,
 ) -> Result<async_nats::ConnectOptions, NatsBrokerError> {
     let n = notify.clone();
+    let signal = signal.clone();
     let max = config.reconnect_delay_max;
     let mut o = async_nats::ConnectOptions::new()
         .connection_timeout(config.connect_timeout)
@@ -356,9 +373,13 @@ async fn options(
         })
         .event_callback(move |event| {
             let n = n.clone();
+            let signal = signal.clone();
             async move {
                 match event {
-                    async_nats::Event::Connected => tracing::info!("NATS connected"),
+                    async_nats::Event::Connected => {
+                        tracing::info!("NATS connected");
+                        signal.connected();
+                    }
                     async_nats::Event::Disconnected => tracing::warn!("NATS disconnected"),
                     other => tracing::debug!("NATS event: {other}"),
                 }
@@ -399,6 +420,12 @@ impl Broker for NatsBroker {
     fn destination_name(&self, m: &Message) -> String {
         self.subject(m)
             .unwrap_or_else(|_| self.config.subject_for_topic(&m.topic))
+    }
+
+    /// Moves on every `Connected` event of the client (clients made by this crate; a client
+    /// given to [`from_client`](NatsBroker::from_client) reports none).
+    fn reconnects(&self) -> Option<ReconnectWatch> {
+        Some(self.reconnected.watch())
     }
 
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {

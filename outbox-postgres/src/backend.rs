@@ -593,9 +593,9 @@ impl PgOutboxRepository {
         &self.stmts
     }
 
-    /// Test hook: the next outcome transaction runs its statements and then rolls back, and
-    /// `write_outcomes` returns an error (R57; P-06).
-    #[doc(hidden)]
+    /// Test hook (cargo feature `testing`): the next outcome transaction runs its statements and
+    /// then rolls back, and `write_outcomes` returns an error (R57; P-06).
+    #[cfg(feature = "testing")]
     pub fn fail_next_outcome_commit(&self) {
         self.fail_next_commit.store(true, Ordering::SeqCst);
     }

@@ -7,6 +7,8 @@ pub mod sql;
 
 #[cfg(feature = "sqlx")]
 mod backend;
+#[cfg(feature = "sqlx")]
+pub mod listen;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -16,4 +18,6 @@ pub use backend::{
     create_schema_with, ensure_partitions, fetch_rows, fetched_row, map_err, raw_row,
 };
 pub use error::Error;
+#[cfg(feature = "sqlx")]
+pub use listen::WakeListener;
 pub use sql::{Layout, TableName};

@@ -1214,7 +1214,7 @@ pub async fn broker_outage_on_postgres(
     );
     stop.cancel();
     relay.waker().notify_one();
-    task.await.expect("relay task");
+    task.await.expect("relay task").expect("relay loop");
 
     let got = t.read("orders").await;
     let mut first_seen: HashMap<String, Vec<Uuid>> = HashMap::new();
@@ -1423,7 +1423,7 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
     let drained = std::time::Instant::now();
     stop.cancel();
     relay.waker().notify_one();
-    task.await.expect("relay task");
+    task.await.expect("relay task").expect("relay loop");
     if let Some(c) = pinned.take() {
         c.rollback().await.expect("end the pin");
     }

@@ -351,6 +351,15 @@ impl Broker for RedisBroker {
         self.stream_key(m)
     }
 
+    /// PING within the timeout (the connection manager has no reconnection events, so a relay
+    /// waiting out an outage probes).
+    async fn probe(&self) -> outbox_core::broker::Probe {
+        match self.ping().await {
+            Ok(()) => outbox_core::broker::Probe::Up,
+            Err(_) => outbox_core::broker::Probe::Down,
+        }
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let key = self.stream_key(m);
         let mut cmd = redis::cmd("XADD");

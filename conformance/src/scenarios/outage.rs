@@ -255,7 +255,9 @@ async fn run_loop(c: &Ctx, cfg: &Cfg, secs: u64) -> Vec<(Duration, usize)> {
     });
     tokio::time::sleep(Duration::from_secs(secs)).await;
     stop.cancel();
-    task.await.expect("loop task");
+    task.await
+        .expect("loop task")
+        .expect("the loop ends without error");
     log.lock().unwrap().clone()
 }
 

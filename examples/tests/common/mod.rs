@@ -295,3 +295,21 @@ pub fn check_order(written: &HashMap<String, Vec<Uuid>>, got: &[(Uuid, String)])
     );
     repeats
 }
+
+/// Reads the child's stderr lines into a channel as they come.
+pub fn stderr_lines(
+    child: &mut tokio::process::Child,
+) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+    use tokio::io::AsyncBufReadExt;
+    let err = child.stderr.take().expect("stderr piped");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut lines = tokio::io::BufReader::new(err).lines();
+        while let Ok(Some(l)) = lines.next_line().await {
+            if tx.send(l).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}

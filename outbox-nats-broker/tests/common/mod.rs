@@ -18,7 +18,7 @@ pub fn url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
 }
 
-fn host_port(url: &str) -> String {
+pub fn host_port(url: &str) -> String {
     url.trim_start_matches("nats://").to_owned()
 }
 

@@ -90,7 +90,26 @@ pub fn compiled_in() -> Vec<&'static str> {
     v
 }
 
-/// Connects the broker (exit 4 when unreachable, 2 for a bad setting).
+/// The URL of the chosen broker, password redacted, for log lines (`-` for stdout and noop).
+pub fn redacted_url(a: &BrokerArgs) -> String {
+    match a.broker {
+        BrokerKind::Nats => outbox_core::redact::secrets(&a.nats_url),
+        BrokerKind::Redis => outbox_core::redact::secrets(&a.redis_url),
+        BrokerKind::Stdout | BrokerKind::Noop => "-".to_owned(),
+    }
+}
+
+/// Whether the chosen broker is compiled into this binary.
+pub fn compiled(kind: BrokerKind) -> bool {
+    match kind {
+        BrokerKind::Nats => cfg!(feature = "nats"),
+        BrokerKind::Redis => cfg!(feature = "redis"),
+        BrokerKind::Stdout | BrokerKind::Noop => true,
+    }
+}
+
+/// Connects the broker (exit 4 when unreachable, 2 for a bad setting; an unreachable server is
+/// marked retryable).
 pub async fn build(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match a.broker {
         BrokerKind::Stdout => Ok(Arc::new(StdoutBroker)),
@@ -111,6 +130,9 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     let mut cfg = NatsBrokerConfig::new(a.nats_url.clone())
         .subject_prefix(a.nats_subject_prefix.clone())
         .timeout(a.broker_timeout)
+        // The client retries a lost connection at most every 500 ms (its default: 2 s), so the
+        // relay, woken by the reconnection, publishes within a second of NATS answering again.
+        .reconnect_delay_max(Duration::from_millis(500))
         .client_name("outbox-relay")
         .tls(outbox_nats_broker::NatsTls {
             required: a.nats_tls_required,
@@ -128,11 +150,18 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match NatsBroker::connect(cfg).await {
         Ok(b) => Ok(Arc::new(b)),
         Err(e @ NatsBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
+        Err(e @ NatsBrokerError::Connect { .. }) => Err(CliError::new(
+            code::BROKER,
+            outbox_core::redact::secrets(&format!(
+                "{e}; check --nats-url (NATS_URL) and that nats-server runs"
+            )),
+        )
+        .retryable()),
         Err(e) => Err(CliError::new(
             code::BROKER,
-            format!(
+            outbox_core::redact::secrets(&format!(
                 "{e}; check --nats-url (NATS_URL) and that nats-server runs with JetStream (-js)"
-            ),
+            )),
         )),
     }
 }
@@ -154,7 +183,15 @@ async fn redis(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match RedisBroker::connect(cfg).await {
         Ok(b) => Ok(Arc::new(b)),
         Err(e @ RedisBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
-        Err(e) => Err(CliError::new(code::BROKER, e.to_string())),
+        Err(e @ RedisBrokerError::Connect { .. }) => Err(CliError::new(
+            code::BROKER,
+            outbox_core::redact::secrets(&e.to_string()),
+        )
+        .retryable()),
+        Err(e) => Err(CliError::new(
+            code::BROKER,
+            outbox_core::redact::secrets(&e.to_string()),
+        )),
     }
 }
 

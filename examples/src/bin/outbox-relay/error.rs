@@ -10,9 +10,11 @@ pub mod code {
     /// Usage or configuration error: a bad flag value, an invalid table name or URL, a store not
     /// compiled in. Nothing changed.
     pub const USAGE: i32 = 2;
-    /// The database cannot be reached, or the outbox table does not exist.
+    /// The outbox table does not exist, the login was refused, the database is unknown, or
+    /// (operator commands) the database cannot be reached.
     pub const DATABASE: i32 = 3;
-    /// The broker cannot be reached, or is not compiled into this binary.
+    /// The broker is not compiled into this binary, or refused the stream set-up (`run` waits
+    /// for an unreachable broker).
     pub const BROKER: i32 = 4;
     /// Any other failure.
     pub const OTHER: i32 = 5;
@@ -24,8 +26,10 @@ Exit codes:
   0  success (for `run`: stopped by SIGINT/SIGTERM, by --until-drained, or the loops ended)
   1  refused: unknown id, row not in the needed state, nothing matched; nothing changed
   2  usage or configuration error (bad flag value, invalid table name or URL, store not compiled in)
-  3  database unreachable, or the outbox table is missing (run `outbox-relay migrate`)
-  4  broker unreachable, or not compiled into this binary (enable its cargo feature)
+  3  the outbox table is missing (run `outbox-relay migrate`), a refused login or an unknown
+     database; for the operator commands also an unreachable database (`run` waits for it)
+  4  broker not compiled into this binary (enable its cargo feature) or its stream set-up
+     refused; for `run` an unreachable broker is waited for, not an exit
   5  any other failure";
 
 /// A failure of a command.
@@ -36,6 +40,9 @@ pub struct CliError {
     pub code: i32,
     /// What went wrong and what to do.
     pub message: String,
+    /// Whether trying again later can help (a server that cannot be reached yet): `run` waits
+    /// and retries these at start-up instead of exiting.
+    pub retryable: bool,
 }
 
 impl CliError {
@@ -45,7 +52,14 @@ impl CliError {
         Self {
             code,
             message: outbox_core::redact::secrets(&message.into()),
+            retryable: false,
         }
+    }
+
+    /// The same error, marked as one that trying again later can fix.
+    pub fn retryable(mut self) -> Self {
+        self.retryable = true;
+        self
     }
 
     pub fn usage(message: impl Into<String>) -> Self {

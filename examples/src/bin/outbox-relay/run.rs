@@ -6,12 +6,12 @@ use std::time::{Duration, Instant};
 
 use clap::Args;
 use outbox_core::backoff::Backoff;
-use outbox_core::{CancellationToken, OutboxRepository, Relay, RepositoryError};
-use outbox_examples::metrics::MetricsStep;
+use outbox_core::metrics::MetricsStep;
+use outbox_core::relay::{CycleReport, LoopBackoff, LoopControl, LoopHooks, RunOptions};
+use outbox_core::{CancellationToken, OutboxRepository, Relay, RunError};
 use outbox_postgres::TableName;
 use sqlx::PgPool;
 use tokio::sync::Notify;
-use tracing::Instrument;
 
 use crate::broker::{self, BrokerArgs};
 use crate::error::{CliError, Result, code};
@@ -61,6 +61,14 @@ pub struct RunArgs {
     /// Longest wait for one publish's acknowledgement (below --lease).
     #[arg(long, env = "OUTBOX_PUBLISH_TIMEOUT", default_value = "30s", value_parser = parse_dur)]
     pub publish_timeout: Duration,
+    /// First wait after a cycle found the broker unreachable; it doubles per such cycle up to
+    /// --outage-backoff-cap. The broker's reconnection (NATS) or a successful probe (Redis PING)
+    /// starts the next cycle at once.
+    #[arg(long, env = "OUTBOX_OUTAGE_BACKOFF_BASE", default_value = "1s", value_parser = parse_dur)]
+    pub outage_backoff_base: Duration,
+    /// Longest wait between two cycles during a broker outage.
+    #[arg(long, env = "OUTBOX_OUTAGE_BACKOFF_CAP", default_value = "30s", value_parser = parse_dur)]
+    pub outage_backoff_cap: Duration,
     /// Exits 0 once nothing is due or held (for batch jobs and benchmarks). Rows waiting for a
     /// retry later do not keep it running.
     #[arg(long, env = "OUTBOX_UNTIL_DRAINED")]
@@ -68,7 +76,8 @@ pub struct RunArgs {
     /// Polls only: no LISTEN on the table's channel.
     #[arg(long, env = "OUTBOX_NO_LISTEN")]
     pub no_listen: bool,
-    /// Interval of the one-line summary (events/s, backlog, blocked keys, oldest due age); 0 = off.
+    /// Interval of the one-line summary (events/s, backlog, blocked keys, oldest due age); 0 = off
+    /// (with --metrics-addr the backlog gauges are still updated, every 10 s).
     #[arg(long, env = "OUTBOX_SUMMARY_INTERVAL", default_value = "10s", value_parser = parse_dur)]
     pub summary_interval: Duration,
     /// Prefix of the metric names (R70: ^[a-zA-Z_][a-zA-Z0-9_]*$, joined with `_`).
@@ -104,12 +113,23 @@ fn worker_ids(a: &RunArgs) -> Result<Vec<String>> {
     Ok(ids)
 }
 
+/// The buckets of every `_seconds` histogram (publish duration, write-to-ack lag, handler
+/// duration): 1 ms to 5 min.
+#[cfg(feature = "prometheus")]
+const SECONDS_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+];
+
 fn install_prometheus(addr: Option<std::net::SocketAddr>) -> Result<()> {
     let Some(addr) = addr else { return Ok(()) };
     #[cfg(feature = "prometheus")]
     {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
+        use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+        PrometheusBuilder::new()
             .with_http_listener(addr)
+            .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), SECONDS_BUCKETS)
+            .map_err(|e| CliError::usage(format!("--metrics-addr {addr}: {e}")))?
             .install()
             .map_err(|e| CliError::usage(format!("--metrics-addr {addr}: {e}")))?;
         tracing::info!(%addr, "serving Prometheus metrics on /metrics");
@@ -144,14 +164,46 @@ fn on_signals(token: CancellationToken) {
     });
 }
 
-/// LISTENs on the table's channel and wakes every loop on each notification.
-async fn listen(pool: &PgPool, table: &TableName, wakers: Vec<Arc<Notify>>) -> Result<()> {
+/// The LISTEN task of the chosen store (kept alive while the relay runs).
+enum Listener {
+    Sqlx(#[allow(dead_code)] outbox_postgres::WakeListener),
+    #[cfg(feature = "diesel")]
+    Diesel(#[allow(dead_code)] outbox_diesel::WakeListener),
+}
+
+/// LISTENs on the table's channel with the chosen store's listener (sqlx's `PgListener`, or
+/// diesel-async's notification stream) and wakes every loop on each notification; the
+/// listener reconnects by itself and wakes the loops once when it is back.
+async fn listen(
+    a: &RunArgs,
+    pool: &PgPool,
+    table: &TableName,
+    wakers: Vec<Arc<Notify>>,
+) -> Result<Listener> {
     let channel = table.notify_channel();
-    outbox_examples::wake::spawn_listener(pool, table, wakers)
-        .await
-        .map_err(|e| CliError::new(code::DATABASE, format!("LISTEN {channel}: {e}")))?;
-    tracing::info!(%channel, "listening for wake-ups");
-    Ok(())
+    let fail = |e: String| {
+        CliError::new(
+            code::DATABASE,
+            format!("LISTEN {channel}: {e}; pass --no-listen to poll only"),
+        )
+    };
+    let l = match a.db.store {
+        store::StoreKind::Sqlx => Listener::Sqlx(
+            outbox_postgres::WakeListener::spawn(pool, table, wakers)
+                .await
+                .map_err(|e| fail(e.to_string()))?,
+        ),
+        #[cfg(feature = "diesel")]
+        store::StoreKind::Diesel => Listener::Diesel(
+            outbox_diesel::WakeListener::spawn(&a.db.database_url, table, wakers)
+                .await
+                .map_err(|e| fail(outbox_core::redact::secrets(&e.to_string())))?,
+        ),
+        #[cfg(not(feature = "diesel"))]
+        store::StoreKind::Diesel => return Err(store::not_compiled()),
+    };
+    tracing::info!(%channel, store = ?a.db.store, "listening for wake-ups");
+    Ok(l)
 }
 
 struct Shared {
@@ -161,102 +213,87 @@ struct Shared {
     store: Arc<store::Store>,
 }
 
-fn fatal(table: &TableName, e: RepositoryError) -> Option<CliError> {
-    match e {
-        RepositoryError::Schema(_) => Some(CliError::repo(&table.to_string(), e)),
-        _ => None,
-    }
+/// The binary's additions to the library loop: the published count for the summary line and
+/// the final log line, and with --until-drained the drain check when a cycle fetched nothing.
+struct Hooks {
+    sh: Arc<Shared>,
+    worker: String,
 }
 
-async fn relay_loop(relay: Relay, wake: Arc<Notify>, sh: Arc<Shared>) -> Result<()> {
-    let worker = relay.config().worker_id().to_string();
-    let poll = relay.config().poll_interval();
-    loop {
-        if sh.token.is_cancelled() {
-            return Ok(());
+#[async_trait::async_trait]
+impl LoopHooks for Hooks {
+    async fn after_cycle(&self, r: &CycleReport) {
+        self.sh
+            .completed
+            .fetch_add(r.completed.len() as u64, Ordering::Relaxed);
+    }
+
+    async fn on_idle(&self) -> LoopControl {
+        if !self.sh.until_drained {
+            return LoopControl::Continue;
         }
-        let span = tracing::info_span!(
-            "outbox.cycle",
-            worker.id = %worker,
-            fetched = tracing::field::Empty,
-            completed = tracing::field::Empty,
-            failed = tracing::field::Empty,
-        );
-        let res = relay.cycle(&sh.token).instrument(span.clone()).await;
-        let (again, fetched) = match res {
-            Ok(r) => {
-                span.record("fetched", r.fetched.len());
-                span.record("completed", r.completed.len());
-                span.record("failed", r.counted.len() + r.transient.len());
-                if !r.fetched.is_empty() {
-                    // One line per cycle that fetched something (RUST_LOG=outbox_relay=debug),
-                    // inside the cycle's span so its fields come along.
-                    tracing::debug!(
-                        parent: &span,
-                        fetched = r.fetched.len(),
-                        completed = r.completed.len(),
-                        failed = r.counted.len() + r.transient.len(),
-                        "cycle"
-                    );
-                }
-                sh.completed
-                    .fetch_add(r.completed.len() as u64, Ordering::Relaxed);
-                (
-                    !r.fetched.is_empty() && !r.broker_unreachable && !r.breaker_open,
-                    r.fetched.len(),
-                )
+        match self.sh.store.drained().await {
+            Ok(true) => {
+                tracing::info!(worker = %self.worker, "drained: nothing due or held");
+                LoopControl::Stop
             }
+            Ok(false) => LoopControl::Continue,
             Err(e) => {
-                if let Some(f) = fatal(&sh.store.table, e.clone_shallow()) {
-                    return Err(f);
-                }
-                tracing::warn!(error = %e, transient = e.is_transient(), "fetch failed; waiting for the next poll");
-                (false, usize::MAX)
+                tracing::warn!(error = %e, "drain check failed");
+                LoopControl::Continue
             }
-        };
-        if again {
-            continue;
-        }
-        if sh.until_drained && fetched == 0 {
-            match sh.store.drained().await {
-                Ok(true) => {
-                    tracing::info!(%worker, "drained: nothing due or held");
-                    return Ok(());
-                }
-                Ok(false) => {}
-                Err(e) => tracing::warn!(error = %e, "drain check failed"),
-            }
-        }
-        let wait = if sh.until_drained {
-            poll.min(Duration::from_millis(200))
-        } else {
-            poll
-        };
-        tokio::select! {
-            _ = tokio::time::sleep(wait) => {}
-            _ = wake.notified() => {}
-            _ = sh.token.cancelled() => return Ok(()),
         }
     }
 }
 
-trait CloneShallow {
-    fn clone_shallow(&self) -> RepositoryError;
-}
-
-impl CloneShallow for RepositoryError {
-    fn clone_shallow(&self) -> RepositoryError {
-        match self {
-            RepositoryError::Schema(m) => RepositoryError::Schema(m.clone()),
-            other => RepositoryError::Other(other.to_string()),
+/// Runs `attempt` until it succeeds, waiting (250 ms doubling to 5 s) after each failure that
+/// is marked retryable and logging that it waits for `what` at `at` (password redacted); other
+/// failures end it. `None` when shutdown came first.
+async fn wait_for<T, F, Fut>(
+    token: &CancellationToken,
+    what: &str,
+    at: &str,
+    mut attempt: F,
+) -> Result<Option<T>>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let backoff = LoopBackoff::new(Duration::from_millis(250), Duration::from_secs(5))
+        .expect("valid constant back-off");
+    let mut tries = 0u32;
+    loop {
+        if token.is_cancelled() {
+            return Ok(None);
+        }
+        match attempt().await {
+            Ok(v) => {
+                if tries > 0 {
+                    tracing::info!(%at, "{what} is reachable");
+                }
+                return Ok(Some(v));
+            }
+            Err(e) if e.retryable => {
+                tries += 1;
+                let wait = backoff.wait(tries);
+                tracing::warn!(%at, tries, retry_in = ?wait, error = %e.message, "waiting for {what}");
+                tokio::select! {
+                    _ = tokio::time::sleep(wait) => {}
+                    _ = token.cancelled() => return Ok(None),
+                }
+            }
+            Err(e) => return Err(e),
         }
     }
 }
 
+/// Every `every`: queries the backlog and sets the gauges (kept up to date whether or not the
+/// summary line is on), and with `log` logs the one-line summary.
 async fn summary(
     repo: Arc<dyn OutboxRepository>,
     sh: Arc<Shared>,
     every: Duration,
+    log: bool,
     lease: Duration,
     metrics: MetricsStep,
 ) {
@@ -270,26 +307,17 @@ async fn summary(
         let n = sh.completed.load(Ordering::Relaxed);
         let rate = (n - last_n) as f64 / last.elapsed().as_secs_f64().max(1e-9);
         (last, last_n) = (Instant::now(), n);
-        let counts = repo.counts().await;
-        let blocked = repo.blocked_keys(lease, 10_000).await;
-        let oldest = repo.oldest_due_age().await;
-        match (counts, blocked, oldest) {
-            (Ok(c), Ok(b), Ok(o)) => {
-                let backlog: i64 = c
-                    .iter()
-                    .filter(|c| c.status == outbox_core::Status::Pending)
-                    .map(|c| c.count)
-                    .sum();
-                metrics.record_backlog(backlog.max(0) as u64, b.len() as u64, o);
-                tracing::info!(
-                    "summary: {rate:.1} events/s, backlog {backlog}, blocked keys {}, oldest due {}",
-                    b.len(),
-                    o.map_or("-".to_string(), |d| format!("{:.1}s", d.as_secs_f64()))
-                );
-            }
-            (c, b, o) => {
-                let e = c.err().or(b.err()).or(o.err()).map(|e| e.to_string());
-                tracing::warn!(error = ?e, "summary: {rate:.1} events/s; backlog query failed");
+        match metrics.update_backlog(repo.as_ref(), lease).await {
+            Ok(b) if log => tracing::info!(
+                "summary: {rate:.1} events/s, backlog {}, blocked keys {}, oldest due {}",
+                b.pending,
+                b.blocked_keys,
+                b.oldest_due
+                    .map_or("-".to_string(), |d| format!("{:.1}s", d.as_secs_f64()))
+            ),
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "summary: {rate:.1} events/s; backlog query failed")
             }
         }
     }
@@ -310,12 +338,43 @@ pub async fn run(a: RunArgs) -> Result<()> {
     check_settings(&a, &ids[0], backoff)?;
     install_prometheus(a.metrics_addr)?;
 
-    let pool_size = a.loops * 2 + 3;
-    let st = Arc::new(store::open(&a.db.database_url, a.db.store, &a.db.table, pool_size).await?);
-    let broker = broker::build(&a.broker).await?;
     let token = CancellationToken::new();
     on_signals(token.clone());
+    let outage = LoopBackoff::new(a.outage_backoff_base, a.outage_backoff_cap)
+        .map_err(usage("--outage-backoff-base/--outage-backoff-cap"))?;
+    if !broker::compiled(a.broker.broker) {
+        // Not worth waiting for: say so before connecting anything.
+        broker::build(&a.broker).await?;
+    }
 
+    // Start-up waits for the database and the broker instead of exiting: under a supervisor an
+    // exit is a crash loop. Only configuration errors end it.
+    let pool_size = a.loops * 2 + 3;
+    let db_at = outbox_core::redact::secrets(&a.db.database_url);
+    let Some(pool) = wait_for(&token, "the database", &db_at, || {
+        store::connect_pool(&a.db.database_url, pool_size)
+    })
+    .await?
+    else {
+        return Ok(());
+    };
+    let st = Arc::new(
+        store::open_on(pool, &a.db.database_url, a.db.store, &a.db.table, pool_size).await?,
+    );
+    let broker_at = broker::redacted_url(&a.broker);
+    let Some(broker) = wait_for(&token, "the broker", &broker_at, || {
+        broker::build(&a.broker)
+    })
+    .await?
+    else {
+        return Ok(());
+    };
+
+    let poll = if a.until_drained {
+        a.poll_interval.min(Duration::from_millis(200))
+    } else {
+        a.poll_interval
+    };
     let mut relays = Vec::new();
     for id in &ids {
         let relay = Relay::builder(st.repo.clone(), broker.clone())
@@ -324,7 +383,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
             .max_per_key(a.max_per_key)
             .publish_concurrency(a.publish_concurrency)
             .lease_ttl(a.lease)
-            .poll_interval(a.poll_interval)
+            .poll_interval(poll)
             .publish_timeout(a.publish_timeout)
             .delivery(a.delivery)
             .backoff(backoff)
@@ -334,13 +393,16 @@ pub async fn run(a: RunArgs) -> Result<()> {
         relays.push(relay);
     }
     let wakers: Vec<Arc<Notify>> = relays.iter().map(|r| r.waker()).collect();
-    if !a.no_listen {
-        listen(&st.pool, &st.table, wakers.clone()).await?;
-    }
+    let _listener = if a.no_listen {
+        None
+    } else {
+        Some(listen(&a, &st.pool, &st.table, wakers).await?)
+    };
     tracing::info!(
         table = %st.table,
         store = ?a.db.store,
         broker = ?a.broker.broker,
+        broker_url = %broker_at,
         workers = ?ids,
         until_drained = a.until_drained,
         "relay started"
@@ -351,19 +413,36 @@ pub async fn run(a: RunArgs) -> Result<()> {
         until_drained: a.until_drained,
         store: st.clone(),
     });
-    let summary_task = (!a.summary_interval.is_zero()).then(|| {
+    // The backlog gauges are kept up to date when metrics are served, even with the summary
+    // line off (then every 10 s).
+    let log_summary = !a.summary_interval.is_zero();
+    let summary_task = (log_summary || a.metrics_addr.is_some()).then(|| {
+        let every = if log_summary {
+            a.summary_interval
+        } else {
+            Duration::from_secs(10)
+        };
         tokio::spawn(summary(
             st.repo.clone(),
             sh.clone(),
-            a.summary_interval,
+            every,
+            log_summary,
             a.lease,
             metrics.clone(),
         ))
     });
+    let table = st.table.to_string();
     let tasks: Vec<_> = relays
         .into_iter()
-        .zip(wakers)
-        .map(|(r, w)| tokio::spawn(relay_loop(r, w, sh.clone())))
+        .map(|r| {
+            let hooks = Arc::new(Hooks {
+                sh: sh.clone(),
+                worker: r.config().worker_id().to_string(),
+            });
+            let options = RunOptions::new().outage_backoff(outage).hooks(hooks);
+            let token = token.clone();
+            tokio::spawn(async move { r.run_with(token, options).await })
+        })
         .collect();
     let mut result = Ok(());
     for t in tasks {
@@ -372,7 +451,15 @@ pub async fn run(a: RunArgs) -> Result<()> {
             Ok(Err(e)) => {
                 token.cancel();
                 if result.is_ok() {
-                    result = Err(e);
+                    result = Err(match e {
+                        RunError::Repository { source, tries } => {
+                            let mut err = CliError::repo(&table, source);
+                            err.message =
+                                format!("{} (failed {tries} times in a row)", err.message);
+                            err
+                        }
+                        other => CliError::new(code::OTHER, other.to_string()),
+                    });
                 }
             }
             Err(e) => {

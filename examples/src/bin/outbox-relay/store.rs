@@ -25,8 +25,8 @@ pub enum StoreKind {
 /// A connected store: the repository the relay and the ops commands use, the queries the
 /// repository trait has no method for ([`Store::drained`], [`Store::failed_ids`]) on the same
 /// backend, and a sqlx pool (the same database; sqlx is always compiled in) for the first
-/// connection and table checks, so both stores fail alike, and for LISTEN, whose listener
-/// (`outbox_examples::wake::spawn_listener`) is written once on sqlx and reads no row.
+/// connection and table checks, so both stores fail alike, and for LISTEN with `--store sqlx`
+/// (`outbox_postgres::WakeListener`; with `--store diesel` it is `outbox_diesel::WakeListener`).
 pub struct Store {
     pub repo: Arc<dyn OutboxRepository>,
     pub pool: PgPool,
@@ -190,11 +190,20 @@ pub async fn connect_pool(url: &str, max: u32) -> Result<PgPool> {
         )
     };
     // One connection first, for the driver's own reason when it fails (refused, unknown
-    // database, authentication); the pool then opens connections as needed.
+    // database, authentication); the pool then opens connections as needed. A server that
+    // does not answer or refuses is worth waiting for; a refused login or an unknown database
+    // is a configuration error.
     let first = tokio::time::timeout(Duration::from_secs(10), opts.connect())
         .await
-        .map_err(|_| fail("no answer within 10 s".into()))?
-        .map_err(|e| fail(e.to_string()))?;
+        .map_err(|_| fail("no answer within 10 s".into()).retryable())?
+        .map_err(|e| {
+            let config = e
+                .as_database_error()
+                .and_then(|d| d.code())
+                .is_some_and(|c| c.starts_with("28") || c == "3D000");
+            let err = fail(e.to_string());
+            if config { err } else { err.retryable() }
+        })?;
     drop(first);
     Ok(PgPoolOptions::new()
         .max_connections(max)
@@ -228,6 +237,17 @@ pub async fn require_table(pool: &PgPool, table: &TableName) -> Result<()> {
 /// Connects, checks the table and builds the repository of `kind`.
 pub async fn open(url: &str, kind: StoreKind, table: &TableName, pool_size: u32) -> Result<Store> {
     let pool = connect_pool(url, pool_size).await?;
+    open_on(pool, url, kind, table, pool_size).await
+}
+
+/// Checks the table on a connected pool and builds the repository of `kind`.
+pub async fn open_on(
+    pool: PgPool,
+    url: &str,
+    kind: StoreKind,
+    table: &TableName,
+    pool_size: u32,
+) -> Result<Store> {
     require_table(&pool, table).await?;
     let (repo, direct): (Arc<dyn OutboxRepository>, Direct) = match kind {
         StoreKind::Sqlx => (
