@@ -64,7 +64,9 @@ impl WriteTx for MemTx {
             .clone();
         self.held.push(m.lock_owned().await);
     }
-    async fn touch(&mut self) {}
+    async fn touch(&mut self) {
+        self.tx.as_mut().expect("open").touch();
+    }
     async fn commit(mut self: Box<Self>) -> Result<(), RepositoryError> {
         self.tx.take().expect("open").commit();
         self.held.clear();

@@ -258,6 +258,18 @@ mod tests {
     }
 
     #[test]
+    fn with_jitter_sets_the_mode_and_its_window() {
+        let b = Backoff::default();
+        assert_eq!(b.jitter(), Jitter::Equal);
+        let full = b.with_jitter(Jitter::Full);
+        assert_eq!(full.jitter(), Jitter::Full);
+        assert_eq!(full.window(3), (0.0, 80.0));
+        let dec = b.with_jitter(Jitter::Decorrelated);
+        assert_eq!(dec.window(2), (10.0, 60.0));
+        assert_eq!((dec.base_seconds(), dec.cap_seconds()), (10.0, 3600.0));
+    }
+
+    #[test]
     fn cap_saturates_without_overflow() {
         let b = Backoff::new(1.0, 8.0).unwrap();
         assert_eq!(b.window(3), (4.0, 8.0));

@@ -95,6 +95,20 @@ pub enum ValidationError {
         /// The builder's skew setting.
         skew_seconds: u64,
     },
+    /// An absolute scheduled_at lies outside [created_at − 60 s, created_at + 365 days], where
+    /// created_at is the backend clock at insert (R8, D2). The ancestor refuses such a row when it
+    /// loads it (with its default window), so the backend refuses the write instead (R78).
+    #[error(
+        "event {id}: scheduled_at {at} lies outside [created_at - 60 s, created_at + 365 days] for created_at {created_at}, the backend clock at insert (R8); the ancestor would refuse to load such a row, so nothing was written. Build the event again with a schedule nearer the backend's clock, or give a delay instead"
+    )]
+    ScheduleOutsideInsertWindow {
+        /// The event.
+        id: uuid::Uuid,
+        /// Its scheduled_at.
+        at: chrono::DateTime<chrono::Utc>,
+        /// The backend clock at the insert.
+        created_at: chrono::DateTime<chrono::Utc>,
+    },
     /// A relative delay lies outside [0, 31,536,000 s] (R8).
     #[error("delay of {seconds} s is outside the allowed range 0 to 31536000 s")]
     DelayOutOfRange {

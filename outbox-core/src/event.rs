@@ -668,6 +668,40 @@ impl EventBuilder {
     }
 }
 
+/// Whether `c` is whitespace to the ancestor: what Python's `str.isspace()` accepts, and so what
+/// its `str.strip()` removes. That is Unicode White_Space (Rust's [`char::is_whitespace`]) plus
+/// the information separators U+001C to U+001F, which Python also counts as whitespace.
+pub fn is_ancestor_whitespace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// `s` without leading and trailing [ancestor whitespace](is_ancestor_whitespace): every text the
+/// contract trims (R6, R7, R9, R10, R66) is trimmed this way, so a value accepted here reads back
+/// the same through the ancestor's model.
+pub fn trim_ancestor(s: &str) -> &str {
+    s.trim_matches(is_ancestor_whitespace)
+}
+
+/// The window an absolute schedule must meet at insert (R8, D2): `[created_at − 60 s,
+/// created_at + 365 days]`, created_at being the backend clock when the row is inserted. It is
+/// the ancestor's load check with its default skew; a row outside it would make the ancestor's
+/// relay fail on the whole table (R78). Backends call this (or do the same in SQL) before they
+/// insert anything, and refuse the write with
+/// [`ValidationError::ScheduleOutsideInsertWindow`].
+pub fn check_insert_window(
+    id: Uuid,
+    at: DateTime<Utc>,
+    created_at: DateTime<Utc>,
+) -> Result<(), ValidationError> {
+    let earliest =
+        created_at - chrono::Duration::seconds(limits::DEFAULT_SCHEDULE_SKEW_SECS as i64);
+    let latest = created_at + chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS);
+    if at < earliest || at > latest {
+        return Err(ValidationError::ScheduleOutsideInsertWindow { id, at, created_at });
+    }
+    Ok(())
+}
+
 fn check_len(field: &'static str, v: &str, max: usize) -> Result<(), ValidationError> {
     let n = v.chars().count();
     if n == 0 {
@@ -685,7 +719,7 @@ fn check_len(field: &'static str, v: &str, max: usize) -> Result<(), ValidationE
 
 fn required(field: &'static str, v: Option<String>, max: usize) -> Result<String, ValidationError> {
     let v = v.ok_or(ValidationError::Missing { field })?;
-    let t = v.trim();
+    let t = trim_ancestor(&v);
     check_len(field, t, max)?;
     Ok(t.to_owned())
 }
@@ -698,7 +732,7 @@ fn optional(
     match v {
         None => Ok(None),
         Some(v) => {
-            let t = v.trim();
+            let t = trim_ancestor(&v);
             check_len(field, t, max)?;
             Ok(Some(t.to_owned()))
         }
@@ -762,8 +796,8 @@ pub fn validate_headers(
     let mut out = BTreeMap::new();
     let mut folded = std::collections::HashSet::new();
     for (k, v) in raw {
-        let k = k.trim();
-        let v = v.trim();
+        let k = trim_ancestor(&k);
+        let v = trim_ancestor(&v);
         if k.is_empty() {
             return Err(header_err(k, "key must not be empty or blank"));
         }
@@ -829,7 +863,7 @@ impl WorkerId {
     /// Validates a worker id; anything else is `Invalid worker_id format: '<value>'`.
     pub fn new(v: impl AsRef<str>) -> Result<Self, ValidationError> {
         let raw = v.as_ref();
-        let t = raw.trim();
+        let t = trim_ancestor(raw);
         let ok = !t.is_empty()
             && t.chars().count() <= limits::WORKER_ID_MAX
             && t.chars()
@@ -878,7 +912,7 @@ impl AsRef<str> for WorkerId {
 /// Normalizes a failure text for last_error (R9): trimmed, `Unknown error` when empty, and cut
 /// on a character boundary with the suffix `... [TRUNCATED]` when longer than `max_bytes`.
 pub fn normalize_error(text: &str, max_bytes: usize) -> String {
-    let t = text.trim();
+    let t = trim_ancestor(text);
     if t.is_empty() {
         return limits::UNKNOWN_ERROR.to_owned();
     }
@@ -915,7 +949,7 @@ pub fn check_error_max_length(v: usize) -> Result<usize, crate::error::ConfigErr
 
 /// Validates a force-unlock reason (R66) and returns the text stored as last_error.
 pub fn force_unlock_text(reason: &str) -> Result<String, ValidationError> {
-    let r = reason.trim();
+    let r = trim_ancestor(reason);
     if r.is_empty() {
         return Err(ValidationError::Argument(
             "force_unlock reason must not be empty".into(),
@@ -1161,6 +1195,49 @@ mod tests {
         let g = WorkerId::generate();
         assert!(WorkerId::new(g.as_str()).is_ok());
         assert_ne!(g, WorkerId::generate());
+    }
+
+    #[test]
+    fn ancestor_whitespace_is_pythons_isspace_set() {
+        // The code points for which Python 3's str.isspace() is true (checked over all of
+        // Unicode with CPython 3): Unicode White_Space plus U+001C..U+001F.
+        let python: Vec<u32> = [
+            0x9, 0xa, 0xb, 0xc, 0xd, 0x1c, 0x1d, 0x1e, 0x1f, 0x20, 0x85, 0xa0,
+        ]
+        .into_iter()
+        .chain([0x1680])
+        .chain(0x2000..=0x200a)
+        .chain([0x2028, 0x2029, 0x202f, 0x205f, 0x3000])
+        .collect();
+        let ours: Vec<u32> = (0..=0x10ffff)
+            .filter_map(char::from_u32)
+            .filter(|c| is_ancestor_whitespace(*c))
+            .map(|c| c as u32)
+            .collect();
+        assert_eq!(ours, python);
+        assert_eq!(trim_ancestor("\u{1f}\u{1c} k \u{3000}\u{1e}"), "k");
+        assert_eq!(trim_ancestor("\u{200b}k"), "\u{200b}k");
+    }
+
+    #[test]
+    fn insert_window_is_checked_against_created_at() {
+        let c = Utc::now();
+        let id = Uuid::nil();
+        let s = chrono::Duration::seconds;
+        assert!(check_insert_window(id, c - s(60), c).is_ok());
+        assert!(check_insert_window(id, c + s(31_536_000), c).is_ok());
+        for at in [c - s(61), c + s(31_536_001)] {
+            let e = check_insert_window(id, at, c).unwrap_err();
+            assert_eq!(
+                e,
+                ValidationError::ScheduleOutsideInsertWindow {
+                    id,
+                    at,
+                    created_at: c
+                }
+            );
+            assert!(e.to_string().contains("nothing was written"), "{e}");
+        }
     }
 
     #[test]

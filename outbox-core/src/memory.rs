@@ -168,6 +168,7 @@ impl InMemoryRepository {
             id: self.inner.next_tx.fetch_add(1, Ordering::Relaxed),
             rows: Vec::new(),
             claims: HashSet::new(),
+            started_at: None,
             done: false,
         }
     }
@@ -344,16 +345,36 @@ pub struct MemTransaction {
     id: u64,
     rows: Vec<OutboxEvent>,
     claims: HashSet<String>,
+    started_at: Option<DateTime<Utc>>,
     done: bool,
 }
 
 impl MemTransaction {
+    /// Runs the unit of work's first statement, if it has not run yet: fixes its start instant
+    /// ([`started_at`](Self::started_at)), as a database fixes `now()` at a transaction's first
+    /// statement. created_at never comes from it: it is the clock at each write call (R73;
+    /// conformance scenario W-04 advances the clock between a start and a later write).
+    pub fn touch(&mut self) {
+        if self.started_at.is_none() {
+            self.started_at = Some(self.repo.now_sync());
+        }
+    }
+
+    /// The instant of the unit of work's first statement (a [`touch`](Self::touch) or a
+    /// [`write`](Self::write)), or none before it.
+    pub fn started_at(&self) -> Option<DateTime<Utc>> {
+        self.started_at
+    }
+
     /// Writes events (R13 to R17). created_at is the clock's now, raised to 1 µs after the
-    /// previous write call's value; the call's events share it.
+    /// previous write call's value; the call's events share it. An absolute schedule outside
+    /// [created_at − 60 s, created_at + 365 days] refuses the call, which then changes nothing
+    /// ([`check_insert_window`](crate::event::check_insert_window)).
     pub async fn write(
         &mut self,
         events: Vec<NewEvent>,
     ) -> Result<Vec<WriteResult>, RepositoryError> {
+        self.touch();
         // Wait until no other open transaction claims one of our idempotency keys (R17).
         loop {
             let inner = self.repo.inner.clone();
@@ -365,19 +386,30 @@ impl MemTransaction {
                     !st.idem.contains_key(k) && st.claims.get(k).is_some_and(|tx| *tx != self.id)
                 });
                 if !blocked {
-                    return Ok(self.write_locked(&mut st, events));
+                    return self.write_locked(&mut st, events);
                 }
             }
             notified.await;
         }
     }
 
-    fn write_locked(&mut self, st: &mut State, events: Vec<NewEvent>) -> Vec<WriteResult> {
+    fn write_locked(
+        &mut self,
+        st: &mut State,
+        events: Vec<NewEvent>,
+    ) -> Result<Vec<WriteResult>, RepositoryError> {
         let now = self.repo.inner.clock.now();
         let created = match st.last_created {
             Some(prev) if now <= prev => prev + chrono::Duration::microseconds(1),
             _ => now,
         };
+        // An absolute schedule must fit the window around this created_at (R8, D2); one that
+        // does not refuses the whole call before anything changes.
+        for e in &events {
+            if let Some(at) = e.scheduled_at() {
+                crate::event::check_insert_window(e.id(), at, created)?;
+            }
+        }
         st.last_created = Some(created);
         let mut out = Vec::with_capacity(events.len());
         for e in events {
@@ -421,7 +453,7 @@ impl MemTransaction {
                 inserted: true,
             });
         }
-        out
+        Ok(out)
     }
 
     /// Makes the written events visible.

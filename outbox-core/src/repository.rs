@@ -9,6 +9,10 @@
 //! * the result lists, per event, the stored row and whether this call inserted it (R13);
 //! * created_at comes from the backend clock at insert, shared by one write call, later calls
 //!   later (R14, R73; W-04, O-14);
+//! * an absolute scheduled_at outside [created_at − 60 s, created_at + 365 days] refuses the
+//!   call with [`ValidationError::ScheduleOutsideInsertWindow`] and writes nothing, since the
+//!   ancestor could not load the row (R8, D2; W-06; see
+//!   [`check_insert_window`](crate::event::check_insert_window));
 //! * a repeated idempotency key returns the row already there, in any status, and inserts nothing;
 //!   a key repeated in one call collapses to its first occurrence; a writer of a key another open
 //!   transaction wrote waits for it (R16, R17; I-01 to I-04).
@@ -492,7 +496,8 @@ pub trait OutboxRepository: Send + Sync {
     /// `max_per_key` rows, locks every returned row (`locked_at = locked_by`-now,
     /// `updated_at = now`), skips rows row-locked elsewhere without waiting, and returns them
     /// grouped by key, keys in head order, rows in write order. The head rule ignores filters.
-    /// Checked by O-01 to O-19, Q-01 to Q-09, L-07, S-01, S-02.
+    /// A lease exactly `lease_ttl` old still holds; it has expired once it is older.
+    /// Checked by O-01 to O-21, Q-01 to Q-10, L-07, L-10, S-01, S-02.
     async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError>;
 
     /// Writes a cycle's outcomes in one transaction (R54 to R57).
@@ -507,7 +512,8 @@ pub trait OutboxRepository: Send + Sync {
         outcomes: &[Outcome],
     ) -> Result<Vec<WrittenOutcome>, RepositoryError>;
 
-    /// Sets locked_at = now when `worker` holds the row; false otherwise (R24; L-06).
+    /// Sets locked_at = now when `worker` holds the row, so its lease runs from now; false
+    /// otherwise (R24; L-06, L-11).
     async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError>;
 
     /// Releases the row when `worker` holds it; false otherwise (R24; L-06).
@@ -515,7 +521,7 @@ pub trait OutboxRepository: Send + Sync {
 
     /// Releases these rows held by `worker`; fails with
     /// [`RepositoryError::ReleaseMismatch`] (and changes nothing) when not every id was held
-    /// (R24).
+    /// (R24; L-12).
     async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError>;
 
     /// Releases pending rows with locked_at < now − timeout (timeout ≥ 1 s), in batches of the
@@ -536,7 +542,8 @@ pub trait OutboxRepository: Send + Sync {
 
     /// Repeats [`delete_old_completed`](Self::delete_old_completed) until a round deletes
     /// nothing or `max_iterations` rounds ran (then logs a warning); returns the total
-    /// (R65; C-01, C-02). retention_days ≥ 1; pending and failed rows are never deleted.
+    /// (R65; C-01, C-02). retention_days ≥ 1; pending and failed rows are never deleted, however
+    /// old (C-03).
     async fn cleanup_old_events(
         &self,
         retention_days: u32,
@@ -568,7 +575,7 @@ pub trait OutboxRepository: Send + Sync {
     async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError>;
 
     /// Keys whose first in-line row waits for a retry or is held under a live lease, oldest
-    /// head first, at most `limit` (R80; M-01).
+    /// head first, at most `limit` (R80; M-01, L-10).
     async fn blocked_keys(
         &self,
         lease_ttl: Duration,

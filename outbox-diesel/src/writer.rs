@@ -179,7 +179,13 @@ impl DieselOutboxWriter {
         )
         .load(conn)
         .await
-        .map_err(|e| map_diesel(table, e))?;
+        .map_err(|e| match &e {
+            diesel::result::Error::DatabaseError(_, info) => {
+                outbox_postgres::sql::schedule_refusal(info.message())
+                    .map_or_else(|| map_diesel(table, e), RepositoryError::Validation)
+            }
+            _ => map_diesel(table, e),
+        })?;
         let mut inserted: HashMap<Uuid, OutboxEvent> = HashMap::with_capacity(rows.len());
         for r in rows {
             let e = r.into_event()?;

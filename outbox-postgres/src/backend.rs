@@ -410,7 +410,11 @@ impl PgOutboxWriter {
             .bind(c.partition_key)
             .fetch_all(&mut *conn)
             .await
-            .map_err(|e| map_err(table, e))?;
+            .map_err(|e| match &e {
+                sqlx::Error::Database(db) => sql::schedule_refusal(db.message())
+                    .map_or_else(|| map_err(table, e), RepositoryError::Validation),
+                _ => map_err(table, e),
+            })?;
         let mut inserted: HashMap<Uuid, OutboxEvent> = HashMap::with_capacity(rows.len());
         for r in &rows {
             let e = decoded(table, r)?;

@@ -843,15 +843,35 @@ impl Statements {
     }
 }
 
+/// Marks the error the insert raises for an absolute schedule outside the insert window; see
+/// [`schedule_refusal`].
+pub const SCHEDULE_REFUSED: &str = "outbox-schedule-refused";
+
 /// The insert of [`Statements::insert`] for the quoted table `t` and column list `cols`;
 /// `guard` (empty, or `WHERE …` over the unnested row `u`) decides which rows are inserted.
+///
+/// An absolute scheduled_at is checked against created_at, the database clock at insert: outside
+/// [created_at − 60 s, created_at + 365 days] (R8, D2; the ancestor's load check) the statement
+/// fails before it inserts anything, by casting a marked text to timestamptz (plain SQL has no
+/// RAISE); [`schedule_refusal`] turns that error into
+/// [`ValidationError::ScheduleOutsideInsertWindow`].
 fn insert_statement(t: &str, cols: &str, guard: &str) -> String {
+    let skew = outbox_core::event::limits::DEFAULT_SCHEDULE_SKEW_SECS;
+    let ahead = outbox_core::event::limits::SCHEDULE_MAX_AHEAD_SECS;
     format!(
         "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts)
 INSERT INTO {t} ({cols})
 SELECT u.id, u.event_type, u.payload::jsonb, u.headers::jsonb, u.trace_id, u.idempotency_key,
        u.correlation_id, u.causation_id, u.schema_version, 'pending', 0, u.max_attempts, NULL,
-       COALESCE(u.scheduled_at, c.ts + COALESCE(u.delay_us, 0) * INTERVAL '1 microsecond'),
+       CASE WHEN u.scheduled_at IS NULL
+                 THEN c.ts + COALESCE(u.delay_us, 0) * INTERVAL '1 microsecond'
+            WHEN u.scheduled_at >= c.ts - INTERVAL '{skew} seconds'
+             AND u.scheduled_at <= c.ts + INTERVAL '{ahead} seconds'
+                 THEN u.scheduled_at
+            ELSE ('{SCHEDULE_REFUSED} ' || u.id::text
+                  || ' ' || (EXTRACT(EPOCH FROM u.scheduled_at) * 1000000)::int8::text
+                  || ' ' || (EXTRACT(EPOCH FROM c.ts) * 1000000)::int8::text)::timestamptz
+       END,
        NULL, NULL, NULL, c.ts, c.ts, u.aggregate_type, u.aggregate_id, u.topic, u.partition_key
   FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[],
               $8::text[], $9::text[], $10::int4[], $11::timestamptz[], $12::int8[], $13::text[],
@@ -865,6 +885,68 @@ SELECT u.id, u.event_type, u.payload::jsonb, u.headers::jsonb, u.trace_id, u.ide
 ON CONFLICT DO NOTHING
 RETURNING {cols}"
     )
+}
+
+/// The refusal of an absolute schedule by the insert ([`SCHEDULE_REFUSED`]), read back from a
+/// database error message; `None` for any other error. Both Postgres backends map their insert
+/// errors through this first.
+pub fn schedule_refusal(message: &str) -> Option<outbox_core::ValidationError> {
+    let rest = &message[message.find(SCHEDULE_REFUSED)? + SCHEDULE_REFUSED.len()..];
+    let mut parts = rest
+        .split(|c: char| c.is_whitespace() || c == '"')
+        .filter(|p| !p.is_empty());
+    let id = parts.next()?.parse::<Uuid>().ok()?;
+    let mut micros = || {
+        parts
+            .next()?
+            .parse::<i64>()
+            .ok()
+            .and_then(DateTime::<Utc>::from_timestamp_micros)
+    };
+    let at = micros()?;
+    let created_at = micros()?;
+    Some(outbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
+}
+
+#[cfg(test)]
+mod schedule_refusal_tests {
+    use super::*;
+
+    #[test]
+    fn the_insert_refusal_is_read_back_and_other_errors_are_not() {
+        let id = Uuid::now_v7();
+        let msg = format!(
+            "invalid input syntax for type timestamp with time zone: \"{SCHEDULE_REFUSED} {id} 1700000000000000 1700000090000001\""
+        );
+        let at = DateTime::<Utc>::from_timestamp_micros(1_700_000_000_000_000).unwrap();
+        let created_at = DateTime::<Utc>::from_timestamp_micros(1_700_000_090_000_001).unwrap();
+        assert_eq!(
+            schedule_refusal(&msg),
+            Some(outbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
+        );
+        assert_eq!(
+            schedule_refusal("invalid input syntax for type timestamp"),
+            None
+        );
+        assert_eq!(
+            schedule_refusal(&format!("{SCHEDULE_REFUSED} not-a-uuid 1 2")),
+            None
+        );
+    }
+
+    #[test]
+    fn both_layouts_check_an_absolute_schedule_at_insert() {
+        let t = TableName::new("outbox_events").unwrap();
+        for layout in [Layout::Plain, Layout::Partitioned] {
+            let s = Statements::with_layout(&t, layout).insert;
+            assert!(s.contains(SCHEDULE_REFUSED), "{layout:?}");
+            assert!(s.contains("c.ts - INTERVAL '60 seconds'"), "{layout:?}");
+            assert!(
+                s.contains("c.ts + INTERVAL '31536000 seconds'"),
+                "{layout:?}"
+            );
+        }
+    }
 }
 
 impl Statements {

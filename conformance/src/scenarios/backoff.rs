@@ -113,13 +113,22 @@ pub async fn b_03(_f: &dyn Factory) {
             Some(Duration::from_secs_f64(hi)),
             "high bound at a = {a}"
         );
+        let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
         for _ in 0..2000 {
             let d = b.delay(a, &mut rng).expect("backoff on").as_secs_f64();
             assert!(
                 (lo..=hi).contains(&d),
                 "draw {d} outside [{lo}, {hi}] at a = {a}"
             );
+            (min, max) = (min.min(d), max.max(d));
         }
+        // The seeded draws spread over the window (jitter, R39): 2000 uniform draws come within
+        // 1 % of both ends (a miss has probability below 1e-8 for seed 2024's fixed sequence).
+        let edge = (hi - lo) * 0.01;
+        assert!(
+            min <= lo + edge && max >= hi - edge,
+            "draws at a = {a} span only [{min}, {max}] of [{lo}, {hi}]"
+        );
     }
 }
 
@@ -128,12 +137,15 @@ pub async fn b_04(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
     c.broker.script(a, [rej("x"), rej("x")]);
+    // Time passes before the failure, so "kept" and "moved to now" differ.
+    c.advance(Duration::from_secs(5)).await;
     let before = c.get(a).await;
     let cfg = Cfg::default().base(0.0);
-    c.cycle(&cfg).await;
+    let c1 = c.cycle(&cfg).await;
     let r = c.get(a).await;
     assert_eq!(r.attempts_made, 1);
     assert_eq!(r.scheduled_at, before.scheduled_at);
+    assert!(r.scheduled_at < c1.t0, "base 0 moved the schedule");
     let c2 = c.cycle(&cfg).await;
     assert_eq!(c2.report.fetched, vec![a]);
     assert_eq!(c.get(a).await.attempts_made, 2);
@@ -322,10 +334,12 @@ pub async fn b_14(f: &dyn Factory) {
     }
 }
 
-/// One cycle over one row (with attempts_made set by fixture when > 0) under this config.
+/// One cycle over one row (with attempts_made set by fixture when > 0) under this config. The
+/// clock moves 5 s between the write and the cycle, so a kept schedule differs from now.
 async fn one_row(f: &dyn Factory, cfg: Cfg, attempts: i32) -> (Ctx, Uuid, OutboxEvent, Cycle) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
+    c.advance(Duration::from_secs(5)).await;
     if attempts > 0 {
         c.set(
             a,
@@ -417,11 +431,12 @@ pub async fn h_11(f: &dyn Factory) {
 
 /// H-12 A counted failure with base 0.
 pub async fn h_12(f: &dyn Factory) {
-    let (c, a, before, _) =
+    let (c, a, before, cy) =
         one_row(f, Cfg::default().base(0.0).step(fail("x", true, None)), 0).await;
     let r = c.get(a).await;
     assert_eq!(r.attempts_made, 1);
     assert_eq!(r.scheduled_at, before.scheduled_at);
+    assert!(r.scheduled_at < cy.t0, "base 0 moved the schedule");
 }
 
 /// H-13 A counted failure with an explicit time T = now + 42 s.
@@ -444,5 +459,36 @@ pub async fn h_14(f: &dyn Factory) {
         let r = c.get(a).await;
         assert_eq!(r.attempts_made, 0, "base {base}");
         c.assert_next_try_after(&cy, r.scheduled_at, 1.0);
+    }
+}
+
+/// H-15 An explicit retry time is used only within [created_at, created_at + 365 days], both
+/// ends included; outside it the backoff applies (R44).
+pub async fn h_15(f: &dyn Factory) {
+    for (offset, used) in [
+        (chrono::Duration::seconds(-1), false),
+        (chrono::Duration::zero(), true),
+        (chrono::Duration::days(365), true),
+        (
+            chrono::Duration::days(365) + chrono::Duration::seconds(1),
+            false,
+        ),
+    ] {
+        let c = Ctx::new(f).await;
+        let a = c.put(c.ev("k")).await;
+        let t = c.get(a).await.created_at + offset;
+        let cy = c
+            .cycle(&Cfg::default().step(fail("x", true, Some(t))))
+            .await;
+        let r = c.get(a).await;
+        assert_eq!(r.attempts_made, 1);
+        if used {
+            assert_eq!(
+                r.scheduled_at, t,
+                "offset {offset}: the explicit time was not used"
+            );
+        } else {
+            c.assert_next_try_within(&cy, r.scheduled_at, 5.0, 10.0);
+        }
     }
 }

@@ -168,6 +168,16 @@ pub async fn l_06(f: &dyn Factory) {
     let r = c.get(a).await;
     assert!(r.locked_at.is_none() && r.locked_by.is_none());
     assert_eq!(r.last_error.as_deref(), Some("Force unlock: ops"));
+    // A reason of exactly 255 characters (after trimming) is the longest accepted (R66).
+    let reason = "r".repeat(255);
+    c.set(a, RowPatch::held("w1", c.now().await)).await;
+    repo.force_unlock(a, &format!(" {reason} ")).await.unwrap();
+    let r = c.get(a).await;
+    assert!(r.locked_at.is_none() && r.locked_by.is_none());
+    assert_eq!(
+        r.last_error.as_deref(),
+        Some(format!("Force unlock: {reason}").as_str())
+    );
 }
 
 /// L-07 A crashed relay's rows come back after the lease, in order.
@@ -255,5 +265,151 @@ pub async fn l_09(f: &dyn Factory) {
     assert!(
         built.is_err(),
         "lease TTL 1 s with publish timeout 1 s was accepted"
+    );
+}
+
+/// L-10 The lease ends exactly at the TTL [mem]: a row locked exactly TTL ago is still held (and
+/// holds its key); 1 ms later it is free.
+pub async fn l_10(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k", "k"]).await;
+    assert_eq!(c.fetch("w1", 1, 1).await, vec![e[0]]);
+    let locked_at = c.get(e[0]).await.locked_at.expect("held");
+    c.advance(Duration::from_secs(300)).await;
+    assert_eq!(
+        c.now().await - locked_at,
+        chrono::Duration::seconds(300),
+        "the backend clock must be exact for L-10"
+    );
+    assert!(
+        c.fetch("w2", 10, 3).await.is_empty(),
+        "a lease exactly TTL old was taken over"
+    );
+    let blocked = c
+        .repo()
+        .blocked_keys(Duration::from_secs(300), 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        blocked.iter().map(|b| b.head_id).collect::<Vec<_>>(),
+        vec![e[0]],
+        "a head held exactly TTL ago is blocked"
+    );
+    c.advance(Duration::from_millis(1)).await;
+    assert!(
+        c.repo()
+            .blocked_keys(Duration::from_secs(300), 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a head whose lease ended 1 ms ago is still listed as blocked"
+    );
+    assert_eq!(c.fetch("w2", 10, 3).await, e);
+    assert_eq!(c.get(e[0]).await.locked_by.as_deref(), Some("w2"));
+}
+
+/// L-11 refresh_lock by the holder moves locked_at to now, so the lease runs from the refresh.
+pub async fn l_11(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k", "k", "j"]).await;
+    assert_eq!(c.fetch("w1", 1, 1).await, vec![e[0]]);
+    c.advance(Duration::from_secs(200)).await;
+    let t0 = c.now().await;
+    assert!(c.repo().refresh_lock(e[0], &w("w1")).await.unwrap());
+    let t1 = c.now().await;
+    let r = c.get(e[0]).await;
+    let at = r.locked_at.expect("still held");
+    assert!(
+        at >= t0 && at <= t1,
+        "refresh_lock left locked_at at {at}, not in [{t0}, {t1}]"
+    );
+    assert_eq!(r.locked_by.as_deref(), Some("w1"));
+    // 250 s after the refresh (450 s after the fetch) the lease still holds the key...
+    c.advance(Duration::from_secs(250)).await;
+    assert_eq!(c.fetch("w2", 10, 3).await, vec![e[2]]);
+    // ...and 301 s after the refresh it has ended.
+    c.advance(Duration::from_secs(51)).await;
+    assert_eq!(c.fetch("w2", 10, 3).await, vec![e[0], e[1]]);
+    assert!(!c.repo().refresh_lock(e[0], &w("w1")).await.unwrap());
+    assert_eq!(c.get(e[0]).await.locked_by.as_deref(), Some("w2"));
+    // W1's outcome for the row W2 now holds is refused by the guard (R55).
+    let before = c.get(e[0]).await;
+    let res = c
+        .repo()
+        .write_outcomes(
+            &w("w1"),
+            &[Outcome {
+                id: e[0],
+                kind: OutcomeKind::Completed,
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(res[0].result, OutcomeResult::LeaseLost);
+    assert_eq!(c.get(e[0]).await, before);
+}
+
+/// L-12 The bulk release: every id held by the worker, or an error and nothing released (R24).
+pub async fn l_12(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["ka", "kb", "kc"]).await;
+    let (a, b, free) = (e[0], e[1], e[2]);
+    let mut got = c.fetch("w1", 2, 1).await;
+    got.sort();
+    let mut want = vec![a, b];
+    want.sort();
+    assert_eq!(got, want);
+    let before = [c.get(a).await, c.get(b).await, c.get(free).await];
+    let repo = c.repo();
+    for (ids, worker, what) in [
+        (vec![a, b], "w2", "another worker's rows"),
+        (vec![a, free], "w1", "one row not held"),
+        (vec![a, uuid::Uuid::new_v4()], "w1", "an unknown id"),
+    ] {
+        let err = repo.release_locks(&ids, &w(worker)).await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                outbox_core::RepositoryError::ReleaseMismatch { expected: 2, .. }
+            ),
+            "{what}: {err}"
+        );
+        for b0 in &before {
+            assert_eq!(
+                &c.get(b0.id).await,
+                b0,
+                "{what}: the failed release changed a row"
+            );
+        }
+    }
+    assert_eq!(repo.release_locks(&[a, b], &w("w1")).await.unwrap(), 2);
+    for id in [a, b] {
+        let r = c.get(id).await;
+        assert!(
+            r.locked_at.is_none() && r.locked_by.is_none(),
+            "{id} still held"
+        );
+        assert_eq!((r.status, r.attempts_made), (Status::Pending, 0));
+        assert!(r.last_error.is_none());
+    }
+    assert_eq!(c.cycle1().await.sent, e);
+}
+
+/// L-13 The lease margin at its boundary [mem] (paused clock): with exactly the publish timeout
+/// left on the lease, the next publish still starts (R49: "at least").
+pub async fn l_13(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let ids = c.puts(&["k", "k"]).await;
+    c.broker
+        .script(ids[0], [Action::Delay(Duration::from_secs(1))]);
+    let cfg = Cfg {
+        lease: Duration::from_secs(2),
+        ..Cfg::default().timeout(Duration::from_secs(1)).per_key(2)
+    };
+    let cy = c.cycle(&cfg).await;
+    assert_eq!(cy.report.fetched, ids);
+    assert_eq!(
+        cy.report.completed, ids,
+        "the second publish, with exactly 1 s of lease left, was not started"
     );
 }

@@ -109,3 +109,36 @@ pub async fn c_02(f: &dyn Factory) {
     );
     assert_eq!(total_rows(&c).await, 3);
 }
+
+/// C-03 Cleanup never deletes pending or failed rows, however old.
+pub async fn c_03(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let done = c.put(c.ev("kd")).await;
+    let failing = c.put(c.ev("kr")).await;
+    let failed = c.put(c.ev("kf").max_attempts(1)).await;
+    let never_tried = c.put(c.ev("kn").delay(Duration::from_secs(3600))).await;
+    c.broker.script(failing, [Action::Reject("no".into())]);
+    c.broker.script(failed, [Action::Reject("no".into())]);
+    assert_eq!(c.cycle1().await.sent, vec![done]);
+    c.assert_state(failing, Status::Pending, 1).await;
+    c.assert_state(failed, Status::Failed, 1).await;
+    c.assert_state(never_tried, Status::Pending, 0).await;
+    // Every row is now 3 days old: created, updated, scheduled and (for `done`) completed.
+    c.advance(Duration::from_secs(3 * 86_400)).await;
+    let kept = [
+        c.get(failing).await,
+        c.get(failed).await,
+        c.get(never_tried).await,
+    ];
+    assert_eq!(c.repo().cleanup_old_events(1, 1, 10_000).await.unwrap(), 1);
+    assert!(c.repo().get(done).await.unwrap().is_none());
+    for r in &kept {
+        assert_eq!(
+            &c.get(r.id).await,
+            r,
+            "cleanup changed a {:?} row",
+            r.status
+        );
+    }
+    assert_eq!(total_rows(&c).await, 3);
+}

@@ -100,6 +100,9 @@ pub async fn o_06(f: &dyn Factory) {
     let e = c.puts(&["k", "k", "x", "y"]).await;
     let (a, b, cx, dy) = (e[0], e[1], e[2], e[3]);
     c.broker.script(a, [Action::Transient("down".into())]);
+    // Time passes between the writes and the cycle, so a deferral that kept the schedule and one
+    // that moved it to now give different values.
+    c.advance(Duration::from_secs(5)).await;
     let before: Vec<_> = futures::future::join_all([cx, dy].map(|id| c.get(id))).await;
     let c1 = c.cycle1().await;
     assert!(c1.sent.is_empty());
@@ -107,6 +110,10 @@ pub async fn o_06(f: &dyn Factory) {
     assert_eq!(
         (ra.attempts_made, ra.last_error.as_deref()),
         (0, Some("down"))
+    );
+    assert!(
+        ra.locked_at.is_none() && ra.locked_by.is_none(),
+        "A is still held after its transient failure"
     );
     c.assert_next_try_after(&c1, ra.scheduled_at, 1.0);
     for b0 in &before {
@@ -409,4 +416,86 @@ pub async fn o_19(f: &dyn Factory) {
     c.assert_untouched(&before1).await;
     c.assert_untouched(&before2).await;
     assert_eq!(c.cycle(&cfg).await.sent, ids.to_vec());
+}
+
+/// O-20 A held row stays in line, before a force-unlock and after its lease expired.
+pub async fn o_20(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    // A is not due and has no last_error: only its lock puts it in line (R27). It has another
+    // aggregate type, so a filtered fetch that leaves it out must still see it (R29).
+    let a = c
+        .put(
+            c.ev("k")
+                .aggregate("held", Uuid::new_v4())
+                .delay(Duration::from_secs(3600)),
+        )
+        .await;
+    let b = c.put(c.ev("k")).await;
+    let o = c.put(c.ev("o")).await;
+    c.set(a, RowPatch::held("w9", c.now().await)).await;
+    let b_before = c.get(b).await;
+    let only_agg = FetchFilter::aggregate_types(["agg"]);
+    for cfg in [
+        Cfg::default(),
+        Cfg::default().per_key(3),
+        Cfg::default().filter(only_agg),
+    ] {
+        let per_key = cfg.max_per_key;
+        let cy = c.cycle(&cfg).await;
+        assert!(
+            !cy.report.fetched.contains(&b),
+            "B was fetched while A, earlier on its key, was held (max_per_key {per_key}, filter {:?})",
+            cfg.filter
+        );
+        assert!(!cy.report.fetched.contains(&a));
+    }
+    c.assert_untouched(&b_before).await;
+    assert_eq!(c.broker.accepted_ids(), vec![o]);
+    // The lease expires; A is still held (not released), so it stays in line.
+    c.advance(Duration::from_secs(301)).await;
+    let cy = c.cycle(&Cfg::default().per_key(3)).await;
+    assert!(
+        cy.report.fetched.is_empty(),
+        "fetched {:?} while A held an expired lease",
+        cy.report.fetched
+    );
+    // After the force-unlock A has a last_error, so it still holds its key until due.
+    c.repo().force_unlock(a, "ops").await.unwrap();
+    assert!(c.cycle1().await.report.fetched.is_empty());
+    c.advance(Duration::from_secs(3600)).await;
+    assert_eq!(c.cycle1().await.sent, vec![a]);
+    assert_eq!(c.cycle1().await.sent, vec![b]);
+    // A held row in the middle of a line ends the run in front of it: m1 is a head, m2 is held
+    // by w9, so a fetch with max_per_key 3 takes m1 only (R74).
+    let c = Ctx::new(f).await;
+    let m = c.puts(&["m", "m", "m"]).await;
+    c.set(m[1], RowPatch::held("w9", c.now().await)).await;
+    let cy = c.cycle(&Cfg::default().per_key(3)).await;
+    assert_eq!(cy.report.fetched, vec![m[0]]);
+    assert_eq!(c.get(m[1]).await.locked_by.as_deref(), Some("w9"));
+}
+
+/// O-21 A pending row at its attempt budget is not fetched, and holds its key.
+///
+/// Outcomes never leave a row pending with attempts_made = max_attempts (it becomes `failed`),
+/// but rows written by others can be in that state (the ancestor's check allows it): such a row
+/// is not fetchable (R19: attempts_made < max_attempts) and, being pending and due, is in line.
+pub async fn o_21(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k", "k", "o"]).await;
+    c.set(
+        e[0],
+        RowPatch {
+            attempts_made: Some(6),
+            last_error: Some(Some("spent".into())),
+            ..RowPatch::default()
+        },
+    )
+    .await;
+    let before = [c.get(e[0]).await, c.get(e[1]).await];
+    let cy = c.cycle(&Cfg::default().per_key(3)).await;
+    assert_eq!(cy.report.fetched, vec![e[2]]);
+    for b in &before {
+        c.assert_untouched(b).await;
+    }
 }

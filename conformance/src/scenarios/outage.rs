@@ -148,6 +148,9 @@ pub async fn t_06(f: &dyn Factory) {
 async fn t_06_steps(c: &Ctx) -> Vec<Uuid> {
     let ids = c.puts(&["k1", "k2", "k3"]).await;
     c.broker.script(ids[0], [Action::Transient("down".into())]);
+    // Time passes before the cycle, so a deferral that kept the schedule and one that moved it
+    // to now differ.
+    c.advance(Duration::from_secs(5)).await;
     let before = [c.get(ids[1]).await, c.get(ids[2]).await];
     let cy = c.cycle1().await;
     assert_eq!(c.broker.called_ids(), vec![ids[0]]);
@@ -156,6 +159,7 @@ async fn t_06_steps(c: &Ctx) -> Vec<Uuid> {
         let r = c.get(b.id).await;
         assert_eq!(r.last_error.as_deref(), Some("down"));
         assert_eq!(r.scheduled_at, b.scheduled_at);
+        assert!(r.scheduled_at < cy.t0, "the deferral moved the schedule");
         assert_eq!(r.attempts_made, 0);
         assert!(r.locked_at.is_none() && r.locked_by.is_none());
     }

@@ -378,16 +378,34 @@ pub async fn pg_06(f: &dyn Factory) {
         .id;
     tx.commit().await.expect("commit");
     assert_eq!(c.cycle1().await.sent, vec![b]);
-    // O-07 across backends: W1 (primary) holds k1's head, W2 (peer) gets only other keys.
+    // O-07 and O-08 across backends: W1 (primary) holds k1's head, W2 (peer) gets only other
+    // keys until the lease expires, then reclaims the head in order; W1's late outcome is lost.
     let e = c.puts(&["k1", "k1", "k2"]).await;
     let held = c.fetch("w1", 1, 1).await;
     assert_eq!(held, vec![e[0]]);
-    let cy = c.cycle(&peer(Cfg::default().worker("w2"))).await;
+    let w2 = peer(Cfg::default().worker("w2"));
+    let cy = c.cycle(&w2).await;
     assert_eq!(cy.sent, vec![e[2]]);
-    c.release_all(&held).await;
+    c.advance(Duration::from_secs(299)).await;
+    assert!(c.cycle(&w2).await.report.fetched.is_empty());
+    c.advance(Duration::from_secs(2)).await;
+    let cy = c.cycle(&w2).await;
+    assert_eq!(cy.report.fetched, vec![e[0]]);
+    assert_eq!(cy.sent, vec![e[0]]);
+    let late = c
+        .repo()
+        .write_outcomes(
+            &outbox_core::WorkerId::new("w1").unwrap(),
+            &[outbox_core::repository::Outcome {
+                id: e[0],
+                kind: outbox_core::repository::OutcomeKind::Completed,
+            }],
+        )
+        .await
+        .unwrap();
     assert_eq!(
-        c.cycle(&peer(Cfg::default().worker("w2"))).await.sent,
-        vec![e[0]]
+        late[0].result,
+        outbox_core::repository::OutcomeResult::LeaseLost
     );
     assert_eq!(c.cycle1().await.sent, vec![e[1]]);
     // O-02 across backends: a counted failure by W1 holds its key for W2.

@@ -105,6 +105,46 @@ pub async fn p_02(f: &dyn Factory) {
     assert!(BreakerConfig::new(3, -1.0).is_err());
 }
 
+/// P-09 A success closes the circuit breaker and resets its count (R62).
+pub async fn p_09(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c
+        .puts(&["k1", "k2", "k3", "k4", "k5", "k6", "k7", "k8"])
+        .await;
+    for id in [e[0], e[1], e[2], e[5], e[6]] {
+        c.broker.script(id, [Action::Reject("no".into())]);
+    }
+    let cfg = Cfg {
+        breaker: Some(BreakerConfig::new(3, 60.0).unwrap()),
+        ..Cfg::default()
+    };
+    let relay = c.relay(&cfg);
+    let c1 = c.run(&relay).await;
+    assert_eq!(c1.report.counted.len(), 3);
+    assert!(c1.report.breaker_open);
+    c.advance(Duration::from_secs(61)).await;
+    // Half-open: e4 (the oldest due head) is acknowledged, which closes the breaker and resets
+    // the count, so the two rejections that follow (e6, e7) do not open it again.
+    let c2 = c.run(&relay).await;
+    // Heads in scheduled_at order: the five never tried first, then the three retries.
+    assert_eq!(c2.report.fetched[..5], e[3..]);
+    let mut retried = c2.report.fetched[5..].to_vec();
+    retried.sort();
+    let mut want = e[..3].to_vec();
+    want.sort();
+    assert_eq!(retried, want);
+    assert_eq!(c2.report.counted.len(), 2, "{:?}", c2.report);
+    assert_eq!(c2.report.completed.len(), 6, "{:?}", c2.report);
+    assert!(
+        !c2.report.breaker_open,
+        "the breaker is still open after a success"
+    );
+    let f1 = c.put(c.ev("k9")).await;
+    let c3 = c.run(&relay).await;
+    assert!(!c3.report.breaker_open);
+    assert_eq!(c3.sent, vec![f1]);
+}
+
 /// P-03 A terminal failure is reported after the commit.
 pub async fn p_03(f: &dyn Factory) {
     for fail_commit in [false, true] {
@@ -356,7 +396,13 @@ mod spans {
 pub async fn m_03(f: &dyn Factory) {
     use tracing_subscriber::layer::SubscriberExt;
     let c = Ctx::new(f).await;
-    let e = c.puts(&["k1", "k2", "k3"]).await;
+    // The first two rows carry a trace id, the third none (its span field is then empty).
+    let traces = [Some("trace-k1"), Some("trace-k2"), None];
+    let mut e = Vec::new();
+    for (k, t) in ["k1", "k2", "k3"].into_iter().zip(traces) {
+        let b = c.ev(k);
+        e.push(c.put(if let Some(t) = t { b.trace_id(t) } else { b }).await);
+    }
     c.broker.script(e[1], [Action::Reject("no".into())]);
     let rec = Arc::new(Recorder::default());
     *rec.repo.lock().unwrap() = Some(c.repo());
@@ -408,12 +454,16 @@ pub async fn m_03(f: &dyn Factory) {
         .filter(|s| s.name == "process")
         .collect();
     assert_eq!(spans.len(), 3, "{spans:?}");
-    for (s, id) in spans.iter().zip(&e) {
+    for ((s, id), trace) in spans.iter().zip(&e).zip(traces) {
         assert_eq!(s.get("otel.name"), Some("process test.event"));
         assert_eq!(s.get("event.id"), Some(id.to_string().as_str()));
         assert_eq!(s.get("event.type"), Some("test.event"));
         assert_eq!(s.get("worker.id"), Some("w1"));
-        assert!(s.get("event.trace_id").is_some());
+        assert_eq!(
+            s.get("event.trace_id"),
+            Some(trace.unwrap_or("")),
+            "event.trace_id of {id}"
+        );
     }
     assert_eq!(spans[1].get("error"), Some("true"));
     assert_eq!(spans[0].get("error"), None);

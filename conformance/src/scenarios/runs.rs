@@ -533,3 +533,33 @@ pub async fn x_05(f: &dyn Factory) {
         }
     }
 }
+
+/// Q-10 Only the first unpublished row of a healthy key is deferred; the rest of its run is
+/// released untouched (R47).
+pub async fn q_10(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k", "x", "x", "x"]).await;
+    c.broker.script(e[0], [Action::Transient("down".into())]);
+    c.advance(Duration::from_secs(5)).await;
+    let before: Vec<_> = futures::future::join_all(e[1..].iter().map(|id| c.get(*id))).await;
+    let c1 = c.cycle(&Cfg::default().per_key(3)).await;
+    assert_eq!(c1.report.fetched, e);
+    assert_eq!(c.broker.called_ids(), vec![e[0]]);
+    assert_eq!(
+        c1.report.deferred.iter().map(|d| d.id).collect::<Vec<_>>(),
+        vec![e[1]]
+    );
+    assert_eq!(c1.report.released, vec![e[2], e[3]]);
+    let x1 = c.get(e[1]).await;
+    assert_eq!(x1.last_error.as_deref(), Some("down"));
+    assert_eq!(
+        (x1.attempts_made, x1.scheduled_at),
+        (0, before[0].scheduled_at)
+    );
+    assert!(x1.locked_at.is_none() && x1.locked_by.is_none());
+    c.assert_untouched(&before[1]).await;
+    c.assert_untouched(&before[2]).await;
+    // The next cycle sends the healthy key's whole run in order.
+    let c2 = c.cycle(&Cfg::default().per_key(3)).await;
+    assert_eq!(c2.sent, vec![e[1], e[2], e[3]]);
+}

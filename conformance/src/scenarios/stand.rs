@@ -42,6 +42,23 @@ impl Broker for Flaky {
     }
 }
 
+/// The environment variable that fixes the stand tests' seed.
+pub const SEED_VAR: &str = "OUTBOX_STAND_SEED";
+
+/// The stand tests' seed: the value of [`SEED_VAR`] when set (a decimal u64), else a fresh
+/// random one. A value that is not a u64 is an error, not silently replaced by a random seed.
+pub fn stand_seed(var: Option<&str>) -> Result<u64, String> {
+    match var.map(str::trim) {
+        None | Some("") => Ok(rand::random()),
+        Some(v) => v.parse().map_err(|e| {
+            format!(
+                "{SEED_VAR}={v:?} is not a seed: {e}; give a decimal number from 0 to {}",
+                u64::MAX
+            )
+        }),
+    }
+}
+
 /// S-01 Stand test, head only.
 pub async fn s_01(f: &dyn Factory) {
     stand(f, 1, 1).await;
@@ -54,11 +71,10 @@ pub async fn s_02(f: &dyn Factory) {
 }
 
 async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
-    let seed: u64 = std::env::var("OUTBOX_STAND_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(rand::random);
-    println!("stand test seed: {seed} (set OUTBOX_STAND_SEED to repeat)");
+    let seed =
+        stand_seed(std::env::var(SEED_VAR).ok().as_deref()).unwrap_or_else(|e| panic!("{e}"));
+    // Printed before anything can fail, so the captured output of a failing trial holds it.
+    println!("stand test seed: {seed} (run again with {SEED_VAR}={seed} to repeat it)");
     let c = Ctx::new(f).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let keys: Vec<String> = (0..25).map(|i| format!("acct-{i:02}")).collect();
@@ -198,7 +214,7 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
                 c.advance(Duration::from_secs(1)).await;
             }
         }
-        panic!("more than 20,000 rounds");
+        panic!("more than 20,000 rounds (seed {seed})");
     };
     let ((), rounds) = tokio::join!(writers, rounds);
     let accepted = broker.accepted.lock().unwrap().clone();
@@ -232,11 +248,30 @@ async fn stand(f: &dyn Factory, per_key: usize, concurrency: usize) {
         accepted.len(),
         ids.len()
     );
-    assert_eq!(total, 600);
-    assert_eq!(ids.len(), 600);
+    assert_eq!(total, 600, "rows written (seed {seed})");
+    assert_eq!(ids.len(), 600, "distinct events accepted (seed {seed})");
     assert_eq!(out_of_order, 0, "keys out of order (seed {seed})");
-    assert_eq!(duplicates, 0);
-    assert_eq!(failed, 0);
-    assert_eq!(relay_errors, 0);
-    assert_eq!(commit_failures, 0);
+    assert_eq!(duplicates, 0, "duplicate deliveries (seed {seed})");
+    assert_eq!(failed, 0, "failed rows (seed {seed})");
+    assert_eq!(relay_errors, 0, "relay errors (seed {seed})");
+    assert_eq!(commit_failures, 0, "commit failures (seed {seed})");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_seed_comes_from_the_variable_and_a_bad_one_is_an_error() {
+        assert_eq!(stand_seed(Some("42")), Ok(42));
+        assert_eq!(stand_seed(Some(" 7 ")), Ok(7));
+        let e = stand_seed(Some("0x2a")).unwrap_err();
+        assert!(
+            e.contains("OUTBOX_STAND_SEED=\"0x2a\" is not a seed"),
+            "{e}"
+        );
+        assert!(stand_seed(Some("-1")).is_err());
+        // Unset or empty: a fresh seed each time (two equal u64 draws are all but impossible).
+        assert_ne!(stand_seed(None).unwrap(), stand_seed(Some("")).unwrap());
+    }
 }

@@ -317,3 +317,110 @@ pub async fn v_17(f: &dyn Factory) {
     assert!(BuildSettings::new().with_skew_seconds(0).is_ok());
     let _: Value = json!(null);
 }
+
+/// V-18 Header keys hold no control character anywhere, TAB included; values none but TAB (R6).
+pub async fn v_18(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    for cp in (0u32..32).chain([127]) {
+        let ch = char::from_u32(cp).unwrap();
+        check(
+            &c,
+            base().header(format!("a{ch}b"), "v"),
+            false,
+            &format!("V-18 key with U+{cp:04X} inside"),
+        )
+        .await;
+        check(
+            &c,
+            base().header("k", format!("a{ch}b")),
+            ch == '\t',
+            &format!("V-18 value with U+{cp:04X} inside"),
+        )
+        .await;
+    }
+}
+
+/// Every character the ancestor (Python's `str.strip()`) treats as whitespace.
+pub const ANCESTOR_WHITESPACE: [char; 29] = [
+    '\u{9}', '\u{a}', '\u{b}', '\u{c}', '\u{d}', '\u{1c}', '\u{1d}', '\u{1e}', '\u{1f}', ' ',
+    '\u{85}', '\u{a0}', '\u{1680}', '\u{2000}', '\u{2001}', '\u{2002}', '\u{2003}', '\u{2004}',
+    '\u{2005}', '\u{2006}', '\u{2007}', '\u{2008}', '\u{2009}', '\u{200a}', '\u{2028}', '\u{2029}',
+    '\u{202f}', '\u{205f}', '\u{3000}',
+];
+
+/// V-19 Trimming uses the ancestor's whitespace set (Python's `str.strip()`), U+001C to U+001F
+/// included, on every trimmed text (R6, R7, R9, R10, R66).
+pub async fn v_19(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    for ws in ANCESTOR_WHITESPACE {
+        let what = format!("U+{:04X}", ws as u32);
+        check(
+            &c,
+            base().trace_id(ws.to_string()),
+            false,
+            &format!("V-19 trace_id {what}"),
+        )
+        .await;
+        check(
+            &c,
+            base().event_type(format!("{ws}{ws}")),
+            false,
+            &format!("V-19 event_type {what}"),
+        )
+        .await;
+        let e = check(
+            &c,
+            base()
+                .partition_key(format!("k{ws}"))
+                .idempotency_key(format!("{ws}ik-{}", ws as u32))
+                .header(format!("{ws}h{ws}"), format!("v{ws}")),
+            true,
+            &format!("V-19 trimmed {what}"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(e.partition_key, "k", "{what}");
+        assert_eq!(
+            e.idempotency_key,
+            Some(format!("ik-{}", ws as u32)),
+            "{what}"
+        );
+        assert_eq!(
+            serde_json::to_value(&e.headers).unwrap(),
+            json!({"h": "v"}),
+            "{what}"
+        );
+        assert_eq!(normalize_error(&format!("{ws}x{ws}"), 2000), "x", "{what}");
+        assert_eq!(
+            normalize_error(&ws.to_string(), 2000),
+            "Unknown error",
+            "{what}"
+        );
+        assert_eq!(
+            WorkerId::new(format!("w1{ws}")).unwrap().as_str(),
+            "w1",
+            "{what}"
+        );
+    }
+    // Characters Python does not strip stay: U+200B (zero width space), U+180E, U+FEFF.
+    for keep in ['\u{200b}', '\u{180e}', '\u{feff}'] {
+        let e = check(
+            &c,
+            base().partition_key(format!("k{keep}")),
+            true,
+            "V-19 kept",
+        )
+        .await
+        .unwrap();
+        assert_eq!(e.partition_key, format!("k{keep}"));
+    }
+    // A force-unlock reason of ancestor whitespace only is empty.
+    let a = c.put(c.ev("fu")).await;
+    c.set(a, crate::RowPatch::held("w1", c.now().await)).await;
+    assert!(c.repo().force_unlock(a, "\u{1f}\u{1c}").await.is_err());
+    c.repo().force_unlock(a, "\u{1e}ops\u{1d}").await.unwrap();
+    assert_eq!(
+        c.get(a).await.last_error.as_deref(),
+        Some("Force unlock: ops")
+    );
+}

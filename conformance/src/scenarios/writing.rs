@@ -62,34 +62,53 @@ pub async fn w_03(f: &dyn Factory) {
 }
 
 /// W-04 A serialized writer that began first but wrote second goes second.
+///
+/// The clock moves 1 s between T2's first statement and T1's write, so a created_at taken from
+/// T2's start would be a full second before a's (on a database the transaction's `now()`; in
+/// memory [`MemTransaction::started_at`](outbox_core::memory::MemTransaction::started_at)).
 pub async fn w_04(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let mut t2 = c.begin().await;
     t2.touch().await;
+    c.advance(Duration::from_secs(1)).await;
     let mut t1 = c.begin().await;
     t1.lock_app("L").await;
     let ev_b = c.ev("k").build().unwrap();
     let b_id = ev_b.id();
+    // T2 is polled first, so it asks for L (and waits) before T1 writes; T1 holds L already,
+    // so T2's write comes after T1's commit whatever the timing. Once T2 has L, the clock moves
+    // another second and T2 reads the backend's now just before it writes b: b's created_at must
+    // not be earlier (in memory a created_at from T2's start would otherwise hide behind the
+    // 1 µs raise over a's, R73).
+    let ctx = &c;
     let waiter = async move {
         t2.lock_app("L").await;
+        ctx.advance(Duration::from_secs(1)).await;
+        let before_b = ctx.now().await;
         t2.write(vec![ev_b]).await.unwrap();
         t2.commit().await.unwrap();
+        before_b
     };
     let first = async {
-        // Give T2 a chance to block on L before T1 writes.
-        tokio::time::sleep(Duration::from_millis(50)).await;
         let a = c.ev("k").build().unwrap();
         let a_id = a.id();
         t1.write(vec![a]).await.unwrap();
         t1.commit().await.unwrap();
         a_id
     };
-    let (a_id, ()) = tokio::join!(first, waiter);
+    let (before_b, a_id) = tokio::join!(waiter, first);
     let (ra, rb) = (c.get(a_id).await, c.get(b_id).await);
     assert!(
         ra.created_at < rb.created_at,
         "{} !< {}",
         ra.created_at,
+        rb.created_at
+    );
+    // On a database clock the advance shifted b's created_at back by nothing (b came after it)
+    // and a's by 1 s; `before_b` was read after the advance, so it bounds b from below either way.
+    assert!(
+        rb.created_at >= before_b,
+        "b's created_at {} is before the backend clock {before_b} read just before its write",
         rb.created_at
     );
     assert_eq!(c.cycle1().await.sent, vec![a_id]);
@@ -224,4 +243,72 @@ pub async fn i_04(f: &dyn Factory) {
     assert!(r2[1].inserted && r2[1].event.id != x && r2[1].event.id != y);
     let total = c.total_rows().await;
     assert_eq!(total, 3);
+}
+
+/// W-06 An absolute schedule is checked again at insert, against the backend clock (R8, D2).
+///
+/// The builder checks scheduled_at against its own clock; created_at is the backend clock at
+/// insert. A builder clock 2 minutes behind lets through a schedule 90 s before the backend's
+/// now; a builder clock 1 day ahead lets through one 365 days + 1 day after it. The ancestor
+/// refuses both rows when it loads them, so the write refuses them, with the window in the
+/// error, and changes nothing; a schedule inside the window is stored as given.
+pub async fn w_06(f: &dyn Factory) {
+    use std::sync::Arc;
+
+    use outbox_core::clock::ManualClock;
+    use outbox_core::error::{RepositoryError, ValidationError};
+    use outbox_core::event::BuildSettings;
+
+    let c = Ctx::new(f).await;
+    let now = c.now().await;
+    let at_clock = |offset: chrono::Duration| {
+        BuildSettings::new().with_clock(Arc::new(ManualClock::new(now + offset)))
+    };
+    let behind = at_clock(-chrono::Duration::seconds(120));
+    let ahead = at_clock(chrono::Duration::days(1));
+    let early = c
+        .ev("k")
+        .scheduled_at(now - chrono::Duration::seconds(90))
+        .build_with(&behind)
+        .expect("within the builder's window");
+    let late = c
+        .ev("k")
+        .scheduled_at(now + chrono::Duration::days(366))
+        .build_with(&ahead)
+        .expect("within the builder's window");
+    for (bad, what) in [(early, "90 s early"), (late, "366 days ahead")] {
+        let bad_id = bad.id();
+        let good = c.ev("k").build().unwrap();
+        let good_id = good.id();
+        let mut tx = c.begin().await;
+        let err = tx.write(vec![good, bad]).await.expect_err(&format!(
+            "a schedule {what} of the backend clock was written"
+        ));
+        match &err {
+            RepositoryError::Validation(ValidationError::ScheduleOutsideInsertWindow {
+                id,
+                ..
+            }) => assert_eq!(*id, bad_id, "{what}: {err}"),
+            other => panic!("{what}: expected ScheduleOutsideInsertWindow, got {other}"),
+        }
+        assert!(err.to_string().contains("scheduled_at"), "{err}");
+        tx.rollback().await.unwrap();
+        assert_eq!(
+            c.total_rows().await,
+            0,
+            "{what}: the refused write left rows"
+        );
+        assert!(c.repo().get(good_id).await.unwrap().is_none());
+    }
+    // Inside the window: 59 s before the backend clock's now, from a builder clock that agrees.
+    let t = c.now().await - chrono::Duration::seconds(59);
+    let ok = c
+        .ev("k")
+        .scheduled_at(t)
+        .build_with(&at_clock(chrono::Duration::zero()))
+        .unwrap();
+    let id = c.write(vec![ok]).await[0].event.id;
+    let r = c.get(id).await;
+    assert_eq!(r.scheduled_at, t);
+    assert!(r.scheduled_at >= r.created_at - chrono::Duration::seconds(60));
 }
