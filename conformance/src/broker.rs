@@ -619,13 +619,18 @@ pub async fn closed_port() -> SocketAddr {
     addr
 }
 
-/// A TCP proxy on 127.0.0.1 in front of a server, which a test closes (listener gone, every
-/// connection cut) and opens again on the same port.
+/// A fault-injecting TCP proxy on 127.0.0.1 in front of a server. Its modes: pass (the
+/// default), refuse ([`close`](Self::close): listener gone, every connection cut;
+/// [`reopen`](Self::reopen) on the same port), black hole ([`stall`](Self::stall): connections
+/// open and accepted, no byte delivered; [`resume`](Self::resume)) and reset
+/// ([`reset`](Self::reset): every open connection and every new one is reset with a TCP RST
+/// mid-stream; [`stop_resetting`](Self::stop_resetting)).
 pub struct LoopbackProxy {
     addr: SocketAddr,
     upstream: SocketAddr,
     inner: Arc<Mutex<ProxyState>>,
     stalled: tokio::sync::watch::Sender<bool>,
+    resetting: tokio::sync::watch::Sender<bool>,
 }
 
 #[derive(Default)]
@@ -644,6 +649,7 @@ impl LoopbackProxy {
             upstream,
             inner: Arc::new(Mutex::new(ProxyState::default())),
             stalled: tokio::sync::watch::channel(false).0,
+            resetting: tokio::sync::watch::channel(false).0,
         };
         p.serve(listener);
         p
@@ -666,25 +672,49 @@ impl LoopbackProxy {
         self.stalled.send_replace(false);
     }
 
+    /// Resets every open connection with a TCP RST, in whatever state it is, and every new one
+    /// as soon as it is accepted, until [`stop_resetting`](Self::stop_resetting).
+    pub fn reset(&self) {
+        self.resetting.send_replace(true);
+    }
+
+    /// Accepts and forwards again after [`reset`](Self::reset).
+    pub fn stop_resetting(&self) {
+        self.resetting.send_replace(false);
+    }
+
     fn serve(&self, listener: TcpListener) {
         let upstream = self.upstream;
         let conns = self.inner.lock().expect("proxy").conns.clone();
         let stalled = self.stalled.subscribe();
+        let resetting = self.resetting.subscribe();
         let acceptor = tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
                     return;
                 };
+                if *resetting.borrow() {
+                    // Dropped with a zero linger: the client gets an RST.
+                    let _ = client.set_zero_linger();
+                    continue;
+                }
                 let stalled = stalled.clone();
+                let mut reset = resetting.clone();
                 let conn = tokio::spawn(async move {
                     let Ok(server) = TcpStream::connect(upstream).await else {
                         return;
                     };
-                    let (cr, cw) = client.into_split();
-                    let (sr, sw) = server.into_split();
-                    tokio::select! {
-                        _ = pump(cr, sw, stalled.clone()) => {}
-                        _ = pump(sr, cw, stalled) => {}
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let was_reset = tokio::select! {
+                        _ = pump(&mut cr, &mut sw, stalled.clone()) => false,
+                        _ = pump(&mut sr, &mut cw, stalled) => false,
+                        r = reset.wait_for(|r| *r) => r.is_ok(),
+                    };
+                    if was_reset {
+                        // Closing with a zero linger sends an RST to both peers.
+                        let _ = cr.as_ref().set_zero_linger();
+                        let _ = sr.as_ref().set_zero_linger();
                     }
                 });
                 let mut c = conns.lock().expect("proxy");
@@ -726,8 +756,8 @@ impl LoopbackProxy {
 
 /// Copies bytes from `r` to `w`, holding them while the proxy is stalled.
 async fn pump(
-    mut r: tokio::net::tcp::OwnedReadHalf,
-    mut w: tokio::net::tcp::OwnedWriteHalf,
+    r: &mut tokio::net::tcp::OwnedReadHalf,
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
     mut stalled: tokio::sync::watch::Receiver<bool>,
 ) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -272,6 +272,12 @@ impl Ctx {
         } else {
             self.repo()
         };
+        self.relay_on(repo, cfg)
+    }
+
+    /// Builds a relay with these settings on a given repository (say, a wrapper around the
+    /// one under test).
+    pub fn relay_on(&self, repo: Arc<dyn OutboxRepository>, cfg: &Cfg) -> Relay {
         let mut b = Relay::builder(repo, Arc::new(self.broker.clone()))
             .worker_id(cfg.worker.clone())
             .batch_size(cfg.batch)

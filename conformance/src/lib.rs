@@ -80,7 +80,7 @@ macro_rules! suite {
             lease::l_01, lease::l_02, lease::l_03, lease::l_04, lease::l_05, lease::l_06,
             lease::l_07, lease::l_08, maint::r_01, maint::r_02, maint::c_01, maint::c_02,
             runs::q_01, runs::q_02, runs::q_06, runs::q_07, runs::q_08, runs::q_09, runs::x_01,
-            runs::x_03, runs::x_04, pipeline::p_02, pipeline::p_03, pipeline::p_07, pipeline::m_01,
+            runs::x_03, runs::x_04, runs::x_05, pipeline::p_02, pipeline::p_03, pipeline::p_07, pipeline::m_01,
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
             writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
             maint::c_03, pipeline::p_09, backoff::h_15

@@ -19,6 +19,7 @@ use std::time::Duration;
 use rand::{RngExt, SeedableRng};
 
 use crate::error::ConfigError;
+use crate::event::limits::SETTING_MAX_SECS;
 
 /// Default backoff base in seconds (R39).
 pub const DEFAULT_BASE_SECONDS: f64 = 10.0;
@@ -97,7 +98,8 @@ impl Default for Backoff {
 
 impl Backoff {
     /// Validated settings with equal jitter. base < 0 and cap ≤ 0 are errors with the
-    /// ancestor's texts.
+    /// ancestor's texts; a cap above 365 days ([`SETTING_MAX_SECS`]) is an error too, so every
+    /// delay fits any clock.
     pub fn new(base_seconds: f64, cap_seconds: f64) -> Result<Self, ConfigError> {
         if !base_seconds.is_finite() || base_seconds < 0.0 {
             return Err(ConfigError::new(format!(
@@ -107,6 +109,11 @@ impl Backoff {
         if !cap_seconds.is_finite() || cap_seconds <= 0.0 {
             return Err(ConfigError::new(format!(
                 "retry_backoff_cap_seconds must be > 0, got {cap_seconds}"
+            )));
+        }
+        if cap_seconds > SETTING_MAX_SECS as f64 {
+            return Err(ConfigError::new(format!(
+                "retry_backoff_cap_seconds must be at most {SETTING_MAX_SECS} (365 days), got {cap_seconds}"
             )));
         }
         Ok(Self {
@@ -148,8 +155,15 @@ impl Backoff {
             return None;
         }
         let (lo, hi) = self.window(attempts_made);
-        let u = rng.unit().clamp(0.0, 1.0);
-        Some(Duration::from_secs_f64(lo + (hi - lo) * u))
+        // A random source is user code: NaN counts as 0, anything else is clamped to [0, 1].
+        let u = rng.unit();
+        let u = if u.is_nan() { 0.0 } else { u.clamp(0.0, 1.0) };
+        // lo and hi are within [0, cap] and cap is at most 365 days, so this cannot fail;
+        // the cap is the answer if it ever did.
+        Some(
+            Duration::try_from_secs_f64(lo + (hi - lo) * u)
+                .unwrap_or(Duration::from_secs_f64(self.cap)),
+        )
     }
 }
 

@@ -49,10 +49,13 @@ impl ManualClock {
         Self::new(Utc::now())
     }
 
-    /// Moves the clock forward by `d`.
+    /// Moves the clock forward by `d`, saturating at the latest time chrono represents.
     pub fn advance(&self, d: Duration) {
         let mut now = self.now.lock().expect("clock poisoned");
-        *now += chrono::Duration::from_std(d).expect("duration out of range");
+        *now = chrono::Duration::from_std(d)
+            .ok()
+            .and_then(|d| now.checked_add_signed(d))
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
     }
 
     /// Sets the clock to `t`.
@@ -98,14 +101,20 @@ impl ManualRelayClock {
         Self::default()
     }
 
-    /// Moves the clock forward by `d`.
+    /// Moves the clock forward by `d` (saturating).
     pub fn advance(&self, d: Duration) {
-        *self.offset.lock().expect("clock poisoned") += d;
+        let mut offset = self.offset.lock().expect("clock poisoned");
+        *offset = offset.saturating_add(d);
     }
 }
 
 impl RelayClock for ManualRelayClock {
     fn now(&self) -> tokio::time::Instant {
-        tokio::time::Instant::now() + *self.offset.lock().expect("clock poisoned")
+        let now = tokio::time::Instant::now();
+        // An offset past the Instant's range stays far ahead instead of overflowing.
+        let offset = *self.offset.lock().expect("clock poisoned");
+        now.checked_add(offset)
+            .or_else(|| now.checked_add(Duration::from_secs(u64::from(u32::MAX))))
+            .unwrap_or(now)
     }
 }

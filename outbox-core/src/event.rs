@@ -48,6 +48,10 @@ pub mod limits {
     pub const FORCE_UNLOCK_REASON_MAX: usize = 255;
     /// The farthest a schedule may lie ahead, in seconds: 365 days (R8).
     pub const SCHEDULE_MAX_AHEAD_SECS: i64 = 31_536_000;
+    /// The longest duration a relay, backoff, breaker or backend setting may take, in seconds:
+    /// 365 days. Longer values are refused as configuration errors, so adding a setting to any
+    /// clock's time cannot overflow.
+    pub const SETTING_MAX_SECS: u64 = 31_536_000;
     /// Default of the builder's `scheduled_at_skew_seconds` (R8).
     pub const DEFAULT_SCHEDULE_SKEW_SECS: u64 = 60;
     /// Default max_attempts (R4).
@@ -321,7 +325,12 @@ impl NewEvent {
     pub fn into_row(self, created_at: DateTime<Utc>) -> OutboxEvent {
         let scheduled_at = match self.schedule {
             Schedule::Now => created_at,
-            Schedule::Delay(d) => created_at + chrono::Duration::from_std(d).expect("checked"),
+            // The delay is at most 365 days (checked at build); saturate rather than panic
+            // on a created_at at the end of chrono's range.
+            Schedule::Delay(d) => chrono::Duration::from_std(d)
+                .ok()
+                .and_then(|d| created_at.checked_add_signed(d))
+                .unwrap_or(DateTime::<Utc>::MAX_UTC),
             Schedule::At(t) => t,
         };
         OutboxEvent {
@@ -380,11 +389,17 @@ impl BuildSettings {
         self
     }
 
-    /// Sets `scheduled_at_skew_seconds` (≥ 0; default 60).
+    /// Sets `scheduled_at_skew_seconds` (0 to 31,536,000; default 60).
     pub fn with_skew_seconds(mut self, skew: i64) -> Result<Self, crate::error::ConfigError> {
         if skew < 0 {
             return Err(crate::error::ConfigError::new(format!(
                 "scheduled_at_skew_seconds must be >= 0, got {skew}"
+            )));
+        }
+        if skew as u64 > limits::SETTING_MAX_SECS {
+            return Err(crate::error::ConfigError::new(format!(
+                "scheduled_at_skew_seconds must be at most {} (365 days), got {skew}",
+                limits::SETTING_MAX_SECS
             )));
         }
         self.skew_seconds = skew as u64;
@@ -614,8 +629,12 @@ impl EventBuilder {
             }
             (Some(Schedule::At(at)), None) => {
                 let t = settings.clock.now();
-                let earliest = t - chrono::Duration::seconds(settings.skew_seconds as i64);
-                let latest = t + chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS);
+                let earliest = t
+                    .checked_sub_signed(chrono::Duration::seconds(settings.skew_seconds as i64))
+                    .unwrap_or(DateTime::<Utc>::MIN_UTC);
+                let latest = t
+                    .checked_add_signed(chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS))
+                    .unwrap_or(DateTime::<Utc>::MAX_UTC);
                 if at < earliest || at > latest {
                     return Err(ValidationError::ScheduleOutOfWindow {
                         at,

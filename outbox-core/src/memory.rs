@@ -221,7 +221,7 @@ impl InMemoryRepository {
         let apply_retry = |row: &mut OutboxEvent, retry: Retry| {
             row.scheduled_at = match retry {
                 Retry::Keep => row.scheduled_at,
-                Retry::After(d) => now + chrono_dur(d),
+                Retry::After(d) => plus(now, d),
                 Retry::At(t) => t,
             };
         };
@@ -503,6 +503,17 @@ fn chrono_dur(d: Duration) -> chrono::Duration {
     chrono::Duration::from_std(d).unwrap_or(chrono::Duration::MAX)
 }
 
+/// `t + d`, saturating at the latest time chrono represents (no overflow panic on any input).
+fn plus(t: DateTime<Utc>, d: Duration) -> DateTime<Utc> {
+    t.checked_add_signed(chrono_dur(d))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// `t − d`, saturating at the earliest time chrono represents.
+fn minus(t: DateTime<Utc>, d: chrono::Duration) -> DateTime<Utc> {
+    t.checked_sub_signed(d).unwrap_or(DateTime::<Utc>::MIN_UTC)
+}
+
 #[async_trait]
 impl OutboxRepository for InMemoryRepository {
     fn capabilities(&self) -> Capabilities {
@@ -654,7 +665,7 @@ impl OutboxRepository for InMemoryRepository {
     async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
         args::stale_timeout(timeout)?;
         let now = self.now_sync();
-        let cutoff = now - chrono_dur(timeout);
+        let cutoff = minus(now, chrono_dur(timeout));
         let mut st = self.lock();
         let cap = self.inner.batch_size.saturating_mul(STALE_LOCK_MAX_BATCHES);
         let mut n = 0u64;
@@ -702,7 +713,10 @@ impl OutboxRepository for InMemoryRepository {
         batch_size: usize,
     ) -> Result<u64, RepositoryError> {
         args::cleanup(retention_days, batch_size)?;
-        let cutoff = self.now_sync() - chrono::Duration::days(retention_days as i64);
+        let cutoff = minus(
+            self.now_sync(),
+            chrono::Duration::days(i64::from(retention_days)),
+        );
         let mut st = self.lock();
         let victims: Vec<Uuid> = st
             .rows

@@ -79,7 +79,11 @@ pub fn in_line(e: &OutboxEvent, now: DateTime<Utc>) -> bool {
 pub fn lease_expired(e: &OutboxEvent, now: DateTime<Utc>, lease: Duration) -> bool {
     match e.locked_at {
         None => false,
-        Some(at) => at < now - chrono::Duration::from_std(lease).unwrap_or(chrono::Duration::MAX),
+        // A lease longer than the clock's range never expires (no overflow on any input).
+        Some(at) => chrono::Duration::from_std(lease)
+            .ok()
+            .and_then(|l| now.checked_sub_signed(l))
+            .is_some_and(|cutoff| at < cutoff),
     }
 }
 

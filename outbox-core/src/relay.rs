@@ -14,7 +14,9 @@
 //!    cycle, and the first unpublished row of every other key that had no failure is deferred
 //!    (R47);
 //! 4. **write outcomes** in one short transaction guarded by the worker (R54, R55); rows that
-//!    were not processed are released untouched (R77);
+//!    were not processed are released untouched (R77). A transient failure of that transaction
+//!    is retried on a fresh one, waiting 25 ms doubling to 200 ms, while the lease lasts; only
+//!    then do the rows wait out their lease (R57);
 //! 5. after the commit, the observers of the pipeline steps (R68, R83).
 //!
 //! [`Relay::run`] loops cycles: at once after a cycle that fetched rows and found the broker
@@ -36,12 +38,12 @@ use uuid::Uuid;
 use crate::backoff::{Backoff, RandomSource, SeededRng, TRANSIENT_RETRY};
 use crate::broker::{Broker, Message};
 use crate::clock::{RelayClock, TokioClock};
-use crate::error::{BrokerError, ConfigError, RepositoryError, ValidationError};
+use crate::error::{BrokerError, ConfigError, RepositoryError, StepError, ValidationError};
 use crate::event::{Status, WorkerId, limits};
 use crate::ordering::Key;
 use crate::repository::{
     DEFAULT_LEASE_TTL, DEFAULT_MAX_PER_KEY, DeliveryBound, DeliveryMode, FetchFilter, FetchRequest,
-    Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult, Retry,
+    Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult, Retry, WrittenOutcome,
 };
 use crate::step::{ObservedOutcome, PipelineStep, StepDecision};
 
@@ -60,6 +62,12 @@ pub const DEFAULT_PUBLISH_CONCURRENCY: usize = 16;
 pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default poll interval (R61).
 pub const DEFAULT_POLL_INTERVAL: Duration = Duration::from_secs(5);
+/// First wait before retrying an outcome commit that failed transiently; it doubles up to
+/// [`OUTCOME_RETRY_MAX_WAIT`], so the rows move again within that much of the database coming
+/// back.
+pub const OUTCOME_RETRY_FIRST_WAIT: Duration = Duration::from_millis(25);
+/// Longest wait between two tries of an outcome commit.
+pub const OUTCOME_RETRY_MAX_WAIT: Duration = Duration::from_millis(200);
 
 /// Circuit breaker settings (R62).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -69,7 +77,7 @@ pub struct BreakerConfig {
 }
 
 impl BreakerConfig {
-    /// Threshold ≥ 1 (default 5), recovery ≥ 0 s (default 60).
+    /// Threshold ≥ 1 (default 5), recovery 0 s to 365 days (default 60 s).
     pub fn new(failure_threshold: i64, recovery_timeout_seconds: f64) -> Result<Self, ConfigError> {
         if failure_threshold < 1 || failure_threshold > u32::MAX as i64 {
             return Err(ConfigError::new(format!(
@@ -79,6 +87,12 @@ impl BreakerConfig {
         if !recovery_timeout_seconds.is_finite() || recovery_timeout_seconds < 0.0 {
             return Err(ConfigError::new(format!(
                 "recovery_timeout must be >= 0, got {recovery_timeout_seconds}"
+            )));
+        }
+        if recovery_timeout_seconds > limits::SETTING_MAX_SECS as f64 {
+            return Err(ConfigError::new(format!(
+                "recovery_timeout must be at most {} s (365 days), got {recovery_timeout_seconds}",
+                limits::SETTING_MAX_SECS
             )));
         }
         Ok(Self {
@@ -225,7 +239,7 @@ impl RelayBuilder {
         self.batch_size = n;
         self
     }
-    /// Lease TTL (> publish timeout; default 300 s).
+    /// Lease TTL (> publish timeout, at most 365 days; default 300 s).
     pub fn lease_ttl(mut self, d: Duration) -> Self {
         self.lease_ttl = d;
         self
@@ -245,7 +259,7 @@ impl RelayBuilder {
         self.publish_timeout = d;
         self
     }
-    /// Poll interval of the loop (default 5 s).
+    /// Poll interval of the loop (at most 365 days; default 5 s).
     pub fn poll_interval(mut self, d: Duration) -> Self {
         self.poll_interval = d;
         self
@@ -305,6 +319,23 @@ impl RelayBuilder {
         }
         if self.publish_timeout.is_zero() {
             return Err(ConfigError::new("publish_timeout must be > 0"));
+        }
+        let max = Duration::from_secs(limits::SETTING_MAX_SECS);
+        for (name, d) in [
+            ("lease_ttl", self.lease_ttl),
+            ("publish_timeout", self.publish_timeout),
+            ("poll_interval", self.poll_interval),
+            (
+                "idle_backoff_max",
+                self.idle_backoff_max.unwrap_or_default(),
+            ),
+        ] {
+            if d > max {
+                return Err(ConfigError::new(format!(
+                    "{name} must be at most {} s (365 days), got {d:?}",
+                    limits::SETTING_MAX_SECS
+                )));
+            }
         }
         if self.delivery == DeliveryMode::Transaction {
             if !self.repo.capabilities().transaction_delivery {
@@ -428,8 +459,11 @@ pub struct CycleReport {
     pub released: Vec<Uuid>,
     /// Rows whose lease was lost.
     pub lease_lost: Vec<Uuid>,
-    /// Whether the outcome transaction failed (R57).
+    /// Whether the outcome transaction failed (R57), after its retries.
     pub commit_failed: bool,
+    /// How many times the outcome write was retried after a transient failure (0 when the
+    /// first try went through).
+    pub commit_retries: u32,
     /// Whether a transient failure or timeout stopped the cycle (R47).
     pub broker_unreachable: bool,
     /// Whether the circuit breaker is open after this cycle (or kept it from fetching).
@@ -575,7 +609,27 @@ impl Relay {
     }
 
     /// Runs one cycle (see the module docs). An error means the fetch failed; nothing is held.
+    ///
+    /// The cycle-end hook runs on every path (R68): after a full cycle, and with an empty report
+    /// when the shutdown signal or an open breaker kept the cycle from fetching
+    /// (`breaker_open` set) or the fetch failed.
     pub async fn cycle(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<CycleReport, RepositoryError> {
+        let result = self.cycle_inner(shutdown).await;
+        let empty = CycleReport::default();
+        let report = match &result {
+            Ok(r) => r,
+            Err(_) => &empty,
+        };
+        for s in &self.steps {
+            guard_hook("on_cycle_end", s.on_cycle_end(report)).await;
+        }
+        result
+    }
+
+    async fn cycle_inner(
         &self,
         shutdown: &CancellationToken,
     ) -> Result<CycleReport, RepositoryError> {
@@ -610,29 +664,21 @@ impl Relay {
             guard_hook("on_fetch", s.on_fetch(rows.len())).await;
         }
         if rows.is_empty() {
-            for s in &self.steps {
-                guard_hook("on_cycle_end", s.on_cycle_end(&report)).await;
-            }
             return Ok(report);
         }
 
-        // Group into runs by key; rows arrive grouped, keys in head order (R22).
-        let mut runs: Vec<(Key, Vec<&Fetched>)> = Vec::new();
-        for r in &rows {
-            let k = r.key();
-            match runs.last_mut() {
-                Some((last, v)) if *last == k => v.push(r),
-                _ => runs.push((k, vec![r])),
-            }
-        }
+        let runs = group_runs(&rows);
 
         let state = Mutex::new(CycleState::default());
         // No publish starts unless it can end before this (R49; in transaction delivery, R84:
-        // none starts later than one publish timeout after the fetch).
+        // none starts later than one publish timeout after the fetch). The builder bounds both
+        // durations (365 days); a deadline past the clock's range would mean no publish may
+        // start, which releases the rows instead of panicking.
         let lease_deadline = match self.config.delivery {
-            DeliveryMode::Lease => fetch_started + self.config.lease_ttl,
-            DeliveryMode::Transaction => fetch_started + self.config.publish_timeout * 2,
-        };
+            DeliveryMode::Lease => fetch_started.checked_add(self.config.lease_ttl),
+            DeliveryMode::Transaction => fetch_started.checked_add(self.config.publish_timeout * 2),
+        }
+        .unwrap_or(fetch_started);
         // Every key's run is a future; a FIFO semaphore lets `publish_concurrency` of them
         // publish at once, in head order (R75).
         let permits = tokio::sync::Semaphore::new(self.config.publish_concurrency);
@@ -679,20 +725,21 @@ impl Relay {
         }
         report.broker_unreachable = matches!(state.stop, Some(Stop::Unreachable(_)));
 
-        let written = match delivery {
+        let (written, retries) = match delivery {
             None => {
-                self.repo
-                    .write_outcomes(&self.config.worker_id, &outcomes)
+                self.write_outcomes_retrying(&outcomes, lease_deadline, shutdown)
                     .await
             }
-            Some(d) => d.commit(&outcomes).await,
+            // The delivery's transaction is gone when its commit fails: nothing to retry.
+            Some(d) => (d.commit(&outcomes).await, 0),
         };
+        report.commit_retries = retries;
         let written: HashMap<Uuid, OutcomeResult> = match written {
             Ok(w) => w.into_iter().map(|w| (w.id, w.result)).collect(),
             Err(e) => {
                 match self.config.delivery {
                     DeliveryMode::Lease => {
-                        tracing::error!(error = %e, worker = %self.config.worker_id,
+                        tracing::error!(error = %e, worker = %self.config.worker_id, retries,
                         "outcome commit failed; the rows stay locked until their lease expires and will be published again")
                     }
                     DeliveryMode::Transaction => {
@@ -823,10 +870,47 @@ impl Relay {
                 }
             }
         }
-        for s in &self.steps {
-            guard_hook("on_cycle_end", s.on_cycle_end(&report)).await;
-        }
         Ok(report)
+    }
+
+    /// Writes the outcomes (R54); a transient failure (a lost connection, a restarting
+    /// database) is retried with a short doubling wait while the rows' lease lasts and the relay
+    /// is not shutting down. Each try is a new transaction on whatever connection the backend
+    /// hands out, and every write is guarded by `locked_by` (R54, R55), so a retry never
+    /// overwrites a row another relay took meanwhile: it reports it lease lost. (A commit
+    /// whose answer was lost but which went through is reported lease lost by the retry too:
+    /// the rows are written, just not by the retry.) Returns the result and the number of
+    /// retries.
+    async fn write_outcomes_retrying(
+        &self,
+        outcomes: &[Outcome],
+        lease_deadline: tokio::time::Instant,
+        shutdown: &CancellationToken,
+    ) -> (Result<Vec<WrittenOutcome>, RepositoryError>, u32) {
+        let mut wait = OUTCOME_RETRY_FIRST_WAIT;
+        let mut retries = 0u32;
+        loop {
+            let e = match self
+                .repo
+                .write_outcomes(&self.config.worker_id, outcomes)
+                .await
+            {
+                Ok(w) => return (Ok(w), retries),
+                Err(e) => e,
+            };
+            let left = lease_deadline.saturating_duration_since(self.clock.now());
+            if !e.is_transient() || left <= wait || shutdown.is_cancelled() {
+                return (Err(e), retries);
+            }
+            tracing::warn!(error = %e, worker = %self.config.worker_id, retry_in = ?wait,
+                "outcome commit failed; retrying on a fresh transaction while the lease lasts");
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => return (Err(e), retries),
+            }
+            retries += 1;
+            wait = (wait * 2).min(OUTCOME_RETRY_MAX_WAIT);
+        }
     }
 
     async fn publish_run(
@@ -880,9 +964,20 @@ impl Relay {
                 Fetched::Row(e) => e,
             };
             // Pipeline steps before the publish (R37).
+            // A step that panics fails the row as a counted failure whose last_error is the
+            // panic message, like a step error; the cycle goes on.
             let mut verdict = Ok(StepDecision::Continue);
             for s in &self.steps {
-                verdict = s.before_publish(row).await;
+                verdict = match AssertUnwindSafe(s.before_publish(row)).catch_unwind().await {
+                    Ok(v) => v,
+                    Err(payload) => {
+                        let text = panic_text(payload.as_ref());
+                        tracing::error!(id = %row.id, panic = %text, "a pipeline step panicked in before_publish; the row fails as a counted failure");
+                        Err(StepError::counted(format!(
+                            "pipeline step panicked: {text}"
+                        )))
+                    }
+                };
                 if !matches!(verdict, Ok(StepDecision::Continue)) {
                     break;
                 }
@@ -968,10 +1063,21 @@ impl Relay {
                 span.add_link(crate::trace::span_context(&tp));
             }
             let started = self.clock.now();
-            let result =
-                tokio::time::timeout(self.config.publish_timeout, self.broker.publish(&msg))
-                    .instrument(span.clone())
-                    .await;
+            // A broker client that panics is a refusal of this row (counted), not the end of
+            // the cycle.
+            let publish = AssertUnwindSafe(self.broker.publish(&msg))
+                .catch_unwind()
+                .map(|r| {
+                    r.unwrap_or_else(|payload| {
+                        Err(BrokerError::Rejected(format!(
+                            "broker client panicked: {}",
+                            panic_text(payload.as_ref())
+                        )))
+                    })
+                });
+            let result = tokio::time::timeout(self.config.publish_timeout, publish)
+                .instrument(span.clone())
+                .await;
             let elapsed = self.clock.now().saturating_duration_since(started);
             let text = match result {
                 Ok(Ok(_ack)) => {
@@ -1012,10 +1118,49 @@ impl Relay {
     }
 }
 
+/// The rows of a fetch as runs by key: keys in order of their first row, each key's rows in
+/// write order `(created_at, id)`, whatever positions the backend returned them in (R22, R45;
+/// A backend returns them so already; grouping and sorting here keeps a backend that
+/// interleaves keys from getting two rows of one key published at once or out of order. An
+/// undecodable row has no created_at: it sorts first in its key, so it fails before any of its
+/// key's rows is published and the rest of the run is released (R46, R82).
+fn group_runs(rows: &[Fetched]) -> Vec<(Key, Vec<&Fetched>)> {
+    let mut runs: Vec<(Key, Vec<&Fetched>)> = Vec::new();
+    let mut index: HashMap<Key, usize> = HashMap::new();
+    for r in rows {
+        let k = r.key();
+        match index.get(&k) {
+            Some(&i) => runs[i].1.push(r),
+            None => {
+                index.insert(k.clone(), runs.len());
+                runs.push((k, vec![r]));
+            }
+        }
+    }
+    for (_, run) in &mut runs {
+        run.sort_by_key(|f| f.row().map(crate::ordering::write_order));
+    }
+    runs
+}
+
+/// The text of a panic payload (a `&str` or `String` message, else a placeholder).
+fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
 /// An explicit retry time is valid within [created_at, created_at + 365 days] (R44).
 fn valid_explicit(t: DateTime<Utc>, created: Option<DateTime<Utc>>) -> Option<DateTime<Utc>> {
     let Some(c) = created else { return Some(t) };
-    if t < c || t > c + chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS) {
+    let latest = c
+        .checked_add_signed(chrono::Duration::seconds(limits::SCHEDULE_MAX_AHEAD_SECS))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC);
+    if t < c || t > latest {
         tracing::warn!(retry_at = %t, created_at = %c, "explicit retry time outside [created_at, created_at + 365 days]; using the backoff instead");
         None
     } else {

@@ -98,7 +98,7 @@ pub struct FetchRequest {
     pub worker: WorkerId,
     /// Batch size: at most this many rows (≥ 1).
     pub limit: usize,
-    /// Lease TTL (> 0, default 300 s).
+    /// Lease TTL (> 0, at most 365 days, default 300 s).
     pub lease_ttl: Duration,
     /// Rows per key (≥ 1, default 16; 1 is the ancestor's head-only fetch).
     pub max_per_key: usize,
@@ -143,6 +143,13 @@ impl FetchRequest {
         }
         if self.lease_ttl.is_zero() {
             return Err(ValidationError::LeaseTtl);
+        }
+        if self.lease_ttl > Duration::from_secs(crate::event::limits::SETTING_MAX_SECS) {
+            return Err(ValidationError::Argument(format!(
+                "lease_ttl must be at most {} s (365 days), got {:?}",
+                crate::event::limits::SETTING_MAX_SECS,
+                self.lease_ttl
+            )));
         }
         if self.max_per_key == 0 {
             return Err(ValidationError::MaxPerKey(0));

@@ -48,7 +48,8 @@ pub struct ObservedOutcome<'a> {
 #[async_trait]
 pub trait PipelineStep: Send + Sync {
     /// Before a publish; an error is a counted failure (or transient, if marked) whose text is
-    /// its display (R37; H-08, H-09).
+    /// its display (R37; H-08, H-09). A panic here is caught and fails the row as a counted
+    /// failure with last_error `pipeline step panicked: {message}`; the cycle goes on.
     async fn before_publish(&self, _event: &OutboxEvent) -> Result<StepDecision, StepError> {
         Ok(StepDecision::Continue)
     }
@@ -63,6 +64,8 @@ pub trait PipelineStep: Send + Sync {
     /// and the error (a dead-letter sink belongs here; P-03).
     async fn on_terminal_failure(&self, _event: &OutboxEvent, _error: &str) {}
 
-    /// At the end of every cycle that fetched.
+    /// At the end of every cycle, on every path (R68): after a full cycle, and with an empty
+    /// report when the shutdown signal or an open breaker (`breaker_open` set) kept the cycle
+    /// from fetching or the fetch failed.
     async fn on_cycle_end(&self, _report: &CycleReport) {}
 }

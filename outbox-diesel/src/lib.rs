@@ -19,6 +19,6 @@ pub use migrations::{
     run_migrations_url, run_migrations_with,
 };
 pub use outbox_postgres::sql::{Layout, TableName};
-pub use pool::{PgPool, PoolSettings, PooledConnection, build_pool};
+pub use pool::{MAX_POOL_SIZE, PgPool, PoolSettings, PooledConnection, build_pool};
 pub use repository::{DieselConfig, DieselOutboxRepository};
 pub use writer::{DieselOutboxWriter, WriteError};

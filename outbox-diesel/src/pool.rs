@@ -15,6 +15,10 @@ pub type PgPool = Pool<AsyncPgConnection>;
 /// A connection taken from a [`PgPool`]; it derefs to [`AsyncPgConnection`].
 pub type PooledConnection = Object<AsyncPgConnection>;
 
+/// The largest pool [`PoolSettings::max_size`] accepts (the pool reserves room for this many
+/// connections up front, so a larger number could not even be allocated).
+pub const MAX_POOL_SIZE: usize = 10_000;
+
 /// Settings of the pool [`build_pool`] makes.
 #[derive(Debug, Clone)]
 pub struct PoolSettings {
@@ -34,12 +38,17 @@ impl Default for PoolSettings {
 }
 
 impl PoolSettings {
-    /// At most this many connections (default 16, ≥ 1).
+    /// At most this many connections (default 16, 1 to [`MAX_POOL_SIZE`]).
     pub fn max_size(mut self, n: usize) -> Result<Self, Error> {
         if n == 0 {
             return Err(Error::Config(
                 "pool max_size must be at least 1, got 0".into(),
             ));
+        }
+        if n > MAX_POOL_SIZE {
+            return Err(Error::Config(format!(
+                "pool max_size must be at most {MAX_POOL_SIZE} (a PostgreSQL server serves far fewer connections), got {n}"
+            )));
         }
         self.max_size = n;
         Ok(self)

@@ -27,7 +27,9 @@ use uuid::Uuid;
 use crate::error::{Error, map_diesel, map_pool};
 use crate::pool::{PgPool, PooledConnection};
 use crate::prepared::Prepared;
-use crate::row::{AgeRow, AppliedRow, BlockedRow, CountRow, HeadRow, NowRow, OutboxRow};
+use crate::row::{
+    AgeRow, AppliedRow, BlockedRow, CountRow, FetchedRow, HeadRow, NowRow, OutboxRow,
+};
 use crate::writer::DieselOutboxWriter;
 
 type SqlUuid = diesel::sql_types::Uuid;
@@ -245,7 +247,7 @@ impl OutboxRepository for DieselOutboxRepository {
         let worker = req.worker.as_str().to_owned();
         let mut conn = self.conn().await?;
         // Its own transaction, committed at once (R76).
-        let rows: Vec<OutboxRow> = conn
+        let rows: Vec<FetchedRow> = conn
             .transaction(async |c| {
                 fetch_in(
                     c,
@@ -259,7 +261,7 @@ impl OutboxRepository for DieselOutboxRepository {
             })
             .await
             .map_err(|e| self.err(e))?;
-        Ok(rows.into_iter().map(OutboxRow::into_fetched).collect())
+        Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
     async fn begin_delivery(
@@ -301,7 +303,7 @@ impl OutboxRepository for DieselOutboxRepository {
         )
         .await
         .map_err(|e| self.err(e))?;
-        let rows: Vec<Fetched> = rows.into_iter().map(OutboxRow::into_fetched).collect();
+        let rows: Vec<Fetched> = rows.into_iter().map(|r| r.0).collect();
         if rows.is_empty() {
             // Nothing held: end the transaction now and hand the connection back to the pool.
             let c = d.conn.as_mut().expect("still held");
@@ -521,7 +523,7 @@ pub(crate) async fn fetch_in(
     worker: String,
     p: &FetchParams,
     cursor: &WalkCursor,
-) -> Result<Vec<OutboxRow>, diesel::result::Error> {
+) -> Result<Vec<FetchedRow>, diesel::result::Error> {
     // As outbox_postgres::fetch_rows: a delivery transaction releases its window's row locks
     // before the take, and a fetch whose candidates were all taken by others looks again, a
     // bounded number of times.
@@ -562,7 +564,7 @@ pub(crate) async fn fetch_in(
         if heads.ids.is_empty() {
             return Ok(Vec::new());
         }
-        let rows: Vec<OutboxRow> = Prepared(
+        let rows: Vec<FetchedRow> = Prepared(
             diesel::sql_query(take)
                 .into_boxed()
                 .bind::<Text, _>(worker.clone())

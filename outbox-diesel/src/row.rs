@@ -5,10 +5,13 @@
 
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
-use diesel::sql_types::{BigInt, Int4, Nullable, Text, Timestamptz};
+use diesel::deserialize::{self, FromSql, QueryableByName as BuildByName};
+use diesel::pg::Pg;
+use diesel::row::NamedRow;
+use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
 use outbox_core::RepositoryError;
 use outbox_core::event::{OutboxEvent, Status};
-use outbox_core::repository::{BlockedKey, Fetched, OutcomeResult, StatusCount};
+use outbox_core::repository::{BlockedKey, Fetched, OutcomeResult, StatusCount, UndecodableRow};
 use outbox_postgres::sql::RawRow;
 use serde_json::Value;
 use uuid::Uuid;
@@ -74,19 +77,74 @@ impl From<OutboxRow> for RawRow {
 }
 
 impl OutboxRow {
-    /// A fetched row: decoded, or [`Fetched::Undecodable`] naming the problem (R82).
-    pub(crate) fn into_fetched(self) -> Fetched {
-        match RawRow::from(self).decode() {
-            Ok(e) => Fetched::Row(e),
-            Err(u) => Fetched::Undecodable(u),
-        }
-    }
-
     /// A row read outside a fetch; an undecodable one is an error naming it.
     pub(crate) fn into_event(self) -> Result<OutboxEvent, RepositoryError> {
         RawRow::from(self).decode().map_err(|u| {
             RepositoryError::Other(format!("row {} cannot be decoded: {}", u.id, u.reason))
         })
+    }
+}
+
+/// A row of a fetch, read column by column (R82): a column that cannot be decoded (a
+/// timestamp beyond chrono's range, a jsonb number beyond f64, …) or a row the outbox cannot
+/// decode becomes [`Fetched::Undecodable`] for that row alone, so the fetch, already committed,
+/// still hands out the others. Only an id that cannot be read fails the load.
+pub(crate) struct FetchedRow(pub(crate) Fetched);
+
+fn column<'a, ST, T>(row: &impl NamedRow<'a, Pg>, name: &str) -> Result<T, String>
+where
+    T: FromSql<ST, Pg>,
+{
+    NamedRow::get::<ST, T>(row, name).map_err(|e| format!("column {name} cannot be decoded: {e}"))
+}
+
+fn raw<'a>(row: &impl NamedRow<'a, Pg>, id: Uuid) -> Result<RawRow, String> {
+    type Ts = Timestamptz;
+    type OptText = Nullable<Text>;
+    type OptTs = Nullable<Timestamptz>;
+    Ok(RawRow {
+        id,
+        event_type: column::<Text, _>(row, "event_type")?,
+        payload: column::<Jsonb, _>(row, "payload")?,
+        headers: column::<Nullable<Jsonb>, _>(row, "headers")?,
+        trace_id: column::<OptText, _>(row, "trace_id")?,
+        idempotency_key: column::<OptText, _>(row, "idempotency_key")?,
+        correlation_id: column::<OptText, _>(row, "correlation_id")?,
+        causation_id: column::<OptText, _>(row, "causation_id")?,
+        schema_version: column::<OptText, _>(row, "schema_version")?,
+        status: column::<Text, _>(row, "status")?,
+        attempts_made: column::<Int4, _>(row, "attempts_made")?,
+        max_attempts: column::<Int4, _>(row, "max_attempts")?,
+        last_error: column::<OptText, _>(row, "last_error")?,
+        scheduled_at: column::<Ts, _>(row, "scheduled_at")?,
+        completed_at: column::<OptTs, _>(row, "completed_at")?,
+        locked_at: column::<OptTs, _>(row, "locked_at")?,
+        locked_by: column::<OptText, _>(row, "locked_by")?,
+        created_at: column::<Ts, _>(row, "created_at")?,
+        updated_at: column::<OptTs, _>(row, "updated_at")?,
+        aggregate_type: column::<Text, _>(row, "aggregate_type")?,
+        aggregate_id: column::<diesel::sql_types::Uuid, _>(row, "aggregate_id")?,
+        topic: column::<Text, _>(row, "topic")?,
+        partition_key: column::<Text, _>(row, "partition_key")?,
+    })
+}
+
+impl BuildByName<Pg> for FetchedRow {
+    fn build<'a>(row: &impl NamedRow<'a, Pg>) -> deserialize::Result<Self> {
+        let id: Uuid = NamedRow::get::<diesel::sql_types::Uuid, Uuid>(row, "id")?;
+        Ok(FetchedRow(match raw(row, id) {
+            Ok(r) => match r.decode() {
+                Ok(e) => Fetched::Row(e),
+                Err(u) => Fetched::Undecodable(u),
+            },
+            Err(reason) => Fetched::Undecodable(UndecodableRow {
+                id,
+                topic: column::<Text, _>(row, "topic").unwrap_or_default(),
+                partition_key: column::<Text, _>(row, "partition_key").unwrap_or_default(),
+                attempts_made: column::<Int4, _>(row, "attempts_made").unwrap_or_default(),
+                reason,
+            }),
+        }))
     }
 }
 

@@ -15,7 +15,7 @@ pub mod testing;
 #[cfg(feature = "sqlx")]
 pub use backend::{
     PgConfig, PgOutboxRepository, PgOutboxWriter, bind_fetch_heads, bind_fetch_take, create_schema,
-    create_schema_with, ensure_partitions, fetch_rows, map_err, raw_row,
+    create_schema_with, ensure_partitions, fetch_rows, fetched_row, map_err, raw_row,
 };
 pub use error::Error;
 #[cfg(feature = "sqlx")]

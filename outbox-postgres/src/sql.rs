@@ -1167,6 +1167,17 @@ pub fn decode_headers(
     }
 }
 
+/// A PostgreSQL timestamp (microseconds since 2000-01-01 00:00 UTC, as the binary protocol
+/// sends it) as a chrono time, or `None` for `±infinity` and values outside chrono's range
+/// (R82: the row is then undecodable; nothing panics).
+pub fn timestamp_from_pg_micros(micros: i64) -> Option<DateTime<Utc>> {
+    let epoch = DateTime::<Utc>::from_timestamp(946_684_800, 0)?;
+    if micros == i64::MAX || micros == i64::MIN {
+        return None;
+    }
+    epoch.checked_add_signed(chrono::Duration::microseconds(micros))
+}
+
 impl RawRow {
     /// Decodes the row, or says why it cannot be (R82). The error is the text after
     /// `undecodable row: ` (the relay adds the prefix).

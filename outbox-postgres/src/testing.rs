@@ -47,7 +47,86 @@ pub fn fresh_schema_name() -> String {
     format!("obx_{}", &Uuid::new_v4().simple().to_string()[..12])
 }
 
+/// Connections the Postgres test harnesses of one test process hold at most at once, unless
+/// `OUTBOX_TEST_PG_CONNECTIONS` says otherwise: the database's 100 are shared with other
+/// clients (other test processes, other people), and trials running in parallel must not take
+/// them all.
+pub const DEFAULT_TEST_CONNECTIONS: u32 = 40;
+
+/// How long a trial waits for its share of the budget, and for the database to accept a
+/// connection, before it fails.
+pub const CONNECT_PATIENCE: Duration = Duration::from_secs(90);
+
+fn budget() -> &'static (Arc<tokio::sync::Semaphore>, u32) {
+    static BUDGET: std::sync::OnceLock<(Arc<tokio::sync::Semaphore>, u32)> =
+        std::sync::OnceLock::new();
+    BUDGET.get_or_init(|| {
+        let n = std::env::var("OUTBOX_TEST_PG_CONNECTIONS")
+            .ok()
+            .and_then(|v| v.parse::<u32>().ok())
+            .filter(|n| *n >= 1)
+            .unwrap_or(DEFAULT_TEST_CONNECTIONS);
+        (Arc::new(tokio::sync::Semaphore::new(n as usize)), n)
+    })
+}
+
+/// A share of the process's connection budget ([`DEFAULT_TEST_CONNECTIONS`]), held by a
+/// harness for as long as its pool lives; dropping it gives the share back.
+#[derive(Debug)]
+pub struct ConnectionShare(Option<tokio::sync::OwnedSemaphorePermit>);
+
+impl ConnectionShare {
+    /// Whether the share came out of the budget (false: granted over it after the wait).
+    pub fn is_within_budget(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+/// Reserves `n` connections of the process's budget, waiting while other trials hold it. A
+/// trial that takes a second share while holding one could wait for trials that wait for it, so
+/// after [`CONNECT_PATIENCE`] the share is granted anyway (with a note on stderr): the budget
+/// then stretches instead of the tests deadlocking. The semaphore is runtime-independent, so
+/// trials on separate tokio runtimes share it.
+pub async fn reserve_connections(n: u32) -> ConnectionShare {
+    let (sem, total) = budget();
+    let n = n.min(*total);
+    match tokio::time::timeout(CONNECT_PATIENCE, sem.clone().acquire_many_owned(n)).await {
+        Ok(Ok(p)) => ConnectionShare(Some(p)),
+        _ => {
+            eprintln!(
+                "outbox test harness: waited {CONNECT_PATIENCE:?} for {n} of {total} test connections; going over the budget"
+            );
+            ConnectionShare(None)
+        }
+    }
+}
+
+/// Runs `connect` until it succeeds, waiting 20 ms doubling to 1 s between tries, for at most
+/// [`CONNECT_PATIENCE`]: a database that is busy ("too many clients"), restarting or briefly
+/// unreachable does not fail a trial. The last error is returned after that.
+pub async fn connect_patiently<T, E, F, Fut>(mut connect: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = tokio::time::Instant::now() + CONNECT_PATIENCE;
+    let mut wait = Duration::from_millis(20);
+    loop {
+        match connect().await {
+            Ok(v) => return Ok(v),
+            Err(e) if tokio::time::Instant::now() + wait >= deadline => return Err(e),
+            Err(_) => {
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(1));
+            }
+        }
+    }
+}
+
 /// A small pool for one trial: at most `max` connections, sessions in `America/New_York`.
+/// Opening connections waits while the database has no free slot (sqlx retries "too many
+/// clients" until the acquire timeout, [`CONNECT_PATIENCE`]). Take a [`reserve_connections`]
+/// share of `max` first.
 pub async fn trial_pool(url: &str, max: u32) -> PgPool {
     let opts: PgConnectOptions = url
         .parse::<PgConnectOptions>()
@@ -63,11 +142,21 @@ pub async fn trial_pool(url: &str, max: u32) -> PgPool {
         })
         .max_connections(max)
         .min_connections(0)
-        .acquire_timeout(Duration::from_secs(30))
+        .acquire_timeout(CONNECT_PATIENCE)
         .connect_with(opts)
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
 }
+
+/// The pool size of one harness.
+pub const HARNESS_CONNECTIONS: u32 = 8;
+
+/// The share of the budget one harness pool reserves: what a trial's pool holds at its busiest
+/// in the suite's scenarios (a writer transaction, a fetch or outcome write, a fixture
+/// statement), not its cap. Scenarios that open more (stand tests) rely on connecting
+/// patiently. With 4 test threads and up to 3 harnesses per test, 4 × 3 × 3 = 36 stays under
+/// the default budget, so no trial waits forever on another.
+pub const HARNESS_SHARE: u32 = 3;
 
 /// Makes a fresh [`PgHarness`] per trial.
 #[derive(Debug, Clone)]
@@ -139,6 +228,8 @@ pub struct PgHarness {
     stmts: Arc<Statements>,
     repo: Arc<PgOutboxRepository>,
     owns_schema: bool,
+    /// The pool's share of the connection budget.
+    _share: ConnectionShare,
 }
 
 impl std::fmt::Debug for PgHarness {
@@ -160,7 +251,8 @@ impl PgHarness {
     pub async fn create_with(url: &str, table: &str, layout: Layout) -> Self {
         let schema = fresh_schema_name();
         let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
-        let pool = trial_pool(url, 8).await;
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let pool = trial_pool(url, HARNESS_CONNECTIONS).await;
         create_schema_with(&pool, &table, layout)
             .await
             .expect("schema creation");
@@ -168,7 +260,7 @@ impl PgHarness {
             .execute(&pool)
             .await
             .expect("aggregates table");
-        Self::with_pool(url, pool, schema, table, true).with_layout(layout)
+        Self::with_pool(url, pool, share, schema, table, true).with_layout(layout)
     }
 
     /// The same harness with the repository (and its writer) in `layout`.
@@ -190,7 +282,8 @@ impl PgHarness {
     pub async fn create_ancestor(url: &str, table: &str) -> Self {
         let schema = fresh_schema_name();
         let table = TableName::new(&format!("{schema}.{table}")).expect("valid table name");
-        let pool = trial_pool(url, 8).await;
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let pool = trial_pool(url, HARNESS_CONNECTIONS).await;
         sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{schema}\"")))
             .execute(&pool)
             .await
@@ -204,24 +297,32 @@ impl PgHarness {
             .execute(&pool)
             .await
             .expect("aggregates table");
-        Self::with_pool(url, pool, schema, table, true)
+        Self::with_pool(url, pool, share, schema, table, true)
     }
 
     /// A harness on an existing table (created by someone else), for use as a peer backend.
     /// It does not drop the schema.
     pub async fn attach(url: &str, table: &TableName) -> Self {
         let schema = table.schema().unwrap_or("public").to_owned();
-        let pool = trial_pool(url, 8).await;
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let pool = trial_pool(url, HARNESS_CONNECTIONS).await;
         sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
             .execute(&pool)
             .await
             .expect("aggregates table");
-        Self::with_pool(url, pool, schema, table.clone(), false)
+        Self::with_pool(url, pool, share, schema, table.clone(), false)
     }
 
     /// An empty schema without any table (for scenarios that create tables themselves).
     /// Dropped with the harness.
-    fn with_pool(url: &str, pool: PgPool, schema: String, table: TableName, owns: bool) -> Self {
+    fn with_pool(
+        url: &str,
+        pool: PgPool,
+        share: ConnectionShare,
+        schema: String,
+        table: TableName,
+        owns: bool,
+    ) -> Self {
         let repo = Arc::new(PgOutboxRepository::new(
             pool.clone(),
             PgConfig::default().table(table.clone()),
@@ -235,6 +336,7 @@ impl PgHarness {
             layout: Layout::Plain,
             repo,
             owns_schema: owns,
+            _share: share,
         }
     }
 
@@ -283,7 +385,7 @@ impl Drop for PgHarness {
                 .build()
                 .expect("runtime");
             rt.block_on(async move {
-                if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                if let Ok(mut c) = connect_patiently(|| sqlx::PgConnection::connect(&url)).await {
                     let _ = sqlx::query(AssertSqlSafe(sql::fixtures::drop_schema(&schema)))
                         .execute(&mut c)
                         .await;
@@ -697,6 +799,7 @@ pub mod shapes {
 /// ([`outbox_conformance::broker::drain_and_consume`]). Fresh schema, dropped afterwards.
 pub async fn postgres_to_broker(broker: &dyn outbox_conformance::broker::BrokerUnderTest) {
     use outbox_conformance::broker::{TrialOptions, drain_and_consume, e2e_event};
+    let _share = reserve_connections(4).await;
     let pool = trial_pool(&database_url(), 4).await;
     let schema = fresh_schema_name();
     let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
@@ -789,5 +892,591 @@ impl WakeProbe {
                 p => panic!("unexpected payload {p:?} on {}", self.channel),
             }
         }
+    }
+}
+
+/// Issue 14, an outcome commit cut off mid-way: the relay on `repo` (either Postgres backend,
+/// on `h`'s table) publishes two rows; before it writes their outcomes a second connection
+/// row-locks one of them, so the outcome transaction waits; that waiting backend is then ended
+/// with `pg_terminate_backend` (what a database restart does to it) and the lock let go. The
+/// relay must retry the outcome write on a fresh connection: the cycle reports no commit
+/// failure, at least one retry, both rows completed and unheld. Returns the time from the
+/// termination to the end of the cycle (the issue's target: under 1 s).
+pub async fn outcome_commit_survives_termination(
+    repo: Arc<dyn OutboxRepository>,
+    h: &PgHarness,
+) -> Duration {
+    use outbox_core::CancellationToken;
+    use outbox_core::relay::Relay;
+    use outbox_core::scripted::{Action, Gate, ScriptedBroker};
+    let events = ["k1", "k2"]
+        .iter()
+        .map(|k| {
+            NewEvent::builder()
+                .event_type("test.event")
+                .aggregate("agg", Uuid::new_v4())
+                .topic("t")
+                .partition_key(*k)
+                .payload_json(serde_json::json!({ "k": k }))
+                .build()
+                .expect("valid event")
+        })
+        .collect();
+    let mut tx = h.begin_tx().await;
+    let ids: Vec<Uuid> = tx
+        .write(events)
+        .await
+        .expect("write")
+        .iter()
+        .map(|r| r.event.id)
+        .collect();
+    tx.commit().await.expect("commit");
+
+    let broker = ScriptedBroker::new();
+    let gate = Gate::new();
+    broker.set_default(Action::Gate(gate.clone()));
+    let relay = Relay::builder(repo, Arc::new(broker.clone()))
+        .worker_id("w1")
+        .publish_concurrency(2)
+        .build()
+        .expect("relay");
+    let cycle = tokio::spawn(async move { relay.cycle(&CancellationToken::new()).await });
+    broker.wait_for_calls(|c| c.len() == 2).await;
+
+    // Both rows are published and waiting at the gate; the fetch has committed. Row-lock one.
+    let mut locker = h.pool().begin().await.expect("begin the locker");
+    let locker_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *locker)
+        .await
+        .expect("pid");
+    sqlx::query(AssertSqlSafe(format!(
+        "SELECT id FROM {} WHERE id = $1 FOR UPDATE",
+        h.table().qualified()
+    )))
+    .bind(ids[0])
+    .execute(&mut *locker)
+    .await
+    .expect("row lock");
+    gate.open();
+
+    // The relay's outcome transaction now waits for the locker. No event announces that a
+    // backend started waiting for a lock, so this polls the server's view, bounded.
+    let mut victim = None;
+    for _ in 0..2000 {
+        victim = sqlx::query_scalar::<_, i32>(
+            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) LIMIT 1",
+        )
+        .bind(locker_pid)
+        .fetch_optional(h.pool())
+        .await
+        .expect("pg_stat_activity");
+        if victim.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let victim = victim.expect("the outcome transaction never waited for the row lock");
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(victim)
+        .fetch_one(h.pool())
+        .await
+        .expect("pg_terminate_backend");
+    assert!(terminated, "backend {victim} was not terminated");
+    let cut = std::time::Instant::now();
+    locker.rollback().await.expect("release the row lock");
+
+    let report = cycle.await.expect("cycle task").expect("cycle");
+    let took = cut.elapsed();
+    assert!(!report.commit_failed, "{report:?}");
+    assert!(report.commit_retries >= 1, "{report:?}");
+    let mut completed = report.completed.clone();
+    completed.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(completed, want, "{report:?}");
+    for id in &ids {
+        let row: (String, Option<String>) = sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT status, locked_by FROM {} WHERE id = $1",
+            h.table().qualified()
+        )))
+        .bind(id)
+        .fetch_one(h.pool())
+        .await
+        .expect("row");
+        assert_eq!(row, ("completed".to_owned(), None), "row {id}");
+    }
+    took
+}
+
+/// How a [`broker_outage_on_postgres`] trial takes the broker away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BrokerFault {
+    /// Connections are refused (nothing listens on the broker's port).
+    Refuse,
+    /// Connections stay open, new ones are accepted, and no byte gets through either way.
+    BlackHole,
+    /// Every connection, open or new, is reset (TCP RST) mid-stream.
+    Reset,
+}
+
+/// What a [`broker_outage_on_postgres`] trial measured.
+#[derive(Debug, Clone)]
+pub struct OutageFigures {
+    /// Cycles that fetched (rows or none) while the broker was away.
+    pub cycles_during: usize,
+    /// Rows the relay fetched while the broker was away.
+    pub rows_fetched_during: usize,
+    /// Row writes the relay made while the broker was away: in the lease mode every fetched
+    /// row is written twice (the lease, then its outcome); in transaction delivery only
+    /// completions and counted failures are written.
+    pub row_writes_during: usize,
+    /// From the broker answering again to the first acknowledged publish.
+    pub first_publish_after: Duration,
+    /// How long the broker was away.
+    pub outage: Duration,
+}
+
+/// Issue 14's fault suite, broker side: a relay loop ([`outbox_core::relay::Relay::run`]) on
+/// PostgreSQL (the sqlx backend, a fresh schema) drains 4 keys × 25 events into `b` through a
+/// [`outbox_conformance::broker::LoopbackProxy`]; after 20 rows went out the proxy takes the
+/// broker away (`fault`) for `outage`, then brings it back. Checks that every event arrives and
+/// that, per key, first deliveries are in write order; returns the figures of the outage. The
+/// relay runs in `delivery` mode with publish timeout 2 s (the adapter's own 1 s), poll
+/// interval 1 s, the defaults otherwise.
+pub async fn broker_outage_on_postgres(
+    b: &dyn outbox_conformance::broker::BrokerUnderTest,
+    fault: BrokerFault,
+    outage: Duration,
+    delivery: outbox_core::repository::DeliveryMode,
+) -> OutageFigures {
+    use std::collections::{HashMap, HashSet};
+    use std::sync::Mutex;
+
+    use outbox_conformance::broker::{LoopbackProxy, TrialOptions, e2e_event};
+    use outbox_core::CancellationToken;
+    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::step::PipelineStep;
+
+    /// Records, per cycle, when it ended and what it did.
+    #[derive(Default)]
+    struct Log {
+        cycles: Mutex<Vec<(std::time::Instant, CycleReport)>>,
+        changed: tokio::sync::Notify,
+    }
+    #[async_trait]
+    impl PipelineStep for Log {
+        async fn on_cycle_end(&self, r: &CycleReport) {
+            self.cycles
+                .lock()
+                .expect("log")
+                .push((std::time::Instant::now(), r.clone()));
+            self.changed.notify_waiters();
+        }
+    }
+    impl Log {
+        fn completed(&self) -> usize {
+            let c = self.cycles.lock().expect("log");
+            c.iter().map(|(_, r)| r.completed.len()).sum()
+        }
+        /// Waits until `pred` holds over the log (or `within` passes); returns whether it did.
+        async fn wait(&self, within: Duration, pred: impl Fn(&Self) -> bool) -> bool {
+            tokio::time::timeout(within, async {
+                loop {
+                    let n = self.changed.notified();
+                    if pred(self) {
+                        return;
+                    }
+                    n.await;
+                }
+            })
+            .await
+            .is_ok()
+        }
+    }
+
+    let _share = reserve_connections(4).await;
+    let pool = trial_pool(&database_url(), 4).await;
+    let schema = fresh_schema_name();
+    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
+    create_schema(&pool, &table)
+        .await
+        .expect("create the outbox table");
+    let writer = PgOutboxWriter::new(&table);
+    let mut written: HashMap<String, Vec<Uuid>> = HashMap::new();
+    let mut tx = pool.begin().await.expect("begin");
+    for seq in 0..25 {
+        for k in 0..4 {
+            let key = format!("acct-{k}");
+            let r = writer
+                .write(&mut tx, vec![e2e_event("orders", &key, seq)])
+                .await
+                .expect("write");
+            written.entry(key).or_default().push(r[0].event.id);
+        }
+    }
+    tx.commit().await.expect("commit");
+    let total: usize = written.values().map(Vec::len).sum();
+
+    let proxy = LoopbackProxy::start(b.server_addr()).await;
+    let t = b
+        .trial(TrialOptions {
+            connect_to: Some(proxy.addr()),
+            adapter_timeout: Duration::from_secs(1),
+        })
+        .await;
+    let log = Arc::new(Log::default());
+    let relay = Arc::new(
+        Relay::builder(
+            Arc::new(PgOutboxRepository::new(
+                pool.clone(),
+                PgConfig::default().table(table.clone()),
+            )),
+            t.broker(),
+        )
+        .worker_id("faults")
+        .batch_size(10)
+        .max_per_key(2)
+        .publish_timeout(Duration::from_secs(2))
+        .poll_interval(Duration::from_secs(1))
+        .delivery(delivery)
+        .step(log.clone())
+        .build()
+        .expect("relay"),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop).await }
+    });
+
+    assert!(
+        log.wait(Duration::from_secs(30), |l| l.completed() >= 20)
+            .await,
+        "faults: 20 rows were not published within 30 s"
+    );
+    match fault {
+        BrokerFault::Refuse => proxy.close().await,
+        BrokerFault::BlackHole => proxy.stall(),
+        BrokerFault::Reset => proxy.reset(),
+    }
+    let down = std::time::Instant::now();
+    let cycles_before = log.cycles.lock().expect("log").len();
+    // The outage lasts what it lasts: this wait is the fault, not a wait for state.
+    tokio::time::sleep(outage).await;
+    match fault {
+        BrokerFault::Refuse => proxy.reopen().await,
+        BrokerFault::BlackHole => proxy.resume(),
+        BrokerFault::Reset => proxy.stop_resetting(),
+    }
+    let up = std::time::Instant::now();
+    let (cycles_during, rows_fetched_during, row_writes_during) = {
+        let c = log.cycles.lock().expect("log");
+        let during: Vec<&CycleReport> = c[cycles_before..]
+            .iter()
+            .filter(|(at, _)| *at <= up)
+            .map(|(_, r)| r)
+            .collect();
+        let fetched = during.iter().map(|r| r.fetched.len()).sum::<usize>();
+        let writes = match delivery {
+            // Every fetched row is written twice: its lease, then its outcome.
+            outbox_core::repository::DeliveryMode::Lease => 2 * fetched,
+            // Only completions and counted failures are written (R84).
+            outbox_core::repository::DeliveryMode::Transaction => during
+                .iter()
+                .map(|r| r.completed.len() + r.counted.len())
+                .sum(),
+        };
+        (
+            during.iter().filter(|r| !r.breaker_open).count(),
+            fetched,
+            writes,
+        )
+    };
+    let first_after = |l: &Log| {
+        l.cycles
+            .lock()
+            .expect("log")
+            .iter()
+            .find(|(at, r)| *at > up && !r.completed.is_empty())
+            .map(|(at, _)| *at)
+    };
+    assert!(
+        log.wait(Duration::from_secs(60), |l| first_after(l).is_some())
+            .await,
+        "faults: nothing was published within 60 s after the broker came back"
+    );
+    let first = first_after(&log).expect("checked");
+    assert!(
+        log.wait(Duration::from_secs(120), |l| l.completed() >= total)
+            .await,
+        "faults: the drain did not finish within 120 s after the broker came back ({} of {total})",
+        log.completed()
+    );
+    stop.cancel();
+    relay.waker().notify_one();
+    task.await.expect("relay task").expect("relay loop");
+
+    let got = t.read("orders").await;
+    let mut first_seen: HashMap<String, Vec<Uuid>> = HashMap::new();
+    let mut seen = HashSet::new();
+    for m in &got {
+        let id = Uuid::parse_str(m.attr("event_id").expect("event_id")).expect("uuid");
+        if seen.insert(id) {
+            first_seen
+                .entry(m.attr("partition_key").expect("key").to_owned())
+                .or_default()
+                .push(id);
+        }
+    }
+    assert_eq!(seen.len(), total, "faults: every event arrived");
+    assert_eq!(
+        first_seen, written,
+        "faults: per key, first deliveries in write order"
+    );
+    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
+        table.qualified()
+    )))
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(left, 0, "faults: every row completed and released");
+    t.cleanup().await;
+    proxy.shutdown().await;
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(&pool)
+        .await
+        .expect("drop the trial schema");
+    OutageFigures {
+        cycles_during,
+        rows_fetched_during,
+        row_writes_during,
+        first_publish_after: first.saturating_duration_since(up),
+        outage: up.saturating_duration_since(down),
+    }
+}
+
+/// What a [`database_faults_drain`] trial measured.
+#[derive(Debug, Clone)]
+pub struct DatabaseFaultFigures {
+    /// Backends of the relay ended by `pg_terminate_backend` during the fault.
+    pub terminated: usize,
+    /// Cycles that fetched nothing or whose fetch failed (the cycle-end hook sees both as an
+    /// empty report).
+    pub empty_cycles: usize,
+    /// Outcome writes retried after a transient failure (sum of `commit_retries`).
+    pub commit_retries: u32,
+    /// Outcome writes that failed for good (their rows waited for the lease).
+    pub commit_failures: usize,
+    /// Publishes of an event id that had been published before (at least once delivery).
+    pub repeated_publishes: usize,
+    /// From the end of the fault to the last row completed.
+    pub drain_after: Duration,
+    /// Whether a pinned snapshot (an open REPEATABLE READ transaction elsewhere) held back
+    /// vacuum during the whole drain.
+    pub pinned: bool,
+    /// The whole drain.
+    pub drain: Duration,
+}
+
+/// Issue 14's fault suite, database side: a relay loop on PostgreSQL (the sqlx backend, its own
+/// pool with application name `outbox-faults-<schema>`) drains 8 keys × 40 events to a
+/// scripted broker (1 ms per publish). For the first `fault` of the drain every backend of the
+/// relay's pool is ended with `pg_terminate_backend` every 50 ms, so fetches, publishes' outcome
+/// writes and idle connections are cut wherever they are. With `pin`, a REPEATABLE READ
+/// transaction on another connection holds its snapshot (and so vacuum) for the whole drain.
+/// Checks that every event is published, first publishes per key in write order, and every row
+/// ends completed and released; returns the figures.
+pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultFigures {
+    use std::sync::Mutex;
+
+    use outbox_core::CancellationToken;
+    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::scripted::{Action, ScriptedBroker};
+    use outbox_core::step::PipelineStep;
+
+    #[derive(Default)]
+    struct Log {
+        reports: Mutex<Vec<CycleReport>>,
+        changed: tokio::sync::Notify,
+    }
+    #[async_trait]
+    impl PipelineStep for Log {
+        async fn on_cycle_end(&self, r: &CycleReport) {
+            self.reports.lock().expect("log").push(r.clone());
+            self.changed.notify_waiters();
+        }
+    }
+
+    let _share = reserve_connections(8).await;
+    let url = database_url();
+    let admin = trial_pool(&url, 3).await;
+    let schema = fresh_schema_name();
+    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
+    create_schema(&admin, &table)
+        .await
+        .expect("create the outbox table");
+    let writer = PgOutboxWriter::new(&table);
+    let mut written: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+    let mut tx = admin.begin().await.expect("begin");
+    for seq in 0..40 {
+        let events: Vec<NewEvent> = (0..8)
+            .map(|k| outbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
+            .collect();
+        for r in writer.write(&mut tx, events).await.expect("write") {
+            written
+                .entry(r.event.partition_key.clone())
+                .or_default()
+                .push(r.event.id);
+        }
+    }
+    tx.commit().await.expect("commit");
+    let total: usize = written.values().map(Vec::len).sum();
+
+    let mut pinned = None;
+    if pin {
+        let mut c = admin.begin().await.expect("begin the pin");
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *c)
+            .await
+            .expect("repeatable read");
+        sqlx::query("SELECT txid_current()")
+            .execute(&mut *c)
+            .await
+            .expect("take the snapshot");
+        pinned = Some(c);
+    }
+
+    let app = format!("outbox-faults-{schema}");
+    let opts: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .expect("DATABASE_URL is a valid postgres URL")
+        .application_name(&app);
+    let relay_pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(CONNECT_PATIENCE)
+        .connect_lazy_with(opts);
+    let broker = ScriptedBroker::new();
+    broker.set_default(Action::Delay(Duration::from_millis(1)));
+    let log = Arc::new(Log::default());
+    let relay = Arc::new(
+        Relay::builder(
+            Arc::new(PgOutboxRepository::new(
+                relay_pool.clone(),
+                PgConfig::default().table(table.clone()),
+            )),
+            Arc::new(broker.clone()),
+        )
+        .worker_id("faults-db")
+        .batch_size(20)
+        .max_per_key(4)
+        .lease_ttl(Duration::from_secs(5))
+        .publish_timeout(Duration::from_secs(1))
+        .poll_interval(Duration::from_millis(200))
+        .step(log.clone())
+        .build()
+        .expect("relay"),
+    );
+    let started = std::time::Instant::now();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop).await }
+    });
+
+    // The fault: end every backend of the relay's pool every 50 ms.
+    let mut terminated = 0usize;
+    let fault_ends = std::time::Instant::now() + fault;
+    while std::time::Instant::now() < fault_ends {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = $1",
+        )
+        .bind(&app)
+        .fetch_one(&admin)
+        .await
+        .expect("pg_terminate_backend");
+        terminated += n as usize;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let fault_end = std::time::Instant::now();
+
+    let done = |l: &Log| {
+        l.reports
+            .lock()
+            .expect("log")
+            .iter()
+            .map(|r| r.completed.len())
+            .sum::<usize>()
+            >= total
+    };
+    let finished = tokio::time::timeout(Duration::from_secs(120), async {
+        loop {
+            let n = log.changed.notified();
+            if done(&log) {
+                return;
+            }
+            n.await;
+        }
+    })
+    .await;
+    let drained = std::time::Instant::now();
+    stop.cancel();
+    relay.waker().notify_one();
+    task.await.expect("relay task").expect("relay loop");
+    if let Some(c) = pinned.take() {
+        c.rollback().await.expect("end the pin");
+    }
+    let left: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(AssertSqlSafe(format!(
+        "SELECT id, status, locked_by FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
+        table.qualified()
+    )))
+    .fetch_all(&admin)
+    .await
+    .expect("rows left");
+    assert!(
+        finished.is_ok() && left.is_empty(),
+        "faults: the drain did not finish within 120 s after the fault: {left:?}"
+    );
+
+    let calls = broker.calls();
+    let mut seen = std::collections::HashSet::new();
+    let mut first: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+    let mut repeated = 0;
+    for c in &calls {
+        if c.result.as_ref().is_some_and(Result::is_ok) {
+            if seen.insert(c.event_id) {
+                first
+                    .entry(c.partition_key.clone())
+                    .or_default()
+                    .push(c.event_id);
+            } else {
+                repeated += 1;
+            }
+        }
+    }
+    assert_eq!(seen.len(), total, "faults: every event was published");
+    assert_eq!(
+        first, written,
+        "faults: per key, first publishes in write order"
+    );
+    let reports = log.reports.lock().expect("log").clone();
+    relay_pool.close().await;
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(&admin)
+        .await
+        .expect("drop the trial schema");
+    DatabaseFaultFigures {
+        terminated,
+        empty_cycles: reports
+            .iter()
+            .filter(|r| r.fetched.is_empty() && !r.breaker_open)
+            .count(),
+        commit_retries: reports.iter().map(|r| r.commit_retries).sum(),
+        commit_failures: reports.iter().filter(|r| r.commit_failed).count(),
+        repeated_publishes: repeated,
+        drain_after: drained.saturating_duration_since(fault_end),
+        pinned: pin,
+        drain: drained.saturating_duration_since(started),
     }
 }

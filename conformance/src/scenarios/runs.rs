@@ -1,10 +1,17 @@
 //! Q: head runs, and X: concurrency across keys.
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
 use outbox_core::WorkerId;
-use outbox_core::event::{NewEvent, Status};
-use outbox_core::repository::{Outcome, OutcomeKind};
+use outbox_core::error::RepositoryError;
+use outbox_core::event::{NewEvent, OutboxEvent, Status};
+use outbox_core::repository::{
+    BlockedKey, Capabilities, Delivery, DeliveryBound, FetchRequest, Fetched, OutboxRepository,
+    Outcome, OutcomeKind, StatusCount, WrittenOutcome,
+};
 use outbox_core::scripted::{Action, Gate};
 use uuid::Uuid;
 
@@ -374,6 +381,157 @@ pub async fn x_04(f: &dyn Factory) {
     c.assert_state(e[1], Status::Pending, 1).await;
     c.assert_untouched(&a3).await;
     assert!(!c.broker.called_ids().contains(&e[2]));
+}
+
+/// Keys interleaved round-robin, each key's rows reversed.
+fn interleave(rows: Vec<Fetched>) -> Vec<Fetched> {
+    let mut keys: Vec<(outbox_core::ordering::Key, Vec<Fetched>)> = Vec::new();
+    for r in rows {
+        let k = r.key();
+        match keys.iter_mut().find(|(kk, _)| *kk == k) {
+            Some((_, v)) => v.push(r),
+            None => keys.push((k, vec![r])),
+        }
+    }
+    for (_, v) in &mut keys {
+        v.reverse();
+    }
+    let mut out = Vec::new();
+    let mut depth = 0;
+    loop {
+        let before = out.len();
+        for (_, v) in &keys {
+            if let Some(r) = v.get(depth) {
+                out.push(r.clone());
+            }
+        }
+        if out.len() == before {
+            return out;
+        }
+        depth += 1;
+    }
+}
+
+/// A repository that hands out what the one under test fetched in another order: keys
+/// interleaved round-robin, each key's rows in reverse write order (what a careless third-party
+/// backend might return). Everything else goes straight through.
+struct Interleaving(Arc<dyn OutboxRepository>);
+
+#[async_trait]
+impl OutboxRepository for Interleaving {
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
+    }
+    async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
+        self.0.now().await
+    }
+    async fn get(&self, id: Uuid) -> Result<Option<OutboxEvent>, RepositoryError> {
+        self.0.get(id).await
+    }
+    async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError> {
+        Ok(interleave(self.0.fetch_and_lock(req).await?))
+    }
+    async fn begin_delivery(
+        &self,
+        req: &FetchRequest,
+        bound: DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
+        let (rows, d) = self.0.begin_delivery(req, bound).await?;
+        Ok((interleave(rows), d))
+    }
+    async fn write_outcomes(
+        &self,
+        worker: &WorkerId,
+        outcomes: &[Outcome],
+    ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
+        self.0.write_outcomes(worker, outcomes).await
+    }
+    async fn refresh_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        self.0.refresh_lock(id, worker).await
+    }
+    async fn release_lock(&self, id: Uuid, worker: &WorkerId) -> Result<bool, RepositoryError> {
+        self.0.release_lock(id, worker).await
+    }
+    async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
+        self.0.release_locks(ids, worker).await
+    }
+    async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
+        self.0.release_stale_locks(timeout).await
+    }
+    async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
+        self.0.requeue_failed(id).await
+    }
+    async fn delete_old_completed(
+        &self,
+        retention_days: u32,
+        batch_size: usize,
+    ) -> Result<u64, RepositoryError> {
+        self.0
+            .delete_old_completed(retention_days, batch_size)
+            .await
+    }
+    async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
+        self.0.force_unlock(id, reason).await
+    }
+    async fn blocked_keys(
+        &self,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<BlockedKey>, RepositoryError> {
+        self.0.blocked_keys(lease_ttl, limit).await
+    }
+    async fn counts(&self) -> Result<Vec<StatusCount>, RepositoryError> {
+        self.0.counts().await
+    }
+    async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
+        self.0.oldest_due_age().await
+    }
+}
+
+/// X-05 A backend that returns a key's rows interleaved with other keys' and out of write order
+/// still gets them published one at a time, in write order (R22, R45; issue 14): the relay
+/// groups by key wherever the rows are and orders each key's run by `(created_at, id)`.
+pub async fn x_05(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let keys = ["k1", "k2", "k3"];
+    let mut order: std::collections::HashMap<&str, Vec<Uuid>> = Default::default();
+    for _ in 0..4 {
+        for k in keys {
+            let id = c.put(c.ev(k)).await;
+            order.entry(k).or_default().push(id);
+        }
+    }
+    c.broker
+        .set_default(Action::Delay(Duration::from_millis(2)));
+    let cfg = Cfg::default().per_key(4).concurrency(3);
+    let relay = c.relay_on(Arc::new(Interleaving(c.repo())), &cfg);
+    let first = c.run(&relay).await;
+    assert_eq!(first.report.fetched.len(), 12, "{:?}", first.report);
+    // The wrapper did interleave: the first two rows it handed out are of different keys.
+    let k0 = c.get(first.report.fetched[0]).await.partition_key;
+    let k1 = c.get(first.report.fetched[1]).await.partition_key;
+    assert_ne!(k0, k1, "the wrapper did not interleave");
+    while !c.run(&relay).await.report.fetched.is_empty() {}
+    let calls = c.broker.calls();
+    assert_eq!(calls.len(), 12);
+    for (k, ids) in &order {
+        let mut kc: Vec<_> = calls.iter().filter(|x| x.partition_key == *k).collect();
+        kc.sort_by_key(|x| x.start);
+        assert_eq!(
+            kc.iter().map(|x| x.event_id).collect::<Vec<_>>(),
+            *ids,
+            "{k}: not published in write order"
+        );
+        for w in kc.windows(2) {
+            assert!(
+                w[0].end.unwrap() <= w[1].start,
+                "{k}: two rows of the key in flight at once"
+            );
+        }
+        for id in ids {
+            assert_eq!(c.get(*id).await.status, Status::Completed);
+        }
+    }
 }
 
 /// Q-10 Only the first unpublished row of a healthy key is deferred; the rest of its run is

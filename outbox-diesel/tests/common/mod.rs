@@ -19,11 +19,14 @@ use outbox_core::event::NewEvent;
 use outbox_core::repository::{OutboxRepository, WriteResult};
 use outbox_diesel::error::map_diesel;
 use outbox_diesel::{
-    DieselConfig, DieselOutboxRepository, DieselOutboxWriter, Layout, PgPool, PoolSettings,
-    PooledConnection, TableName, build_pool, run_migrations_with,
+    DieselConfig, DieselOutboxRepository, DieselOutboxWriter, Layout, PgPool, PooledConnection,
+    TableName, run_migrations_with,
 };
 use outbox_postgres::sql::{self, Statements};
-use outbox_postgres::testing::{PgHarness, database_url, fresh_schema_name};
+use outbox_postgres::testing::{
+    CONNECT_PATIENCE, ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, PgHarness,
+    connect_patiently, database_url, fresh_schema_name, reserve_connections,
+};
 use uuid::Uuid;
 
 /// `url` with every session in `America/New_York`, so the time-zone trap of R79 is exercised by
@@ -31,6 +34,28 @@ use uuid::Uuid;
 pub fn url_in_new_york(url: &str) -> String {
     let sep = if url.contains('?') { '&' } else { '?' };
     format!("{url}{sep}options=-c%20TimeZone%3DAmerica%2FNew_York")
+}
+
+/// A deadpool of at most `max` diesel-async connections like `outbox_diesel::build_pool`'s, except that a
+/// new connection is opened patiently ([`connect_patiently`]): a database with no free slot
+/// ("too many clients") makes a trial wait instead of fail.
+pub fn patient_pool(url: &str, max: usize) -> PgPool {
+    use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+    use futures::FutureExt;
+    let mut config = ManagerConfig::default();
+    config.custom_setup = Box::new(|url| {
+        let url = url.to_owned();
+        async move { connect_patiently(|| AsyncPgConnection::establish(&url)).await }.boxed()
+    });
+    let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(url, config);
+    PgPool::builder(manager)
+        .max_size(max)
+        .wait_timeout(Some(CONNECT_PATIENCE))
+        .create_timeout(Some(CONNECT_PATIENCE + Duration::from_secs(5)))
+        .recycle_timeout(Some(Duration::from_secs(10)))
+        .runtime(deadpool::Runtime::Tokio1)
+        .build()
+        .expect("pool")
 }
 
 /// Makes a fresh [`DieselHarness`] per trial.
@@ -78,6 +103,8 @@ pub struct DieselHarness {
     pool: PgPool,
     repo: Arc<DieselOutboxRepository>,
     peer: PgHarness,
+    /// The pool's share of the process's test connection budget.
+    _share: ConnectionShare,
 }
 
 impl DieselHarness {
@@ -90,7 +117,8 @@ impl DieselHarness {
     pub async fn create_with(url: &str, layout: Layout) -> Self {
         let schema = fresh_schema_name();
         let table = TableName::new(&format!("{schema}.{}", sql::DEFAULT_TABLE)).expect("valid");
-        let conn = AsyncPgConnection::establish(url)
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let conn = connect_patiently(|| AsyncPgConnection::establish(url))
             .await
             .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"));
         let mut conn = run_migrations_with(conn, &table, layout)
@@ -100,11 +128,7 @@ impl DieselHarness {
             .await
             .expect("aggregates table");
         drop(conn);
-        let pool = build_pool(
-            &url_in_new_york(url),
-            &PoolSettings::default().max_size(8).expect("size"),
-        )
-        .expect("pool");
+        let pool = patient_pool(&url_in_new_york(url), HARNESS_CONNECTIONS as usize);
         let repo = Arc::new(DieselOutboxRepository::new(
             pool.clone(),
             DieselConfig::default().table(table.clone()).layout(layout),
@@ -119,6 +143,7 @@ impl DieselHarness {
             pool,
             repo,
             peer,
+            _share: share,
         }
     }
 
@@ -167,7 +192,7 @@ impl Drop for DieselHarness {
                 .build()
                 .expect("runtime");
             rt.block_on(async move {
-                if let Ok(mut c) = AsyncPgConnection::establish(&url).await {
+                if let Ok(mut c) = connect_patiently(|| AsyncPgConnection::establish(&url)).await {
                     let _ = c.batch_execute(&drop_sql).await;
                 }
             });
@@ -372,7 +397,7 @@ impl Harness for DieselHarness {
             Ok(c) => c.table_ref().clone(),
             Err(e) => return Some(Err(e.to_string())),
         };
-        let conn = match AsyncPgConnection::establish(&self.url).await {
+        let conn = match connect_patiently(|| AsyncPgConnection::establish(&self.url)).await {
             Ok(c) => c,
             Err(e) => return Some(Err(e.to_string())),
         };
@@ -408,7 +433,7 @@ pub struct Name {
 /// A plain connection to the test database; panics when it is unreachable.
 pub async fn connect() -> AsyncPgConnection {
     let url = database_url();
-    AsyncPgConnection::establish(&url)
+    connect_patiently(|| AsyncPgConnection::establish(&url))
         .await
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
 }
