@@ -268,7 +268,7 @@ pub async fn l_09(f: &dyn Factory) {
     );
 }
 
-/// L-10 The lease ends exactly at the TTL [mem]: a row locked exactly TTL ago is still held (and
+/// L-10 The lease ends exactly at the TTL `[mem]`: a row locked exactly TTL ago is still held (and
 /// holds its key); 1 ms later it is free.
 pub async fn l_10(f: &dyn Factory) {
     let c = Ctx::new(f).await;
@@ -395,7 +395,7 @@ pub async fn l_12(f: &dyn Factory) {
     assert_eq!(c.cycle1().await.sent, e);
 }
 
-/// L-13 The lease margin at its boundary [mem] (paused clock): with exactly the publish timeout
+/// L-13 The lease margin at its boundary `[mem]` (paused clock): with exactly the publish timeout
 /// left on the lease, the next publish still starts (R49: "at least").
 pub async fn l_13(f: &dyn Factory) {
     let c = Ctx::new(f).await;
