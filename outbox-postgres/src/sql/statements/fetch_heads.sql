@@ -16,11 +16,13 @@
 -- order (scheduled_at, created_at, id), then, when path B walked, one last row with head_id NULL
 -- naming the last key it visited (the caller's next cursor).
 --
--- Path A, the window: the $6 oldest fetchable rows, row-locked with SKIP LOCKED as they are
--- read, so concurrent fetches read disjoint windows instead of colliding on the same one.
+-- Path A, the window: the $6 oldest fetchable rows. Unlocked rows are row-locked with SKIP
+-- LOCKED as they are read, so concurrent fetches read disjoint windows instead of colliding on
+-- the same one; rows under an expired lease (rare) are read without a lock, so a table full of
+-- them does not make the fetch lock twice the window, and fetch_take locks the ones it takes.
 -- Only the earliest window row of each key can be its head; it is one when no earlier in-line
 -- row of its key exists (one LIMIT 1 probe of idx_<t>_pending_key_order per key, filters
--- ignored, R29). Its heads are locked already, so fetch_take can always take them.
+-- ignored, R29).
 --
 -- Path B, the walk, runs only when path A found fewer than $1 heads (the window is full of rows
 -- queued behind blocked heads, or of one hot key). It visits keys in (topic, partition_key)
@@ -29,7 +31,7 @@
 -- is bounded by the batch, never by the number of keys (R85), and the cursor makes every key's
 -- turn come within a bounded number of fetches (R20). Walk heads are not locked here.
 --
--- Nothing here takes an advisory lock, and the only row locks are the window's $6 rows.
+-- Nothing here takes an advisory lock, and the only row locks are at most $6 window rows.
 WITH RECURSIVE
 win_u AS MATERIALIZED (
     SELECT u.id, u.topic, u.partition_key, u.scheduled_at, u.created_at
@@ -53,7 +55,6 @@ win_x AS MATERIALIZED (
        AND ($5::uuid[] IS NULL OR x.aggregate_id = ANY($5::uuid[]))
      ORDER BY x.scheduled_at, x.created_at, x.id
      LIMIT $6::int8
-       FOR UPDATE SKIP LOCKED
 ),
 win AS (
     SELECT w.* FROM (SELECT * FROM win_u UNION ALL SELECT * FROM win_x) w
