@@ -20,7 +20,7 @@ use outbox_core::repository::{
 };
 use outbox_postgres::shared;
 use outbox_postgres::sql::{
-    self, BlockedKeysParams, FetchParams, HeadRows, Layout, Statements, TableName, WalkCursor,
+    self, BlockedKeysParams, FetchParams, HeadRows, Layout, Statements, TableName, Take, WalkCursor,
 };
 use uuid::Uuid;
 
@@ -249,15 +249,7 @@ impl OutboxRepository for DieselOutboxRepository {
         // Its own transaction, committed at once (R76).
         let rows: Vec<FetchedRow> = conn
             .transaction(async |c| {
-                fetch_in(
-                    c,
-                    &self.stmts,
-                    &self.stmts.fetch_take,
-                    worker,
-                    &p,
-                    &self.cursor,
-                )
-                .await
+                fetch_in(c, &self.stmts, Take::Lease, worker, &p, &self.cursor).await
             })
             .await
             .map_err(|e| self.err(e))?;
@@ -296,7 +288,7 @@ impl OutboxRepository for DieselOutboxRepository {
         let rows = fetch_in(
             c,
             &self.stmts,
-            &self.stmts.fetch_take_transaction,
+            Take::Transaction,
             d.worker.clone(),
             &p,
             &self.cursor,
@@ -519,7 +511,7 @@ impl OutboxRepository for DieselOutboxRepository {
 pub(crate) async fn fetch_in(
     c: &mut AsyncPgConnection,
     stmts: &Statements,
-    take: &str,
+    take: Take,
     worker: String,
     p: &FetchParams,
     cursor: &WalkCursor,
@@ -527,7 +519,8 @@ pub(crate) async fn fetch_in(
     // As outbox_postgres::fetch_rows: a delivery transaction releases its window's row locks
     // before the take, and a fetch whose candidates were all taken by others looks again, a
     // bounded number of times.
-    let release_window = take == stmts.fetch_take_transaction;
+    let release_window = take == Take::Transaction;
+    let take = stmts.take(take);
     for attempt in 1..=sql::FETCH_ATTEMPTS {
         if release_window {
             diesel::sql_query(stmts.window_savepoint.as_str())

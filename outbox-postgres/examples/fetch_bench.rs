@@ -108,7 +108,7 @@ async fn main() {
                 let got = fetch_rows(
                     &mut tx,
                     &stmts,
-                    &stmts.fetch_take,
+                    outbox_postgres::sql::Take::Lease,
                     "bench",
                     &p,
                     &WalkCursor::default(),

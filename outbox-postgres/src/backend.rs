@@ -23,7 +23,7 @@ use crate::error::Error;
 use crate::shared;
 use crate::sql::{
     self, BlockedKeysParams, ErrorClass, FetchParams, HeadRows, InsertColumns, Layout, RawRow,
-    Statements, TableName, WalkCursor,
+    Statements, TableName, Take, WalkCursor,
 };
 
 /// Settings of the sqlx backend.
@@ -487,23 +487,24 @@ pub fn bind_fetch_take<'q>(
 }
 
 /// Runs the two fetch statements on `conn`, inside the caller's transaction: the heads
-/// ([`Statements::fetch_heads`], from `cursor`, which it then advances), then `take` (the text of
-/// [`Statements::fetch_take`] or [`Statements::fetch_take_transaction`]). Returns the taken
+/// ([`Statements::fetch_heads`], from `cursor`, which it then advances), then the take
+/// ([`Statements::take`]). Returns the taken
 /// rows ([`sql::COLUMNS`]) in return order.
 ///
-/// With [`Statements::fetch_take_transaction`] the heads statement runs inside
+/// With [`Take::Transaction`] the heads statement runs inside
 /// [`Statements::window_savepoint`] and the window's row locks are released
 /// ([`Statements::window_release`]) before the take: the delivery transaction stays open for
 /// the whole cycle and must hold only the rows it took.
 pub async fn fetch_rows(
     conn: &mut sqlx::PgConnection,
     stmts: &Statements,
-    take: &str,
+    take: Take,
     worker: &str,
     p: &FetchParams,
     cursor: &WalkCursor,
 ) -> Result<Vec<PgRow>, sqlx::Error> {
-    let release_window = take == stmts.fetch_take_transaction;
+    let release_window = take == Take::Transaction;
+    let take = stmts.take(take);
     for attempt in 1..=sql::FETCH_ATTEMPTS {
         if release_window {
             sqlx::query(AssertSqlSafe(stmts.window_savepoint.as_str()))
@@ -679,7 +680,7 @@ impl OutboxRepository for PgOutboxRepository {
         let rows = fetch_rows(
             &mut tx,
             &self.stmts,
-            &self.stmts.fetch_take,
+            Take::Lease,
             req.worker.as_str(),
             &p,
             &self.cursor,
@@ -708,7 +709,7 @@ impl OutboxRepository for PgOutboxRepository {
         let rows = fetch_rows(
             &mut tx,
             &self.stmts,
-            &self.stmts.fetch_take_transaction,
+            Take::Transaction,
             req.worker.as_str(),
             &p,
             &self.cursor,

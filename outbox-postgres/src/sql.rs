@@ -620,6 +620,27 @@ pub fn fetch_walk_limit(batch: usize) -> i64 {
     (batch.saturating_mul(4)).clamp(64, 10_000) as i64
 }
 
+/// Which second statement a fetch runs: [`Statements::fetch_take`] (lease delivery, R76) or
+/// [`Statements::fetch_take_transaction`] (delivery in one transaction, R84, which also releases
+/// the window's row locks before the take).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Take {
+    /// Stamp the lease.
+    Lease,
+    /// Keep the rows row-locked in the open delivery transaction.
+    Transaction,
+}
+
+impl Statements {
+    /// The text of the take statement for `take`.
+    pub fn take(&self, take: Take) -> &str {
+        match take {
+            Take::Lease => &self.fetch_take,
+            Take::Transaction => &self.fetch_take_transaction,
+        }
+    }
+}
+
 /// How many times a fetch runs its two statements when candidates were found but another relay
 /// took every one of them between the two (each time with a new snapshot): an empty fetch
 /// while due rows remain is what concurrent relays must avoid (R85), and the bound keeps the

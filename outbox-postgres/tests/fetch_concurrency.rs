@@ -103,7 +103,7 @@ async fn two_open_fetches_take_disjoint_full_batches() {
     let got1 = fetch_rows(
         &mut t1,
         &stmts,
-        &stmts.fetch_take_transaction,
+        outbox_postgres::sql::Take::Transaction,
         "w1",
         &fetch("w1"),
         &c1,
@@ -116,7 +116,7 @@ async fn two_open_fetches_take_disjoint_full_batches() {
         fetch_rows(
             &mut t2,
             &stmts,
-            &stmts.fetch_take_transaction,
+            outbox_postgres::sql::Take::Transaction,
             "w2",
             &fetch("w2"),
             &c2,
@@ -163,7 +163,7 @@ async fn a_fetch_holds_no_lock_per_visited_key() {
     let rows = fetch_rows(
         &mut tx,
         &stmts,
-        &stmts.fetch_take,
+        outbox_postgres::sql::Take::Lease,
         "w1",
         &p,
         &WalkCursor::default(),

@@ -184,13 +184,19 @@ async fn fetched_heads_follow_the_head_rule_on_random_tables() {
             p.window = 2 * batch as i64;
             let cursor = WalkCursor::default();
             let mut tx = h.pool().begin().await.unwrap();
-            let got: Vec<uuid::Uuid> =
-                fetch_rows(&mut tx, &stmts, &stmts.fetch_take, "w1", &p, &cursor)
-                    .await
-                    .expect("fetch")
-                    .iter()
-                    .map(|r| r.try_get("id").unwrap())
-                    .collect();
+            let got: Vec<uuid::Uuid> = fetch_rows(
+                &mut tx,
+                &stmts,
+                outbox_postgres::sql::Take::Lease,
+                "w1",
+                &p,
+                &cursor,
+            )
+            .await
+            .expect("fetch")
+            .iter()
+            .map(|r| r.try_get("id").unwrap())
+            .collect();
             tx.rollback().await.unwrap();
             assert_eq!(
                 got.len(),

@@ -293,7 +293,7 @@ pub async fn statement_profile(
         let rows = outbox_postgres::fetch_rows(
             &mut tx,
             &stmts,
-            &stmts.fetch_take,
+            outbox_postgres::sql::Take::Lease,
             "bench-profile",
             &p,
             &cursor,
