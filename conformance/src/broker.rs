@@ -100,6 +100,12 @@ pub trait BrokerUnderTest: Send + Sync {
 pub trait BrokerTrial: Send + Sync {
     /// The adapter under test.
     fn broker(&self) -> Arc<dyn Broker>;
+    /// Another adapter like [`broker`](Self::broker) (same settings, destinations and
+    /// address) with a connection of its own, as a second relay process would have. Default:
+    /// [`broker`](Self::broker) itself, for adapters whose clones do not share a connection.
+    async fn another_adapter(&self) -> Arc<dyn Broker> {
+        self.broker()
+    }
     /// Where a message of this topic lands (NATS subject, Redis stream key).
     fn destination(&self, topic: &str) -> String;
     /// Every stored message of this topic, in stored order, read straight from the server.

@@ -132,9 +132,13 @@ pub trait Broker: Send + Sync {
         None
     }
 
-    /// A cheap reachability check (one round trip, no message sent), called every
-    /// `probe_interval` while a relay loop waits out an outage, for clients without connection
-    /// events. Default: [`Probe::Unsupported`] (never called again).
+    /// A cheap reachability check (one round trip to the broker, no message sent), called
+    /// every `probe_interval` while a relay loop waits out an outage: for clients without
+    /// connection events, and for outages with no disconnect (a black-holed network). The loop
+    /// bounds each call by [`PROBE_TIMEOUT`](crate::relay::PROBE_TIMEOUT) and counts a late
+    /// answer as [`Probe::Down`]. It must not answer [`Probe::Up`] from local state alone (a
+    /// flushed socket buffer is no answer). Default: [`Probe::Unsupported`] (never called
+    /// again).
     async fn probe(&self) -> Probe {
         Probe::Unsupported
     }

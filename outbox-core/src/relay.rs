@@ -51,7 +51,7 @@ mod run_loop;
 
 pub use run_loop::{
     DEFAULT_MAX_PERMANENT_FAILURES, DEFAULT_PROBE_INTERVAL, DEFAULT_REPOSITORY_BACKOFF,
-    LoopBackoff, LoopControl, LoopHooks, RunOptions,
+    LoopBackoff, LoopControl, LoopHooks, PROBE_TIMEOUT, RECOMMENDED_OUTAGE_BACKOFF, RunOptions,
 };
 
 /// Default loop batch size (R61).

@@ -428,6 +428,33 @@ impl Broker for NatsBroker {
         Some(self.reconnected.watch())
     }
 
+    /// One JetStream round trip within the adapter's timeout: the account's JetStream info
+    /// (`$JS.API.INFO`), asked only while the client is connected. It answers only when the
+    /// server and JetStream do, so a black-holed connection (accepted, silent, never dropped)
+    /// probes `Down` until bytes flow again, when the relay loop starts its next cycle at once.
+    async fn probe(&self) -> outbox_core::broker::Probe {
+        use outbox_core::broker::Probe;
+        if self.client.connection_state() != State::Connected {
+            return Probe::Down;
+        }
+        // A raw request to the JetStream API's account info: any reply is an answer (the
+        // typed `query_account` may not parse every server version's reply).
+        let empty = serde_json::Map::new();
+        let info = self.js.request::<_, _, serde_json::Value>("INFO", &empty);
+        match tokio::time::timeout(self.config.timeout, info).await {
+            Ok(Ok(reply)) if reply.get("error").is_none() => Probe::Up,
+            Ok(Ok(reply)) => {
+                tracing::debug!(error = %reply["error"], "NATS probe: JetStream answered with an error");
+                Probe::Down
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "NATS probe: JetStream did not answer");
+                Probe::Down
+            }
+            Err(_) => Probe::Down,
+        }
+    }
+
     async fn publish(&self, m: &Message) -> Result<Ack, BrokerError> {
         let subject = self.subject(m)?;
         let headers = self.headers(m)?;

@@ -29,3 +29,30 @@ async fn reconnects_moves_when_the_server_becomes_reachable() {
         .expect("the connection is reported within 10 s of the server being reachable");
     assert!(broker.is_connected());
 }
+
+/// `Broker::probe` is a round trip: through a black-holed connection (accepted, silent, still
+/// open, so no disconnect is ever reported) it answers `Down`, and `Up` again once bytes flow.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_probe_is_a_round_trip_and_fails_while_the_network_is_black_holed() {
+    use outbox_conformance::broker::LoopbackProxy;
+    use outbox_core::broker::Probe;
+
+    let proxy = LoopbackProxy::start(Nats.server_addr()).await;
+    let cfg = NatsBrokerConfig::new(format!("nats://{}", proxy.addr()))
+        .timeout(Duration::from_millis(500))
+        .reconnect_delay_max(Duration::from_millis(200));
+    let broker = NatsBroker::connect(cfg)
+        .await
+        .expect("connect through the proxy");
+    assert_eq!(broker.probe().await, Probe::Up, "through a healthy network");
+    proxy.stall();
+    assert_eq!(
+        broker.probe().await,
+        Probe::Down,
+        "nothing answers through a black hole"
+    );
+    assert!(broker.is_connected(), "the client saw no disconnect");
+    proxy.resume();
+    assert_eq!(broker.probe().await, Probe::Up, "after the network is back");
+    proxy.shutdown().await;
+}

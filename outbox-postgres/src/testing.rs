@@ -1019,30 +1019,66 @@ pub enum BrokerFault {
     Reset,
 }
 
+/// Issue 14's measurement of omni-box 0.3.1 (the ancestor) during a 10 s broker outage with
+/// three relays, counted from PostgreSQL's WAL: 46,060 row updates on NATS, 55,426 on Redis.
+/// The target is at most 10 % of it.
+pub const ANCESTOR_OUTAGE_ROW_UPDATES: [(outbox_conformance::broker::BrokerKind, usize); 2] = [
+    (outbox_conformance::broker::BrokerKind::Nats, 46_060),
+    (outbox_conformance::broker::BrokerKind::Redis, 55_426),
+];
+
 /// What a [`broker_outage_on_postgres`] trial measured.
 #[derive(Debug, Clone)]
 pub struct OutageFigures {
-    /// Cycles that fetched (rows or none) while the broker was away.
+    /// Relays (each a [`Relay::run_with`](outbox_core::relay::Relay::run_with) loop with its
+    /// own broker connection, as separate processes would have).
+    pub relays: usize,
+    /// Cycles of all relays that fetched (rows or none) while the broker was away.
     pub cycles_during: usize,
-    /// Rows the relay fetched while the broker was away.
+    /// Rows the relays fetched while the broker was away.
     pub rows_fetched_during: usize,
-    /// Row writes the relay made while the broker was away: in the lease mode every fetched
-    /// row is written twice (the lease, then its outcome); in transaction delivery only
-    /// completions and counted failures are written.
-    pub row_writes_during: usize,
-    /// From the broker answering again to the first acknowledged publish.
+    /// Row updates of the outbox table while the broker was away, counted by PostgreSQL (a
+    /// statement trigger with a transition table logs each UPDATE's row count with
+    /// `clock_timestamp()`), not by the relay: in the lease mode each fetched row is updated
+    /// for its lease and again for its release; in transaction delivery only completions and
+    /// counted failures are written.
+    pub row_writes_during: i64,
+    /// The ancestor's row updates in the same outage ([`ANCESTOR_OUTAGE_ROW_UPDATES`]).
+    pub ancestor_row_writes: usize,
+    /// From the broker answering again to the end of the first cycle with an acknowledged
+    /// publish (an upper bound of the first publish).
     pub first_publish_after: Duration,
     /// How long the broker was away.
     pub outage: Duration,
 }
 
-/// Issue 14's fault suite, broker side: a relay loop ([`outbox_core::relay::Relay::run`]) on
-/// PostgreSQL (the sqlx backend, a fresh schema) drains 4 keys × 25 events into `b` through a
-/// [`outbox_conformance::broker::LoopbackProxy`]; after 20 rows went out the proxy takes the
-/// broker away (`fault`) for `outage`, then brings it back. Checks that every event arrives and
-/// that, per key, first deliveries are in write order; returns the figures of the outage. The
-/// relay runs in `delivery` mode with publish timeout 2 s (the adapter's own 1 s), poll
-/// interval 1 s, the defaults otherwise.
+impl std::fmt::Display for OutageFigures {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "outage {:.1?}, {} relays: {} cycles, {} rows fetched, {} row updates during it ({:.1} % of the ancestor's {}); first publish {:?} after the broker answered again",
+            self.outage,
+            self.relays,
+            self.cycles_during,
+            self.rows_fetched_during,
+            self.row_writes_during,
+            100.0 * self.row_writes_during as f64 / self.ancestor_row_writes as f64,
+            self.ancestor_row_writes,
+            self.first_publish_after
+        )
+    }
+}
+
+/// Issue 14's fault suite, broker side, in the issue's setting: three relay loops
+/// ([`outbox_core::relay::Relay::run_with`] with
+/// [`RECOMMENDED_OUTAGE_BACKOFF`](outbox_core::relay::RECOMMENDED_OUTAGE_BACKOFF), the outage
+/// back-off `outbox-relay` runs with) on PostgreSQL (the sqlx backend, a fresh schema) drain
+/// 40 keys × 25 events into `b`, each relay through its own adapter connection to one
+/// [`outbox_conformance::broker::LoopbackProxy`]. After 100 rows went out the proxy takes the
+/// broker away (`fault`) for `outage`, then brings it back. Checks that every event arrives,
+/// that per key first deliveries are in write order, and that every row ends completed and
+/// released; returns the figures of the outage. Batch 50, publish timeout 2 s (the adapter's
+/// own 1 s), poll interval 1 s, `delivery` mode.
 pub async fn broker_outage_on_postgres(
     b: &dyn outbox_conformance::broker::BrokerUnderTest,
     fault: BrokerFault,
@@ -1054,8 +1090,10 @@ pub async fn broker_outage_on_postgres(
 
     use outbox_conformance::broker::{LoopbackProxy, TrialOptions, e2e_event};
     use outbox_core::CancellationToken;
-    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::relay::{CycleReport, RECOMMENDED_OUTAGE_BACKOFF, Relay, RunOptions};
     use outbox_core::step::PipelineStep;
+
+    const RELAYS: usize = 3;
 
     /// Records, per cycle, when it ended and what it did.
     #[derive(Default)]
@@ -1094,24 +1132,45 @@ pub async fn broker_outage_on_postgres(
         }
     }
 
-    let _share = reserve_connections(4).await;
-    let pool = trial_pool(&database_url(), 4).await;
+    let _share = reserve_connections(6).await;
+    let pool = trial_pool(&database_url(), 6).await;
     let schema = fresh_schema_name();
     let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
     create_schema(&pool, &table)
         .await
         .expect("create the outbox table");
+    // PostgreSQL counts the table's row updates, with the time of each statement.
+    for ddl in [
+        format!(
+            "CREATE TABLE \"{schema}\".row_updates (at timestamptz NOT NULL DEFAULT clock_timestamp(), n bigint NOT NULL)"
+        ),
+        format!(
+            "CREATE FUNCTION \"{schema}\".count_row_updates() RETURNS trigger LANGUAGE plpgsql AS \
+             $$ BEGIN INSERT INTO \"{schema}\".row_updates (n) SELECT count(*) FROM changed; RETURN NULL; END $$"
+        ),
+        format!(
+            "CREATE TRIGGER count_row_updates AFTER UPDATE ON {} REFERENCING NEW TABLE AS changed \
+             FOR EACH STATEMENT EXECUTE FUNCTION \"{schema}\".count_row_updates()",
+            table.qualified()
+        ),
+    ] {
+        sqlx::query(AssertSqlSafe(ddl))
+            .execute(&pool)
+            .await
+            .expect("the row-update counter");
+    }
     let writer = PgOutboxWriter::new(&table);
     let mut written: HashMap<String, Vec<Uuid>> = HashMap::new();
     let mut tx = pool.begin().await.expect("begin");
     for seq in 0..25 {
-        for k in 0..4 {
-            let key = format!("acct-{k}");
-            let r = writer
-                .write(&mut tx, vec![e2e_event("orders", &key, seq)])
-                .await
-                .expect("write");
-            written.entry(key).or_default().push(r[0].event.id);
+        let events: Vec<NewEvent> = (0..40)
+            .map(|k| e2e_event("orders", &format!("acct-{k}"), seq))
+            .collect();
+        for r in writer.write(&mut tx, events).await.expect("write") {
+            written
+                .entry(r.event.partition_key.clone())
+                .or_default()
+                .push(r.event.id);
         }
     }
     tx.commit().await.expect("commit");
@@ -1125,71 +1184,85 @@ pub async fn broker_outage_on_postgres(
         })
         .await;
     let log = Arc::new(Log::default());
-    let relay = Arc::new(
-        Relay::builder(
-            Arc::new(PgOutboxRepository::new(
-                pool.clone(),
-                PgConfig::default().table(table.clone()),
-            )),
-            t.broker(),
-        )
-        .worker_id("faults")
-        .batch_size(10)
-        .max_per_key(2)
-        .publish_timeout(Duration::from_secs(2))
-        .poll_interval(Duration::from_secs(1))
-        .delivery(delivery)
-        .step(log.clone())
-        .build()
-        .expect("relay"),
-    );
+    let mut relays = Vec::new();
+    for i in 0..RELAYS {
+        let broker = if i == 0 {
+            t.broker()
+        } else {
+            t.another_adapter().await
+        };
+        relays.push(Arc::new(
+            Relay::builder(
+                Arc::new(PgOutboxRepository::new(
+                    pool.clone(),
+                    PgConfig::default().table(table.clone()),
+                )),
+                broker,
+            )
+            .worker_id(format!("faults-{i}"))
+            .batch_size(50)
+            .publish_timeout(Duration::from_secs(2))
+            .poll_interval(Duration::from_secs(1))
+            .delivery(delivery)
+            .step(log.clone())
+            .build()
+            .expect("relay"),
+        ));
+    }
     let stop = CancellationToken::new();
-    let task = tokio::spawn({
-        let (relay, stop) = (relay.clone(), stop.clone());
-        async move { relay.run(stop).await }
-    });
+    let tasks: Vec<_> = relays
+        .iter()
+        .map(|relay| {
+            let (relay, stop) = (relay.clone(), stop.clone());
+            tokio::spawn(async move {
+                relay
+                    .run_with(
+                        stop,
+                        RunOptions::new().outage_backoff(RECOMMENDED_OUTAGE_BACKOFF),
+                    )
+                    .await
+            })
+        })
+        .collect();
 
     assert!(
-        log.wait(Duration::from_secs(30), |l| l.completed() >= 20)
+        log.wait(Duration::from_secs(30), |l| l.completed() >= 100)
             .await,
-        "faults: 20 rows were not published within 30 s"
+        "faults: 100 rows were not published within 30 s"
     );
+    let db_now = || async {
+        sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>("SELECT clock_timestamp()")
+            .fetch_one(&pool)
+            .await
+            .expect("the database clock")
+    };
     match fault {
         BrokerFault::Refuse => proxy.close().await,
         BrokerFault::BlackHole => proxy.stall(),
         BrokerFault::Reset => proxy.reset(),
     }
     let down = std::time::Instant::now();
+    let db_down = db_now().await;
     let cycles_before = log.cycles.lock().expect("log").len();
     // The outage lasts what it lasts: this wait is the fault, not a wait for state.
     tokio::time::sleep(outage).await;
+    let db_up = db_now().await;
     match fault {
         BrokerFault::Refuse => proxy.reopen().await,
         BrokerFault::BlackHole => proxy.resume(),
         BrokerFault::Reset => proxy.stop_resetting(),
     }
     let up = std::time::Instant::now();
-    let (cycles_during, rows_fetched_during, row_writes_during) = {
+    let (cycles_during, rows_fetched_during) = {
         let c = log.cycles.lock().expect("log");
         let during: Vec<&CycleReport> = c[cycles_before..]
             .iter()
             .filter(|(at, _)| *at <= up)
             .map(|(_, r)| r)
             .collect();
-        let fetched = during.iter().map(|r| r.fetched.len()).sum::<usize>();
-        let writes = match delivery {
-            // Every fetched row is written twice: its lease, then its outcome.
-            outbox_core::repository::DeliveryMode::Lease => 2 * fetched,
-            // Only completions and counted failures are written (R84).
-            outbox_core::repository::DeliveryMode::Transaction => during
-                .iter()
-                .map(|r| r.completed.len() + r.counted.len())
-                .sum(),
-        };
         (
             during.iter().filter(|r| !r.breaker_open).count(),
-            fetched,
-            writes,
+            during.iter().map(|r| r.fetched.len()).sum::<usize>(),
         )
     };
     let first_after = |l: &Log| {
@@ -1213,8 +1286,18 @@ pub async fn broker_outage_on_postgres(
         log.completed()
     );
     stop.cancel();
-    relay.waker().notify_one();
-    task.await.expect("relay task").expect("relay loop");
+    for (relay, task) in relays.iter().zip(tasks) {
+        relay.waker().notify_one();
+        task.await.expect("relay task").expect("relay loop");
+    }
+    let row_writes_during: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT coalesce(sum(n), 0)::bigint FROM \"{schema}\".row_updates WHERE at >= $1 AND at < $2"
+    )))
+    .bind(db_down)
+    .bind(db_up)
+    .fetch_one(&pool)
+    .await
+    .expect("count the row updates");
 
     let got = t.read("orders").await;
     let mut first_seen: HashMap<String, Vec<Uuid>> = HashMap::new();
@@ -1247,10 +1330,16 @@ pub async fn broker_outage_on_postgres(
         .execute(&pool)
         .await
         .expect("drop the trial schema");
+    let ancestor_row_writes = ANCESTOR_OUTAGE_ROW_UPDATES
+        .iter()
+        .find(|(k, _)| *k == b.kind())
+        .map_or(0, |(_, n)| *n);
     OutageFigures {
+        relays: RELAYS,
         cycles_during,
         rows_fetched_during,
         row_writes_during,
+        ancestor_row_writes,
         first_publish_after: first.saturating_duration_since(up),
         outage: up.saturating_duration_since(down),
     }
@@ -1478,5 +1567,235 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
         drain_after: drained.saturating_duration_since(fault_end),
         pinned: pin,
         drain: drained.saturating_duration_since(started),
+    }
+}
+
+/// What a [`fetch_terminated_mid_statement`] trial measured.
+#[derive(Debug, Clone)]
+pub struct MidFetchFigures {
+    /// The delivery mode of the relay.
+    pub delivery: outbox_core::repository::DeliveryMode,
+    /// The statement the relay's backend was running when it was ended (its first 60 bytes).
+    pub statement: String,
+    /// From the end of the fault (the backend ended and the table free again) to the end of the
+    /// first cycle with an acknowledged publish.
+    pub first_publish_after: Duration,
+    /// From the end of the fault to the last row completed.
+    pub drain_after: Duration,
+}
+
+/// Issue 14's fault suite: the relay's connection terminated mid-fetch, deterministically. A
+/// relay loop on PostgreSQL (sqlx backend, its own pool with application name
+/// `outbox-midfetch-<schema>`, `delivery` mode) starts while another transaction holds the
+/// outbox table in ACCESS EXCLUSIVE mode, so its first fetch statement waits on that lock. Once
+/// `pg_stat_activity` shows the relay's backend waiting in `fetch_heads`, the backend is ended
+/// with `pg_terminate_backend` and the lock released. Checks that the relay fetches again on a
+/// fresh connection and drains 8 keys × 10 events to a scripted broker, first publishes per
+/// key in write order, every row completed and released; returns the figures.
+pub async fn fetch_terminated_mid_statement(
+    delivery: outbox_core::repository::DeliveryMode,
+) -> MidFetchFigures {
+    use std::sync::Mutex;
+
+    use outbox_core::CancellationToken;
+    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::scripted::ScriptedBroker;
+    use outbox_core::step::PipelineStep;
+
+    #[derive(Default)]
+    struct Log {
+        cycles: Mutex<Vec<(std::time::Instant, CycleReport)>>,
+        changed: tokio::sync::Notify,
+    }
+    #[async_trait]
+    impl PipelineStep for Log {
+        async fn on_cycle_end(&self, r: &CycleReport) {
+            self.cycles
+                .lock()
+                .expect("log")
+                .push((std::time::Instant::now(), r.clone()));
+            self.changed.notify_waiters();
+        }
+    }
+    impl Log {
+        async fn wait(&self, within: Duration, pred: impl Fn(&Self) -> bool) -> bool {
+            tokio::time::timeout(within, async {
+                loop {
+                    let n = self.changed.notified();
+                    if pred(self) {
+                        return;
+                    }
+                    n.await;
+                }
+            })
+            .await
+            .is_ok()
+        }
+        fn completed(&self) -> usize {
+            let c = self.cycles.lock().expect("log");
+            c.iter().map(|(_, r)| r.completed.len()).sum()
+        }
+    }
+
+    let _share = reserve_connections(6).await;
+    let url = database_url();
+    let admin = trial_pool(&url, 3).await;
+    let schema = fresh_schema_name();
+    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
+    create_schema(&admin, &table)
+        .await
+        .expect("create the outbox table");
+    let writer = PgOutboxWriter::new(&table);
+    let mut written: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+    let mut tx = admin.begin().await.expect("begin");
+    for seq in 0..10 {
+        let events: Vec<NewEvent> = (0..8)
+            .map(|k| outbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
+            .collect();
+        for r in writer.write(&mut tx, events).await.expect("write") {
+            written
+                .entry(r.event.partition_key.clone())
+                .or_default()
+                .push(r.event.id);
+        }
+    }
+    tx.commit().await.expect("commit");
+    let total: usize = written.values().map(Vec::len).sum();
+
+    // The table is locked before the relay starts: its first fetch statement waits.
+    let mut lock = admin.begin().await.expect("begin the lock");
+    sqlx::query(AssertSqlSafe(format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+        table.qualified()
+    )))
+    .execute(&mut *lock)
+    .await
+    .expect("lock the table");
+
+    let app = format!("outbox-midfetch-{schema}");
+    let opts: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .expect("DATABASE_URL is a valid postgres URL")
+        .application_name(&app);
+    let relay_pool = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(CONNECT_PATIENCE)
+        .connect_lazy_with(opts);
+    let broker = ScriptedBroker::new();
+    let log = Arc::new(Log::default());
+    let relay = Arc::new(
+        Relay::builder(
+            Arc::new(PgOutboxRepository::new(
+                relay_pool.clone(),
+                PgConfig::default().table(table.clone()),
+            )),
+            Arc::new(broker.clone()),
+        )
+        .worker_id("mid-fetch")
+        .batch_size(20)
+        .max_per_key(4)
+        .lease_ttl(Duration::from_secs(30))
+        .publish_timeout(Duration::from_secs(1))
+        .poll_interval(Duration::from_millis(200))
+        .delivery(delivery)
+        .step(log.clone())
+        .build()
+        .expect("relay"),
+    );
+    let stop = CancellationToken::new();
+    let task = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop).await }
+    });
+
+    // Find the relay's backend waiting on the lock (polled: the catalog has no event for it).
+    let waiting = async {
+        loop {
+            let row: Option<(i32, String)> = sqlx::query_as(
+                "SELECT pid, query FROM pg_stat_activity \
+                 WHERE application_name = $1 AND state = 'active' AND wait_event_type = 'Lock'",
+            )
+            .bind(&app)
+            .fetch_optional(&admin)
+            .await
+            .expect("pg_stat_activity");
+            if let Some(r) = row {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let (pid, query) = tokio::time::timeout(Duration::from_secs(30), waiting)
+        .await
+        .expect("the relay's fetch waits on the table lock within 30 s");
+    let fetch_heads = Statements::new(&table).fetch_heads;
+    // pg_stat_activity keeps the first track_activity_query_size bytes of the statement.
+    assert!(
+        query.len() >= 200 && fetch_heads.starts_with(query.trim_end()),
+        "faults: the relay's backend waits in the fetch's first statement, not in {query:?}"
+    );
+    let ended: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&admin)
+        .await
+        .expect("pg_terminate_backend");
+    assert!(ended, "faults: the relay's backend was ended");
+    lock.commit().await.expect("release the table");
+    let fault_end = std::time::Instant::now();
+
+    let first_after = |l: &Log| {
+        l.cycles
+            .lock()
+            .expect("log")
+            .iter()
+            .find(|(at, r)| *at > fault_end && !r.completed.is_empty())
+            .map(|(at, _)| *at)
+    };
+    assert!(
+        log.wait(Duration::from_secs(60), |l| first_after(l).is_some()
+            && l.completed() >= total)
+            .await,
+        "faults: the relay did not drain within 60 s after its fetch was cut ({} of {total})",
+        log.completed()
+    );
+    let drained = std::time::Instant::now();
+    let first = first_after(&log).expect("checked");
+    stop.cancel();
+    relay.waker().notify_one();
+    task.await.expect("relay task").expect("relay loop");
+
+    let mut seen = std::collections::HashSet::new();
+    let mut first_seen: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+    for c in broker.calls() {
+        if c.result.as_ref().is_some_and(Result::is_ok) && seen.insert(c.event_id) {
+            first_seen
+                .entry(c.partition_key.clone())
+                .or_default()
+                .push(c.event_id);
+        }
+    }
+    assert_eq!(seen.len(), total, "faults: every event was published");
+    assert_eq!(
+        first_seen, written,
+        "faults: per key, first publishes in write order"
+    );
+    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
+        "SELECT count(*) FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
+        table.qualified()
+    )))
+    .fetch_one(&admin)
+    .await
+    .expect("count");
+    assert_eq!(left, 0, "faults: every row completed and released");
+    relay_pool.close().await;
+    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
+        .execute(&admin)
+        .await
+        .expect("drop the trial schema");
+    MidFetchFigures {
+        delivery,
+        statement: query.chars().take(60).collect(),
+        first_publish_after: first.saturating_duration_since(fault_end),
+        drain_after: drained.saturating_duration_since(fault_end),
     }
 }

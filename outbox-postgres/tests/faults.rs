@@ -19,3 +19,23 @@ async fn a_pinned_snapshot_during_a_drain() {
     let f = database_faults_drain(Duration::ZERO, true).await;
     println!("faults db pinned snapshot: {f:?}");
 }
+
+async fn mid_fetch(delivery: outbox_core::repository::DeliveryMode) {
+    let f = outbox_postgres::testing::fetch_terminated_mid_statement(delivery).await;
+    println!("faults db terminated mid-fetch: {f:?}");
+    // The target is 1 s (printed above); the relay waits 250 ms after a failed fetch.
+    assert!(
+        f.first_publish_after < Duration::from_secs(5),
+        "no publish within 5 s after the fetch was cut: {f:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_connection_terminated_mid_fetch() {
+    mid_fetch(outbox_core::repository::DeliveryMode::Lease).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_connection_terminated_mid_fetch_transaction_delivery() {
+    mid_fetch(outbox_core::repository::DeliveryMode::Transaction).await;
+}

@@ -5,7 +5,7 @@
 //! |---|---|
 //! | fetched rows, broker reachable, breaker closed | starts the next cycle at once (R61) |
 //! | fetched nothing | asks [`LoopHooks::on_idle`] whether to stop, then waits the idle wait (poll interval, doubling up to `idle_backoff_max`) or until woken ([`Relay::waker`]) |
-//! | found the broker unreachable | waits out the outage: the poll interval (R61), or with [`RunOptions::outage_backoff`] `base`, `2·base`, … up to `cap`; it starts at once when the broker's connection comes back ([`Broker::reconnects`](crate::Broker::reconnects), [`Broker::probe`](crate::Broker::probe)). Database wake-ups are ignored meanwhile: a writer's notification says nothing about the broker |
+//! | found the broker unreachable | waits out the outage: the poll interval (R61), or with [`RunOptions::outage_backoff`] `base`, `2·base`, … up to `cap`; it starts at once when the broker's connection comes back ([`Broker::reconnects`](crate::Broker::reconnects)) or its probe answers ([`Broker::probe`](crate::Broker::probe), every [`RunOptions::probe_interval`], each bounded by [`PROBE_TIMEOUT`]); once a cycle woken by the probe still found the broker unreachable, only a probe that failed and then answered wakes the loop in that outage, so a probe that answers while publishes fail cannot bring back a cycle per probe interval. Database wake-ups are ignored meanwhile: a writer's notification says nothing about the broker |
 //! | kept from fetching by the open breaker | waits the poll interval or until woken |
 //! | failed to fetch, transiently (database unreachable) | retries after [`RunOptions::repository_backoff`] (doubling up to its cap), forever |
 //! | failed to fetch otherwise (table missing, permission denied, …) | retries likewise, and returns [`RunError::Repository`] after [`RunOptions::max_permanent_failures`] such failures in a row |
@@ -97,10 +97,20 @@ pub const DEFAULT_REPOSITORY_BACKOFF: LoopBackoff = LoopBackoff {
     base: Duration::from_millis(250),
     cap: Duration::from_secs(10),
 };
+/// The outage back-off `outbox-relay` runs with (`--outage-backoff-base 1s`,
+/// `--outage-backoff-cap 30s`): 1 s doubling up to 30 s. Pass it to
+/// [`RunOptions::outage_backoff`]; the library's default stays R61's poll interval.
+pub const RECOMMENDED_OUTAGE_BACKOFF: LoopBackoff = LoopBackoff {
+    base: Duration::from_secs(1),
+    cap: Duration::from_secs(30),
+};
 /// Default of [`RunOptions::max_permanent_failures`].
 pub const DEFAULT_MAX_PERMANENT_FAILURES: u32 = 5;
 /// Default of [`RunOptions::probe_interval`].
 pub const DEFAULT_PROBE_INTERVAL: Duration = Duration::from_millis(250);
+/// How long the loop waits for one [`Broker::probe`](crate::Broker::probe) to answer; a probe
+/// that takes longer counts as [`Probe::Down`] (a black-holed broker answers nothing).
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Settings of the loop (the cycle's are on [`RelayBuilder`](super::RelayBuilder)).
 #[derive(Clone)]
@@ -185,10 +195,20 @@ impl RunOptions {
 }
 
 /// How a wait ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Woke {
     Timer,
     Signal,
+    /// The broker's probe answered [`Probe::Up`].
+    Probe,
     Shutdown,
+}
+
+/// How an outage pause calls [`Broker::probe`](crate::Broker::probe).
+#[derive(Debug, Clone, Copy)]
+struct ProbeWait {
+    every: Duration,
+    after_a_failure: bool,
 }
 
 impl Relay {
@@ -212,6 +232,13 @@ impl Relay {
         let mut reconnects = self.broker.reconnects();
         let mut idle_wait = poll;
         let mut outages = 0u32;
+        // Outage pauses ended by the probe, and whether one of them was in vain (the next cycle
+        // found the broker unreachable again: the probe answers while publishing still fails,
+        // say JetStream without its stream). From then on, in this outage, only a probe that
+        // first failed and then answered ends a pause; otherwise the probe would bring back a
+        // cycle every probe interval.
+        let mut woken_by_probe = false;
+        let mut probe_in_vain = false;
         let mut transient_failures = 0u32;
         let mut permanent_failures = 0u32;
         loop {
@@ -276,23 +303,35 @@ impl Relay {
 
             if report.broker_unreachable {
                 outages += 1;
+                if woken_by_probe && !probe_in_vain {
+                    probe_in_vain = true;
+                    tracing::debug!(%worker, "the broker answers its probe but still fails publishes; waking on the probe only after it failed once");
+                }
                 let wait = options.outage.map_or(poll, |b| b.wait(outages));
                 if outages == 1 {
                     tracing::warn!(%worker, retry_in = ?wait, "broker unreachable; waiting for it (backing off)");
                 } else {
                     tracing::debug!(%worker, outages, retry_in = ?wait, "broker still unreachable");
                 }
-                let probe = Some(options.probe_interval);
-                match self
+                let probe = Some(ProbeWait {
+                    every: options.probe_interval,
+                    after_a_failure: probe_in_vain,
+                });
+                let woke = self
                     .pause(wait, reconnects.as_mut(), probe, &shutdown)
-                    .await
-                {
+                    .await;
+                woken_by_probe = woke == Woke::Probe;
+                match woke {
                     Woke::Shutdown => return Ok(()),
-                    Woke::Signal => tracing::info!(%worker, "broker reachable again; fetching"),
+                    Woke::Signal | Woke::Probe => {
+                        tracing::info!(%worker, "broker reachable again; fetching")
+                    }
                     Woke::Timer => {}
                 }
                 continue;
             }
+            woken_by_probe = false;
+            probe_in_vain = false;
             if !report.fetched.is_empty() && !report.breaker_open {
                 if outages > 0 {
                     tracing::info!(%worker, "broker reachable again");
@@ -311,7 +350,7 @@ impl Relay {
             let wait = if idle { idle_wait } else { poll };
             match self.pause_wakeable(wait, &shutdown).await {
                 Woke::Shutdown => return Ok(()),
-                Woke::Signal => idle_wait = poll,
+                Woke::Signal | Woke::Probe => idle_wait = poll,
                 Woke::Timer => {
                     if idle {
                         idle_wait = idle_wait
@@ -332,13 +371,15 @@ impl Relay {
         }
     }
 
-    /// Waits `wait`, or until the broker is back (its reconnection counter moves, or its probe
-    /// answers every `probe` interval), or shutdown. The relay's waker is not listened to.
+    /// Waits `wait`, or until the broker is back (its reconnection counter moves, or its probe,
+    /// called every `probe.every`, answers within [`PROBE_TIMEOUT`]; with
+    /// `probe.after_a_failure`, only an answer after a failed probe counts), or shutdown. The
+    /// relay's waker is not listened to.
     async fn pause(
         &self,
         wait: Duration,
         reconnects: Option<&mut ReconnectWatch>,
-        probe: Option<Duration>,
+        probe: Option<ProbeWait>,
         shutdown: &CancellationToken,
     ) -> Woke {
         let reconnected = async {
@@ -348,22 +389,28 @@ impl Relay {
             }
         };
         let probed = async {
-            let Some(every) = probe else {
+            let Some(ProbeWait {
+                every,
+                after_a_failure,
+            }) = probe
+            else {
                 return std::future::pending().await;
             };
+            let mut failed = !after_a_failure;
             loop {
                 tokio::time::sleep(every).await;
-                match self.broker.probe().await {
-                    Probe::Up => return,
-                    Probe::Down => {}
-                    Probe::Unsupported => return std::future::pending().await,
+                match tokio::time::timeout(PROBE_TIMEOUT, self.broker.probe()).await {
+                    Ok(Probe::Up) if failed => return,
+                    Ok(Probe::Up) => {}
+                    Ok(Probe::Down) | Err(_) => failed = true,
+                    Ok(Probe::Unsupported) => return std::future::pending().await,
                 }
             }
         };
         tokio::select! {
             _ = tokio::time::sleep(wait) => Woke::Timer,
             _ = reconnected => Woke::Signal,
-            _ = probed => Woke::Signal,
+            _ = probed => Woke::Probe,
             _ = shutdown.cancelled() => Woke::Shutdown,
         }
     }
@@ -638,18 +685,32 @@ mod tests {
         assert!(repo.fetches.lock().unwrap().len() >= 15);
     }
 
+    /// How the test broker answers [`Broker::probe`].
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum ProbeMode {
+        /// No probe.
+        None,
+        /// `Up` when up, `Down` when down.
+        Honest,
+        /// Always `Up`, while publishes fail (JetStream without its stream, say).
+        AlwaysUp,
+        /// A probe sent while down is never answered (lost in a black-holed network); one
+        /// sent while up answers `Up`.
+        LostWhileDown,
+    }
+
     /// A broker that is down until `up` is set; with `signal`, it reports reconnections, and
-    /// with `probe`, it answers probes.
+    /// it answers probes as `probe` says.
     struct Outage {
         inner: ScriptedBroker,
         up: AtomicBool,
         signal: Option<ReconnectSignal>,
-        probe: bool,
+        probe: ProbeMode,
         probes: AtomicU32,
     }
 
     impl Outage {
-        fn new(signal: bool, probe: bool) -> Arc<Self> {
+        fn new(signal: bool, probe: ProbeMode) -> Arc<Self> {
             Arc::new(Self {
                 inner: ScriptedBroker::new(),
                 up: AtomicBool::new(false),
@@ -682,14 +743,21 @@ mod tests {
             self.signal.as_ref().map(ReconnectSignal::watch)
         }
         async fn probe(&self) -> Probe {
-            if !self.probe {
+            if self.probe == ProbeMode::None {
                 return Probe::Unsupported;
             }
             self.probes.fetch_add(1, Ordering::SeqCst);
-            if self.up.load(Ordering::SeqCst) {
-                Probe::Up
-            } else {
-                Probe::Down
+            match self.probe {
+                ProbeMode::AlwaysUp => Probe::Up,
+                ProbeMode::LostWhileDown => {
+                    if !self.up.load(Ordering::SeqCst) {
+                        // The request went into the black hole: no answer, ever.
+                        std::future::pending::<()>().await;
+                    }
+                    Probe::Up
+                }
+                _ if self.up.load(Ordering::SeqCst) => Probe::Up,
+                _ => Probe::Down,
             }
         }
     }
@@ -784,14 +852,14 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn outage_backoff_cuts_cycles_and_writes_and_a_reconnect_wakes_the_loop() {
         let reference = outage_10s(
-            Outage::new(false, false),
+            Outage::new(false, ProbeMode::None),
             Duration::from_millis(200),
             RunOptions::new(),
         )
         .await;
         let backoff = LoopBackoff::new(Duration::from_secs(1), Duration::from_secs(30)).unwrap();
         let with = outage_10s(
-            Outage::new(true, false),
+            Outage::new(true, ProbeMode::None),
             Duration::from_millis(200),
             RunOptions::new().outage_backoff(backoff),
         )
@@ -831,7 +899,7 @@ mod tests {
     async fn outage_backoff_with_the_default_poll_interval() {
         let backoff = LoopBackoff::new(Duration::from_secs(1), Duration::from_secs(30)).unwrap();
         let with = outage_10s(
-            Outage::new(true, false),
+            Outage::new(true, ProbeMode::None),
             crate::relay::DEFAULT_POLL_INTERVAL,
             RunOptions::new().outage_backoff(backoff),
         )
@@ -847,7 +915,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn without_reconnect_events_the_probe_wakes_the_loop() {
-        let broker = Outage::new(false, true);
+        let broker = Outage::new(false, ProbeMode::Honest);
         let backoff =
             LoopBackoff::new(Duration::from_millis(500), Duration::from_secs(30)).unwrap();
         let with = outage_10s(
@@ -865,10 +933,62 @@ mod tests {
         assert!(broker.probes.load(Ordering::SeqCst) > 0);
     }
 
+    /// A probe that answers while publishes still fail wakes the loop once per outage, not
+    /// once per probe interval: after that wasted cycle only a probe that failed and then
+    /// answered counts, and this one never fails, so the back-off timer rules.
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_that_answers_while_publishes_fail_does_not_bring_back_a_cycle_per_probe() {
+        let broker = Outage::new(false, ProbeMode::AlwaysUp);
+        let with = outage_10s(
+            broker.clone(),
+            Duration::from_secs(5),
+            RunOptions::new().outage_backoff(RECOMMENDED_OUTAGE_BACKOFF),
+        )
+        .await;
+        // Per relay: the first cycle at 0, the probe's at 0.25 s, then the timer's at 2.25 and
+        // 6.25 s; without the guard, a cycle every 0.25 s (40 per relay).
+        assert_eq!(with.cycles, 3 * 4, "cycles during the outage");
+        assert!(with.row_writes * 10 <= ANCESTOR_ROW_UPDATES_10S);
+        assert!(broker.probes.load(Ordering::SeqCst) > 3 * 4);
+        // Nothing tells the loops the broker is back but the timer (at 14.25 s).
+        assert!(
+            (Duration::from_secs(4)..Duration::from_millis(4_500))
+                .contains(&with.first_publish_after),
+            "{:?}",
+            with.first_publish_after
+        );
+    }
+
+    /// A black-holed broker answers no probe: each probe ends after [`PROBE_TIMEOUT`] as
+    /// `Down`, and the first probe after the network comes back wakes the loop, long before
+    /// its back-off timer (at 15 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_probe_without_answer_times_out_and_the_first_answer_wakes_the_loop() {
+        let broker = Outage::new(false, ProbeMode::LostWhileDown);
+        let with = outage_10s(
+            broker.clone(),
+            Duration::from_secs(5),
+            RunOptions::new().outage_backoff(RECOMMENDED_OUTAGE_BACKOFF),
+        )
+        .await;
+        // The timer's cycles at 0, 1, 3 and 7 s per relay; no probe woke a loop during it.
+        assert_eq!(with.cycles, 3 * 4, "cycles during the outage");
+        assert!(
+            with.first_publish_after
+                <= PROBE_TIMEOUT + DEFAULT_PROBE_INTERVAL + Duration::from_millis(20),
+            "{:?}",
+            with.first_publish_after
+        );
+        // Each probe waited for PROBE_TIMEOUT: about one per 1.25 s (10 per relay over the
+        // pauses at 0, 1, 3 and 7 s and the first after the return), not one per 0.25 s.
+        let probes = broker.probes.load(Ordering::SeqCst);
+        assert!((3 * 4..=3 * 11).contains(&probes), "{probes} probes");
+    }
+
     #[tokio::test(start_paused = true)]
     async fn the_default_outage_wait_is_the_poll_interval_and_a_reconnect_cuts_it_short() {
         let with = outage_10s(
-            Outage::new(true, false),
+            Outage::new(true, ProbeMode::None),
             Duration::from_secs(5),
             RunOptions::new(),
         )

@@ -26,6 +26,7 @@ pub struct Nats;
 
 struct NatsTrial {
     broker: NatsBroker,
+    config: NatsBrokerConfig,
     admin: jetstream::Context,
     stream: String,
     prefix: String,
@@ -70,9 +71,12 @@ impl BrokerUnderTest for Nats {
             .subject_prefix(&prefix)
             .timeout(opts.adapter_timeout)
             .reconnect_delay_max(Duration::from_millis(200));
-        let broker = NatsBroker::connect(cfg).await.expect("connect the adapter");
+        let broker = NatsBroker::connect(cfg.clone())
+            .await
+            .expect("connect the adapter");
         Box::new(NatsTrial {
             broker,
+            config: cfg,
             admin,
             stream,
             prefix,
@@ -95,6 +99,14 @@ impl BrokerUnderTest for Nats {
 impl BrokerTrial for NatsTrial {
     fn broker(&self) -> Arc<dyn Broker> {
         Arc::new(self.broker.clone())
+    }
+
+    async fn another_adapter(&self) -> Arc<dyn Broker> {
+        Arc::new(
+            NatsBroker::connect(self.config.clone())
+                .await
+                .expect("connect another adapter"),
+        )
     }
 
     fn destination(&self, topic: &str) -> String {

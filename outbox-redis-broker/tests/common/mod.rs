@@ -30,6 +30,7 @@ pub struct Redis;
 
 struct RedisTrial {
     broker: RedisBroker,
+    config: RedisBrokerConfig,
     admin: MultiplexedConnection,
     prefix: String,
 }
@@ -64,11 +65,12 @@ impl BrokerUnderTest for Redis {
         let cfg = RedisBrokerConfig::new(target)
             .key_prefix(&prefix)
             .timeout(opts.adapter_timeout);
-        let broker = RedisBroker::connect(cfg)
+        let broker = RedisBroker::connect(cfg.clone())
             .await
             .expect("connect the adapter");
         Box::new(RedisTrial {
             broker,
+            config: cfg,
             admin,
             prefix,
         })
@@ -99,6 +101,14 @@ pub async fn xrange(conn: &mut MultiplexedConnection, key: &str) -> Vec<Entry> {
 impl BrokerTrial for RedisTrial {
     fn broker(&self) -> Arc<dyn Broker> {
         Arc::new(self.broker.clone())
+    }
+
+    async fn another_adapter(&self) -> Arc<dyn Broker> {
+        Arc::new(
+            RedisBroker::connect(self.config.clone())
+                .await
+                .expect("connect another adapter"),
+        )
     }
 
     fn destination(&self, topic: &str) -> String {
