@@ -6,7 +6,7 @@ use std::time::Duration;
 use outbox_core::CancellationToken;
 use outbox_core::event::{Status, WorkerId};
 use outbox_core::relay::{CycleReport, Relay};
-use outbox_core::repository::{FetchRequest, Fetched, Outcome, OutcomeKind, OutcomeResult};
+use outbox_core::repository::{FetchRequest, Fetched, Outcome, OutcomeKind, OutcomeResult, Retry};
 use outbox_core::scripted::{Action, Gate};
 
 use crate::ctx::{Cfg, Ctx};
@@ -412,4 +412,73 @@ pub async fn l_13(f: &dyn Factory) {
         cy.report.completed, ids,
         "the second publish, with exactly 1 s of lease left, was not started"
     );
+}
+
+/// L-14 The outcome guard checks the worker: after a force-unlock (the row held by nobody) and
+/// after another worker took the row, W1's outcomes for it are lease lost and change nothing,
+/// while its outcome for a row it still holds applies (second scenario for R54/R55, besides
+/// L-03's expired lease).
+pub async fn l_14(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["ka", "kb"]).await;
+    let (a, b) = (e[0], e[1]);
+    assert_eq!(c.fetch("w1", 100, 1).await, vec![a, b]);
+    c.repo().force_unlock(a, "ops").await.unwrap();
+    let unheld = c.get(a).await;
+    let res = c
+        .repo()
+        .write_outcomes(
+            &w("w1"),
+            &[
+                Outcome {
+                    id: a,
+                    kind: OutcomeKind::Counted {
+                        error: "late".into(),
+                        retry: Retry::After(Duration::from_secs(10)),
+                    },
+                },
+                Outcome {
+                    id: b,
+                    kind: OutcomeKind::Completed,
+                },
+            ],
+        )
+        .await
+        .unwrap();
+    let result = |id| {
+        res.iter()
+            .find(|r| r.id == id)
+            .expect("reported")
+            .result
+            .clone()
+    };
+    assert_eq!(result(a), OutcomeResult::LeaseLost, "A is held by nobody");
+    assert!(
+        matches!(
+            result(b),
+            OutcomeResult::Applied {
+                status: Status::Completed,
+                ..
+            }
+        ),
+        "{res:?}"
+    );
+    assert_eq!(c.get(a).await, unheld, "A unchanged");
+    // A is due (its force-unlock reason is no retry time): w2 takes it; w1 is still not its
+    // holder.
+    assert_eq!(c.fetch("w2", 100, 1).await, vec![a]);
+    let held_by_w2 = c.get(a).await;
+    let res = c
+        .repo()
+        .write_outcomes(
+            &w("w1"),
+            &[Outcome {
+                id: a,
+                kind: OutcomeKind::Completed,
+            }],
+        )
+        .await
+        .unwrap();
+    assert_eq!(res[0].result, OutcomeResult::LeaseLost, "A is held by w2");
+    assert_eq!(c.get(a).await, held_by_w2, "A unchanged, still w2's");
 }

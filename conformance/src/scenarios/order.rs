@@ -499,3 +499,51 @@ pub async fn o_21(f: &dyn Factory) {
         c.assert_untouched(b).await;
     }
 }
+
+/// O-22 Heads are taken in scheduled_at order across keys, not in write order (second
+/// scenario for R20/R28's head order, besides O-06).
+pub async fn o_22(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let x = c.put(c.ev("k1").delay(Duration::from_secs(10))).await;
+    let y = c.put(c.ev("k2")).await;
+    let z = c.put(c.ev("k3").delay(Duration::from_secs(5))).await;
+    c.advance(Duration::from_secs(10)).await;
+    // Written x, y, z; due y (now), z (+5 s), x (+10 s).
+    let one = c.fetch("w1", 1, 1).await;
+    assert_eq!(one, vec![y], "batch 1 takes the earliest scheduled head");
+    c.release_all(&one).await;
+    let two = c.fetch("w1", 2, 1).await;
+    assert_eq!(
+        two,
+        vec![y, z],
+        "batch 2 takes the two earliest scheduled heads"
+    );
+    c.release_all(&two).await;
+    assert_eq!(c.cycle1().await.sent, vec![y, z, x]);
+}
+
+/// O-23 The head check ignores an aggregate-id filter: a fetchable, never-tried head that the
+/// filter excludes still keeps its key's later rows out of a filtered fetch (second scenario
+/// for R29/R81, besides O-12's aggregate-type filter on a failed head).
+pub async fn o_23(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let (ida, idb) = (Uuid::new_v4(), Uuid::new_v4());
+    let a = c.put(c.ev("k").aggregate("acct", ida)).await;
+    let b = c.put(c.ev("k").aggregate("acct", idb)).await;
+    let other = c.put(c.ev("o").aggregate("acct", idb)).await;
+    let only = |id: Uuid| {
+        Cfg::default().filter(FetchFilter {
+            aggregate_ids: Some(vec![id]),
+            ..FetchFilter::default()
+        })
+    };
+    let c1 = c.cycle(&only(idb)).await;
+    assert_eq!(
+        c1.sent,
+        vec![other],
+        "B waits behind A, which the filter excludes; the other key's row goes"
+    );
+    assert_eq!(c.get(b).await.status, Status::Pending);
+    assert_eq!(c.cycle(&only(ida)).await.sent, vec![a]);
+    assert_eq!(c.cycle(&only(idb)).await.sent, vec![b]);
+}

@@ -468,3 +468,44 @@ pub async fn m_03(f: &dyn Factory) {
     assert_eq!(spans[1].get("error"), Some("true"));
     assert_eq!(spans[0].get("error"), None);
 }
+
+/// M-04 Blocked keys list a head held by a relay's live fetch, with its holder and lock time,
+/// and stop listing it once the holder completed it (second scenario for R80's held heads,
+/// besides M-01's fixture).
+pub async fn m_04(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let a = c.puts(&["k", "k"]).await;
+    c.puts(&["k2"]).await;
+    assert_eq!(c.fetch("w1", 1, 1).await, vec![a[0]]);
+    let bk = c
+        .repo()
+        .blocked_keys(Duration::from_secs(300), 100)
+        .await
+        .unwrap();
+    assert_eq!(bk.len(), 1, "only k, whose head w1 holds: {bk:?}");
+    assert_eq!((bk[0].partition_key.as_str(), bk[0].head_id), ("k", a[0]));
+    assert_eq!(bk[0].locked_by.as_deref(), Some("w1"));
+    assert_eq!(bk[0].locked_at, c.get(a[0]).await.locked_at);
+    assert!(bk[0].locked_at.is_some());
+    assert_eq!(bk[0].waiting, 1);
+    let w1 = outbox_core::WorkerId::new("w1").unwrap();
+    c.repo()
+        .write_outcomes(
+            &w1,
+            &[outbox_core::repository::Outcome {
+                id: a[0],
+                kind: outbox_core::repository::OutcomeKind::Completed,
+            }],
+        )
+        .await
+        .unwrap();
+    let bk = c
+        .repo()
+        .blocked_keys(Duration::from_secs(300), 100)
+        .await
+        .unwrap();
+    assert!(
+        bk.is_empty(),
+        "nothing blocked once w1 completed its head: {bk:?}"
+    );
+}

@@ -563,3 +563,32 @@ pub async fn q_10(f: &dyn Factory) {
     let c2 = c.cycle(&Cfg::default().per_key(3)).await;
     assert_eq!(c2.sent, vec![e[1], e[2], e[3]]);
 }
+
+/// Q-11 A run stops at a row held by another worker and at a row at its attempt budget (second
+/// scenario for R28/R74's run end, besides Q-07's waiting row).
+pub async fn q_11(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let k = c.puts(&["k", "k", "k"]).await;
+    let m = c.puts(&["m", "m", "m"]).await;
+    let now = c.now().await;
+    c.set(k[1], crate::harness::RowPatch::held("w9", now)).await;
+    c.set(
+        m[1],
+        crate::harness::RowPatch {
+            attempts_made: Some(6),
+            ..crate::harness::RowPatch::default()
+        },
+    )
+    .await;
+    let behind = [c.get(k[2]).await, c.get(m[2]).await];
+    let c1 = c.cycle(&Cfg::default().per_key(3)).await;
+    assert_eq!(
+        c1.report.fetched,
+        vec![k[0], m[0]],
+        "each run ends before its held or exhausted row"
+    );
+    assert_eq!(c1.sent, vec![k[0], m[0]]);
+    for row in &behind {
+        c.assert_untouched(row).await;
+    }
+}
