@@ -1595,6 +1595,27 @@ pub struct MidFetchFigures {
 pub async fn fetch_terminated_mid_statement(
     delivery: outbox_core::repository::DeliveryMode,
 ) -> MidFetchFigures {
+    fetch_terminated_mid_statement_with(delivery, |url, table| {
+        let pool = PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(CONNECT_PATIENCE)
+            .connect_lazy(url)
+            .expect("DATABASE_URL is a valid postgres URL");
+        Arc::new(PgOutboxRepository::new(
+            pool,
+            PgConfig::default().table(table.clone()),
+        ))
+    })
+    .await
+}
+
+/// [`fetch_terminated_mid_statement`] with the relay's repository made by `make_repo` from a
+/// database URL that carries the trial's `application_name` (how the trial finds the relay's
+/// backends) and the table: for other backends (outbox-diesel runs it with its own).
+pub async fn fetch_terminated_mid_statement_with(
+    delivery: outbox_core::repository::DeliveryMode,
+    make_repo: impl FnOnce(&str, &TableName) -> Arc<dyn OutboxRepository>,
+) -> MidFetchFigures {
     use std::sync::Mutex;
 
     use outbox_core::CancellationToken;
@@ -1673,34 +1694,22 @@ pub async fn fetch_terminated_mid_statement(
     .expect("lock the table");
 
     let app = format!("outbox-midfetch-{schema}");
-    let opts: PgConnectOptions = url
-        .parse::<PgConnectOptions>()
-        .expect("DATABASE_URL is a valid postgres URL")
-        .application_name(&app);
-    let relay_pool = PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(CONNECT_PATIENCE)
-        .connect_lazy_with(opts);
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let repo = make_repo(&format!("{url}{sep}application_name={app}"), &table);
     let broker = ScriptedBroker::new();
     let log = Arc::new(Log::default());
     let relay = Arc::new(
-        Relay::builder(
-            Arc::new(PgOutboxRepository::new(
-                relay_pool.clone(),
-                PgConfig::default().table(table.clone()),
-            )),
-            Arc::new(broker.clone()),
-        )
-        .worker_id("mid-fetch")
-        .batch_size(20)
-        .max_per_key(4)
-        .lease_ttl(Duration::from_secs(30))
-        .publish_timeout(Duration::from_secs(1))
-        .poll_interval(Duration::from_millis(200))
-        .delivery(delivery)
-        .step(log.clone())
-        .build()
-        .expect("relay"),
+        Relay::builder(repo, Arc::new(broker.clone()))
+            .worker_id("mid-fetch")
+            .batch_size(20)
+            .max_per_key(4)
+            .lease_ttl(Duration::from_secs(30))
+            .publish_timeout(Duration::from_secs(1))
+            .poll_interval(Duration::from_millis(200))
+            .delivery(delivery)
+            .step(log.clone())
+            .build()
+            .expect("relay"),
     );
     let stop = CancellationToken::new();
     let task = tokio::spawn({
@@ -1787,7 +1796,7 @@ pub async fn fetch_terminated_mid_statement(
     .await
     .expect("count");
     assert_eq!(left, 0, "faults: every row completed and released");
-    relay_pool.close().await;
+    drop(relay);
     sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
         .execute(&admin)
         .await
