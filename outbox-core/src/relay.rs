@@ -58,6 +58,9 @@ pub use run_loop::{
 pub const DEFAULT_BATCH_SIZE: usize = 50;
 /// Default publish concurrency (R75).
 pub const DEFAULT_PUBLISH_CONCURRENCY: usize = 16;
+/// Largest accepted publish concurrency: far above what any batch can use (one run per key in
+/// flight), and far below the limit of the semaphore that enforces it.
+pub const MAX_PUBLISH_CONCURRENCY: usize = 65_536;
 /// Default publish timeout (R36).
 pub const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default poll interval (R61).
@@ -249,7 +252,7 @@ impl RelayBuilder {
         self.max_per_key = n;
         self
     }
-    /// Keys published at once (≥ 1; default 16; 1 = sequential).
+    /// Keys published at once (1 to [`MAX_PUBLISH_CONCURRENCY`]; default 16; 1 = sequential).
     pub fn publish_concurrency(mut self, n: usize) -> Self {
         self.publish_concurrency = n;
         self
@@ -314,8 +317,11 @@ impl RelayBuilder {
         if self.max_per_key == 0 {
             return Err(ConfigError::new("max_per_key must be >= 1, got 0"));
         }
-        if self.publish_concurrency == 0 {
-            return Err(ConfigError::new("publish_concurrency must be >= 1, got 0"));
+        if self.publish_concurrency == 0 || self.publish_concurrency > MAX_PUBLISH_CONCURRENCY {
+            return Err(ConfigError::new(format!(
+                "publish_concurrency must be between 1 and {MAX_PUBLISH_CONCURRENCY}, got {}",
+                self.publish_concurrency
+            )));
         }
         if self.publish_timeout.is_zero() {
             return Err(ConfigError::new("publish_timeout must be > 0"));

@@ -299,3 +299,35 @@ fn the_values_from_the_issue_are_configuration_errors() {
         "{e}"
     );
 }
+
+/// Found by the property test above: a publish concurrency beyond the semaphore's limit
+/// (2^61 permits) panicked in the first cycle; it is a configuration error now.
+#[test]
+fn a_publish_concurrency_beyond_the_limit_is_a_configuration_error() {
+    use outbox_core::relay::MAX_PUBLISH_CONCURRENCY;
+    let repo = InMemoryRepository::new(Arc::new(ManualClock::starting_now()));
+    let builder = || Relay::builder(Arc::new(repo.clone()), Arc::new(ScriptedBroker::new()));
+    let e = builder()
+        .publish_concurrency(usize::MAX)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "publish_concurrency must be between 1 and {MAX_PUBLISH_CONCURRENCY}, got {}",
+            usize::MAX
+        )
+    );
+    assert!(
+        builder()
+            .publish_concurrency(MAX_PUBLISH_CONCURRENCY + 1)
+            .build()
+            .is_err()
+    );
+    assert!(
+        builder()
+            .publish_concurrency(MAX_PUBLISH_CONCURRENCY)
+            .build()
+            .is_ok()
+    );
+}
