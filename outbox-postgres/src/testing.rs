@@ -1019,6 +1019,55 @@ pub enum BrokerFault {
     Reset,
 }
 
+/// A pipeline step for the fault trials: records each cycle's report with the time it ended,
+/// and lets a trial wait for a condition over them (woken by every cycle's end, never by a
+/// timer).
+#[derive(Default)]
+struct CycleLog {
+    cycles: std::sync::Mutex<Vec<(std::time::Instant, outbox_core::relay::CycleReport)>>,
+    changed: tokio::sync::Notify,
+}
+
+#[async_trait]
+impl outbox_core::step::PipelineStep for CycleLog {
+    async fn on_cycle_end(&self, r: &outbox_core::relay::CycleReport) {
+        self.cycles
+            .lock()
+            .expect("log")
+            .push((std::time::Instant::now(), r.clone()));
+        self.changed.notify_waiters();
+    }
+}
+
+impl CycleLog {
+    /// Rows completed so far.
+    fn completed(&self) -> usize {
+        let c = self.cycles.lock().expect("log");
+        c.iter().map(|(_, r)| r.completed.len()).sum()
+    }
+
+    /// Every report so far.
+    fn reports(&self) -> Vec<outbox_core::relay::CycleReport> {
+        let c = self.cycles.lock().expect("log");
+        c.iter().map(|(_, r)| r.clone()).collect()
+    }
+
+    /// Waits until `pred` holds over the log (or `within` passes); returns whether it did.
+    async fn wait(&self, within: Duration, pred: impl Fn(&Self) -> bool) -> bool {
+        tokio::time::timeout(within, async {
+            loop {
+                let n = self.changed.notified();
+                if pred(self) {
+                    return;
+                }
+                n.await;
+            }
+        })
+        .await
+        .is_ok()
+    }
+}
+
 /// Issue 14's measurement of omni-box 0.3.1 (the ancestor) during a 10 s broker outage with
 /// three relays, counted from PostgreSQL's WAL: 46,060 row updates on NATS, 55,426 on Redis.
 /// The target is at most 10 % of it.
@@ -1086,51 +1135,12 @@ pub async fn broker_outage_on_postgres(
     delivery: outbox_core::repository::DeliveryMode,
 ) -> OutageFigures {
     use std::collections::{HashMap, HashSet};
-    use std::sync::Mutex;
 
     use outbox_conformance::broker::{LoopbackProxy, TrialOptions, e2e_event};
     use outbox_core::CancellationToken;
     use outbox_core::relay::{CycleReport, RECOMMENDED_OUTAGE_BACKOFF, Relay, RunOptions};
-    use outbox_core::step::PipelineStep;
 
     const RELAYS: usize = 3;
-
-    /// Records, per cycle, when it ended and what it did.
-    #[derive(Default)]
-    struct Log {
-        cycles: Mutex<Vec<(std::time::Instant, CycleReport)>>,
-        changed: tokio::sync::Notify,
-    }
-    #[async_trait]
-    impl PipelineStep for Log {
-        async fn on_cycle_end(&self, r: &CycleReport) {
-            self.cycles
-                .lock()
-                .expect("log")
-                .push((std::time::Instant::now(), r.clone()));
-            self.changed.notify_waiters();
-        }
-    }
-    impl Log {
-        fn completed(&self) -> usize {
-            let c = self.cycles.lock().expect("log");
-            c.iter().map(|(_, r)| r.completed.len()).sum()
-        }
-        /// Waits until `pred` holds over the log (or `within` passes); returns whether it did.
-        async fn wait(&self, within: Duration, pred: impl Fn(&Self) -> bool) -> bool {
-            tokio::time::timeout(within, async {
-                loop {
-                    let n = self.changed.notified();
-                    if pred(self) {
-                        return;
-                    }
-                    n.await;
-                }
-            })
-            .await
-            .is_ok()
-        }
-    }
 
     let _share = reserve_connections(6).await;
     let pool = trial_pool(&database_url(), 6).await;
@@ -1183,7 +1193,7 @@ pub async fn broker_outage_on_postgres(
             adapter_timeout: Duration::from_secs(1),
         })
         .await;
-    let log = Arc::new(Log::default());
+    let log = Arc::new(CycleLog::default());
     let mut relays = Vec::new();
     for i in 0..RELAYS {
         let broker = if i == 0 {
@@ -1265,7 +1275,7 @@ pub async fn broker_outage_on_postgres(
             during.iter().map(|r| r.fetched.len()).sum::<usize>(),
         )
     };
-    let first_after = |l: &Log| {
+    let first_after = |l: &CycleLog| {
         l.cycles
             .lock()
             .expect("log")
@@ -1345,6 +1355,44 @@ pub async fn broker_outage_on_postgres(
     }
 }
 
+/// Issue 14's outage: 10 s.
+pub const ISSUE_OUTAGE: Duration = Duration::from_secs(10);
+
+/// [`broker_outage_on_postgres`] for [`ISSUE_OUTAGE`], printed, and held to the issue's
+/// targets: at most 10 % of the ancestor's row updates and cycles during the outage (its cycles
+/// taken as its row updates over 2 per row of a 50-row batch), in transaction delivery no
+/// writes but the completions of the cycles in flight when the broker went away, and a publish
+/// within 5 s after the broker answers again (the target is 1 s, printed; this bound only
+/// catches a relay that waits for its back-off timer, up to 30 s, instead of the broker).
+pub async fn broker_outage_meets_the_targets(
+    b: &dyn outbox_conformance::broker::BrokerUnderTest,
+    fault: BrokerFault,
+    delivery: outbox_core::repository::DeliveryMode,
+) -> OutageFigures {
+    let f = broker_outage_on_postgres(b, fault, ISSUE_OUTAGE, delivery).await;
+    println!("faults {:?} {fault:?} {delivery:?}: {f}", b.kind());
+    let ancestor_cycles = f.ancestor_row_writes / (2 * 50);
+    assert!(
+        f.row_writes_during * 10 <= f.ancestor_row_writes as i64,
+        "more than 10 % of the ancestor's row updates: {f}"
+    );
+    assert!(
+        f.cycles_during * 10 <= ancestor_cycles,
+        "more than 10 % of the ancestor's {ancestor_cycles} cycles: {f}"
+    );
+    if delivery == outbox_core::repository::DeliveryMode::Transaction {
+        assert!(
+            f.row_writes_during <= (f.relays * 50) as i64,
+            "transaction delivery writes nothing during an outage: {f}"
+        );
+    }
+    assert!(
+        f.first_publish_after < Duration::from_secs(5),
+        "no publish within 5 s after the broker came back: {f}"
+    );
+    f
+}
+
 /// What a [`database_faults_drain`] trial measured.
 #[derive(Debug, Clone)]
 pub struct DatabaseFaultFigures {
@@ -1377,25 +1425,9 @@ pub struct DatabaseFaultFigures {
 /// Checks that every event is published, first publishes per key in write order, and every row
 /// ends completed and released; returns the figures.
 pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultFigures {
-    use std::sync::Mutex;
-
     use outbox_core::CancellationToken;
-    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::relay::Relay;
     use outbox_core::scripted::{Action, ScriptedBroker};
-    use outbox_core::step::PipelineStep;
-
-    #[derive(Default)]
-    struct Log {
-        reports: Mutex<Vec<CycleReport>>,
-        changed: tokio::sync::Notify,
-    }
-    #[async_trait]
-    impl PipelineStep for Log {
-        async fn on_cycle_end(&self, r: &CycleReport) {
-            self.reports.lock().expect("log").push(r.clone());
-            self.changed.notify_waiters();
-        }
-    }
 
     let _share = reserve_connections(8).await;
     let url = database_url();
@@ -1447,7 +1479,7 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
         .connect_lazy_with(opts);
     let broker = ScriptedBroker::new();
     broker.set_default(Action::Delay(Duration::from_millis(1)));
-    let log = Arc::new(Log::default());
+    let log = Arc::new(CycleLog::default());
     let relay = Arc::new(
         Relay::builder(
             Arc::new(PgOutboxRepository::new(
@@ -1490,25 +1522,9 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
     }
     let fault_end = std::time::Instant::now();
 
-    let done = |l: &Log| {
-        l.reports
-            .lock()
-            .expect("log")
-            .iter()
-            .map(|r| r.completed.len())
-            .sum::<usize>()
-            >= total
-    };
-    let finished = tokio::time::timeout(Duration::from_secs(120), async {
-        loop {
-            let n = log.changed.notified();
-            if done(&log) {
-                return;
-            }
-            n.await;
-        }
-    })
-    .await;
+    let finished = log
+        .wait(Duration::from_secs(120), |l| l.completed() >= total)
+        .await;
     let drained = std::time::Instant::now();
     stop.cancel();
     relay.waker().notify_one();
@@ -1524,7 +1540,7 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
     .await
     .expect("rows left");
     assert!(
-        finished.is_ok() && left.is_empty(),
+        finished && left.is_empty(),
         "faults: the drain did not finish within 120 s after the fault: {left:?}"
     );
 
@@ -1549,7 +1565,7 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
         first, written,
         "faults: per key, first publishes in write order"
     );
-    let reports = log.reports.lock().expect("log").clone();
+    let reports = log.reports();
     relay_pool.close().await;
     sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
         .execute(&admin)
@@ -1616,47 +1632,9 @@ pub async fn fetch_terminated_mid_statement_with(
     delivery: outbox_core::repository::DeliveryMode,
     make_repo: impl FnOnce(&str, &TableName) -> Arc<dyn OutboxRepository>,
 ) -> MidFetchFigures {
-    use std::sync::Mutex;
-
     use outbox_core::CancellationToken;
-    use outbox_core::relay::{CycleReport, Relay};
+    use outbox_core::relay::Relay;
     use outbox_core::scripted::ScriptedBroker;
-    use outbox_core::step::PipelineStep;
-
-    #[derive(Default)]
-    struct Log {
-        cycles: Mutex<Vec<(std::time::Instant, CycleReport)>>,
-        changed: tokio::sync::Notify,
-    }
-    #[async_trait]
-    impl PipelineStep for Log {
-        async fn on_cycle_end(&self, r: &CycleReport) {
-            self.cycles
-                .lock()
-                .expect("log")
-                .push((std::time::Instant::now(), r.clone()));
-            self.changed.notify_waiters();
-        }
-    }
-    impl Log {
-        async fn wait(&self, within: Duration, pred: impl Fn(&Self) -> bool) -> bool {
-            tokio::time::timeout(within, async {
-                loop {
-                    let n = self.changed.notified();
-                    if pred(self) {
-                        return;
-                    }
-                    n.await;
-                }
-            })
-            .await
-            .is_ok()
-        }
-        fn completed(&self) -> usize {
-            let c = self.cycles.lock().expect("log");
-            c.iter().map(|(_, r)| r.completed.len()).sum()
-        }
-    }
 
     let _share = reserve_connections(6).await;
     let url = database_url();
@@ -1697,7 +1675,7 @@ pub async fn fetch_terminated_mid_statement_with(
     let sep = if url.contains('?') { '&' } else { '?' };
     let repo = make_repo(&format!("{url}{sep}application_name={app}"), &table);
     let broker = ScriptedBroker::new();
-    let log = Arc::new(Log::default());
+    let log = Arc::new(CycleLog::default());
     let relay = Arc::new(
         Relay::builder(repo, Arc::new(broker.clone()))
             .worker_id("mid-fetch")
@@ -1752,7 +1730,7 @@ pub async fn fetch_terminated_mid_statement_with(
     lock.commit().await.expect("release the table");
     let fault_end = std::time::Instant::now();
 
-    let first_after = |l: &Log| {
+    let first_after = |l: &CycleLog| {
         l.cycles
             .lock()
             .expect("log")
