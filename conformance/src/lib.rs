@@ -84,7 +84,7 @@ macro_rules! suite {
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
             writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
             maint::c_03, pipeline::p_09, backoff::h_15, order::o_22, order::o_23, runs::q_11,
-            lease::l_14, pipeline::m_04
+            lease::l_16, pipeline::m_04
         );
     };
     // The scenarios about what the lease mode writes: a transient failure's last_error and

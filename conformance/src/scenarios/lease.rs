@@ -414,11 +414,11 @@ pub async fn l_13(f: &dyn Factory) {
     );
 }
 
-/// L-14 The outcome guard checks the worker: after a force-unlock (the row held by nobody) and
+/// L-16 The outcome guard checks the worker: after a force-unlock (the row held by nobody) and
 /// after another worker took the row, W1's outcomes for it are lease lost and change nothing,
 /// while its outcome for a row it still holds applies (second scenario for R54/R55, besides
 /// L-03's expired lease).
-pub async fn l_14(f: &dyn Factory) {
+pub async fn l_16(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let e = c.puts(&["ka", "kb"]).await;
     let (a, b) = (e[0], e[1]);
