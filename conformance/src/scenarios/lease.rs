@@ -366,7 +366,12 @@ pub async fn l_12(f: &dyn Factory) {
         (vec![a, free], "w1", "one row not held"),
         (vec![a, uuid::Uuid::new_v4()], "w1", "an unknown id"),
     ] {
-        let err = repo.release_locks(&ids, &w(worker)).await.unwrap_err();
+        let err = match repo.release_locks(&ids, &w(worker)).await {
+            Err(e) => e,
+            Ok(n) => panic!(
+                "L-12 {what}: release_locks returned Ok({n}), expected ReleaseMismatch (R24)"
+            ),
+        };
         assert!(
             matches!(
                 err,

@@ -130,7 +130,11 @@ pub async fn c_03(f: &dyn Factory) {
         c.get(failed).await,
         c.get(never_tried).await,
     ];
-    assert_eq!(c.repo().cleanup_old_events(1, 1, 10_000).await.unwrap(), 1);
+    assert_eq!(
+        c.repo().cleanup_old_events(1, 1, 10_000).await.unwrap(),
+        1,
+        "C-03: cleanup deletes only the completed row, never pending or failed ones (R65)"
+    );
     assert!(c.repo().get(done).await.unwrap().is_none());
     for r in &kept {
         assert_eq!(

@@ -133,7 +133,13 @@ pub async fn p_09(f: &dyn Factory) {
     let mut want = e[..3].to_vec();
     want.sort();
     assert_eq!(retried, want);
-    assert_eq!(c2.report.counted.len(), 2, "{:?}", c2.report);
+    assert_eq!(
+        c2.report.counted.len(),
+        2,
+        "P-09: a success closes the breaker and resets its count (R62), so two later \
+         rejections do not open it again\n{:?}",
+        c2.report
+    );
     assert_eq!(c2.report.completed.len(), 6, "{:?}", c2.report);
     assert!(
         !c2.report.breaker_open,
