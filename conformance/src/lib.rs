@@ -83,7 +83,7 @@ macro_rules! suite {
             runs::x_03, runs::x_04, runs::x_05, pipeline::p_02, pipeline::p_03, pipeline::p_07, pipeline::m_01,
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
             writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
-            maint::c_03, pipeline::p_09, backoff::h_15
+            maint::c_03, pipeline::p_09, pipeline::p_10, backoff::h_15
         );
     };
     // The scenarios about what the lease mode writes: a transient failure's last_error and

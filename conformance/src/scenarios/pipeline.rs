@@ -474,3 +474,96 @@ pub async fn m_03(f: &dyn Factory) {
     assert_eq!(spans[1].get("error"), Some("true"));
     assert_eq!(spans[0].get("error"), None);
 }
+
+/// One call of a step's `before_publish`: the step's name and the row.
+type StepCall = (&'static str, Uuid);
+
+/// A step that logs every `before_publish` call in a log shared with other steps, and answers
+/// with the decision set for the row, or lets it go on.
+struct LoggedStep {
+    name: &'static str,
+    log: Arc<Mutex<Vec<StepCall>>>,
+    decisions: Vec<(Uuid, StepDecision)>,
+}
+
+#[async_trait]
+impl PipelineStep for LoggedStep {
+    async fn before_publish(&self, e: &OutboxEvent) -> Result<StepDecision, StepError> {
+        self.log.lock().unwrap().push((self.name, e.id));
+        Ok(self
+            .decisions
+            .iter()
+            .find(|(id, _)| *id == e.id)
+            .map_or(StepDecision::Continue, |(_, d)| d.clone()))
+    }
+}
+
+/// P-10 Two chained steps: they run in the order added, and a row reaches the second step (and
+/// the publish) only when the first lets it go on (R37).
+pub async fn p_10(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2", "k3"]).await;
+    let (counted, not_counted, goes_on) = (e[0], e[1], e[2]);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let first = LoggedStep {
+        name: "first",
+        log: log.clone(),
+        decisions: vec![
+            (
+                counted,
+                StepDecision::Fail {
+                    error: "first step: no".into(),
+                    counted: true,
+                    retry_at: None,
+                },
+            ),
+            (
+                not_counted,
+                StepDecision::Fail {
+                    error: "first step: later".into(),
+                    counted: false,
+                    retry_at: None,
+                },
+            ),
+        ],
+    };
+    let second = LoggedStep {
+        name: "second",
+        log: log.clone(),
+        decisions: Vec::new(),
+    };
+    let cy = c
+        .cycle(&Cfg::default().step(Arc::new(first)).step(Arc::new(second)))
+        .await;
+    assert_eq!(
+        *log.lock().unwrap(),
+        vec![
+            ("first", counted),
+            ("first", not_counted),
+            ("first", goes_on),
+            ("second", goes_on),
+        ],
+        "P-10: the second step must run after the first, and only for the row the first let go \
+         on (R37)"
+    );
+    assert_eq!(
+        cy.sent,
+        vec![goes_on],
+        "P-10: only the row both steps let go on is published (R37)"
+    );
+    c.assert_state(goes_on, Status::Completed, 0).await;
+    let r = c.get(counted).await;
+    assert_eq!(
+        (r.status, r.attempts_made, r.last_error.as_deref()),
+        (Status::Pending, 1, Some("first step: no")),
+        "P-10: the first step's counted failure is written as it gave it (R37, R38)"
+    );
+    assert_eq!(
+        cy.report.counted.iter().map(|x| x.id).collect::<Vec<_>>(),
+        vec![counted]
+    );
+    assert_eq!(
+        cy.report.transient.iter().map(|x| x.id).collect::<Vec<_>>(),
+        vec![not_counted]
+    );
+}
