@@ -27,7 +27,7 @@ macro_rules! suite {
     (memory: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@paused $f; outage::t_11, lease::l_09, lease::l_13);
-        $crate::suite!(@tests $f; lease::l_10);
+        $crate::suite!(@tests $f; lease::l_10, lease::l_15);
     };
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
@@ -94,7 +94,7 @@ macro_rules! suite {
             backoff::b_08, backoff::h_09, backoff::h_14, order::o_06, order::o_17, pipeline::p_06,
             runs::q_03, runs::q_04, runs::q_05, outage::t_01, outage::t_02, outage::t_04,
             outage::t_05, outage::t_06, outage::t_07, outage::t_10, runs::x_02, lease::l_11,
-            lease::l_12, runs::q_10
+            lease::l_12, lease::l_14, runs::q_10
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
