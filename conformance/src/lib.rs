@@ -27,7 +27,7 @@ macro_rules! suite {
     (memory: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@paused $f; outage::t_11, lease::l_09, lease::l_13);
-        $crate::suite!(@tests $f; lease::l_10, lease::l_15);
+        $crate::suite!(@tests $f; lease::l_10, lease::l_15, maint::c_04);
     };
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
