@@ -27,7 +27,7 @@ macro_rules! suite {
     (memory: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@paused $f; outage::t_11, lease::l_09, lease::l_13);
-        $crate::suite!(@tests $f; lease::l_10);
+        $crate::suite!(@tests $f; lease::l_10, lease::l_15, maint::c_04);
     };
     (postgres: $f:expr) => {
         $crate::suite!(@all $f);
@@ -83,8 +83,8 @@ macro_rules! suite {
             runs::x_03, runs::x_04, runs::x_05, pipeline::p_02, pipeline::p_03, pipeline::p_07, pipeline::m_01,
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
             writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
-            maint::c_03, pipeline::p_09, backoff::h_15, order::o_22, order::o_23, runs::q_11,
-            lease::l_16, pipeline::m_04
+            maint::c_03, pipeline::p_09, pipeline::p_10, backoff::h_15, order::o_22,
+            order::o_23, runs::q_11, lease::l_16, pipeline::m_04
         );
     };
     // The scenarios about what the lease mode writes: a transient failure's last_error and
@@ -95,7 +95,7 @@ macro_rules! suite {
             backoff::b_08, backoff::h_09, backoff::h_14, order::o_06, order::o_17, pipeline::p_06,
             runs::q_03, runs::q_04, runs::q_05, outage::t_01, outage::t_02, outage::t_04,
             outage::t_05, outage::t_06, outage::t_07, outage::t_10, runs::x_02, lease::l_11,
-            lease::l_12, runs::q_10
+            lease::l_12, lease::l_14, runs::q_10
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

@@ -822,3 +822,68 @@ impl OutboxRepository for InMemoryRepository {
             .map(|t| (now - t).to_std().unwrap_or_default()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+
+    fn event(idempotency_key: &str) -> NewEvent {
+        NewEvent::builder()
+            .event_type("thing.done")
+            .aggregate("thing", Uuid::new_v4())
+            .topic("things")
+            .partition_key("k")
+            .payload_json(serde_json::json!({ "n": 1 }))
+            .idempotency_key(idempotency_key)
+            .build()
+            .unwrap()
+    }
+
+    fn repo() -> (InMemoryRepository, ManualClock) {
+        let clock = ManualClock::starting_now();
+        (InMemoryRepository::new(Arc::new(clock.clone())), clock)
+    }
+
+    /// The first statement fixes the unit of work's start; later ones leave it.
+    #[tokio::test]
+    async fn touch_fixes_the_start_once() {
+        let (repo, clock) = repo();
+        let mut tx = repo.begin();
+        assert_eq!(tx.started_at(), None);
+        let t0 = repo.now_sync();
+        tx.touch();
+        assert_eq!(tx.started_at(), Some(t0));
+        clock.advance(Duration::from_secs(1));
+        tx.touch();
+        tx.write(vec![event("a")]).await.unwrap();
+        assert_eq!(tx.started_at(), Some(t0));
+        let mut other = repo.begin();
+        other.write(vec![event("b")]).await.unwrap();
+        assert_eq!(other.started_at(), Some(t0 + chrono::Duration::seconds(1)));
+    }
+
+    /// A unit of work dropped without commit rolls back: its rows never show and its idempotency
+    /// key is free for the next writer, which does not wait (R12, R17).
+    #[tokio::test]
+    async fn drop_rolls_back_and_frees_the_idempotency_key() {
+        let (repo, _clock) = repo();
+        let mut tx = repo.begin();
+        let first = tx.write(vec![event("ik")]).await.unwrap();
+        drop(tx);
+        assert!(repo.rows().is_empty());
+        let again = tokio::time::timeout(
+            Duration::from_secs(5),
+            repo.write_committed(vec![event("ik")]),
+        )
+        .await
+        .expect("the write waited for a dropped unit of work")
+        .unwrap();
+        assert!(again[0].inserted);
+        assert_ne!(again[0].event.id, first[0].event.id);
+        assert_eq!(
+            repo.rows().iter().map(|r| r.id).collect::<Vec<_>>(),
+            vec![again[0].event.id]
+        );
+    }
+}

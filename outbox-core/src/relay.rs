@@ -1198,6 +1198,73 @@ mod tests {
     use crate::scripted::ScriptedBroker;
     use crate::step::PipelineStep;
 
+    fn builder() -> RelayBuilder {
+        let repo = Arc::new(InMemoryRepository::new(Arc::new(
+            ManualClock::starting_now(),
+        )));
+        Relay::builder(repo, Arc::new(ScriptedBroker::new())).worker_id("w1")
+    }
+
+    /// The configuration reports every setting as built.
+    #[test]
+    fn config_reports_the_settings_it_was_built_with() {
+        let backoff = Backoff::new(2.0, 50.0).unwrap();
+        let relay = builder()
+            .delivery(DeliveryMode::Transaction)
+            .batch_size(7)
+            .lease_ttl(Duration::from_secs(120))
+            .max_per_key(3)
+            .publish_concurrency(5)
+            .publish_timeout(Duration::from_secs(4))
+            .poll_interval(Duration::from_secs(2))
+            .idle_backoff_max(Duration::from_secs(9))
+            .backoff(backoff)
+            .build()
+            .unwrap();
+        let c = relay.config();
+        assert_eq!(c.delivery(), DeliveryMode::Transaction);
+        assert_eq!(c.worker_id().as_str(), "w1");
+        assert_eq!(c.batch_size(), 7);
+        assert_eq!(c.lease_ttl(), Duration::from_secs(120));
+        assert_eq!(c.max_per_key(), 3);
+        assert_eq!(c.publish_concurrency(), 5);
+        assert_eq!(c.publish_timeout(), Duration::from_secs(4));
+        assert_eq!(c.poll_interval(), Duration::from_secs(2));
+        assert_eq!(c.idle_backoff_max(), Duration::from_secs(9));
+        assert_eq!(c.backoff(), backoff);
+        // A delivery transaction may be idle for 2 × the publish timeout (R84).
+        assert_eq!(
+            c.delivery_bound().server_timeout,
+            Duration::from_secs(2 * 4) + TRANSACTION_OUTCOME_MARGIN
+        );
+    }
+
+    /// The builder's upper limits are inclusive: 365 days for the durations, and
+    /// [`MAX_TRANSACTION_PUBLISH_TIMEOUT`] for the publish timeout in transaction delivery only.
+    #[test]
+    fn builder_limits_are_inclusive() {
+        let year = Duration::from_secs(limits::SETTING_MAX_SECS);
+        let over = year + Duration::from_secs(1);
+        assert!(builder().lease_ttl(year).build().is_ok());
+        assert!(builder().lease_ttl(over).build().is_err());
+        assert!(builder().poll_interval(year).build().is_ok());
+        assert!(builder().poll_interval(over).build().is_err());
+        assert!(builder().idle_backoff_max(year).build().is_ok());
+        assert!(builder().idle_backoff_max(over).build().is_err());
+        let tx = |t: Duration, mode: DeliveryMode| {
+            builder()
+                .delivery(mode)
+                .publish_timeout(t)
+                .lease_ttl(t + Duration::from_secs(1))
+                .build()
+        };
+        let max = MAX_TRANSACTION_PUBLISH_TIMEOUT;
+        let above = max + Duration::from_secs(1);
+        assert!(tx(max, DeliveryMode::Transaction).is_ok());
+        assert!(tx(above, DeliveryMode::Transaction).is_err());
+        assert!(tx(above, DeliveryMode::Lease).is_ok());
+    }
+
     struct FetchTimes(Arc<Mutex<Vec<tokio::time::Instant>>>);
 
     #[async_trait::async_trait]

@@ -144,7 +144,10 @@ pub async fn b_04(f: &dyn Factory) {
     let c1 = c.cycle(&cfg).await;
     let r = c.get(a).await;
     assert_eq!(r.attempts_made, 1);
-    assert_eq!(r.scheduled_at, before.scheduled_at);
+    assert_eq!(
+        r.scheduled_at, before.scheduled_at,
+        "B-04: a counted failure with base 0 keeps scheduled_at (R38, R40)"
+    );
     assert!(r.scheduled_at < c1.t0, "base 0 moved the schedule");
     let c2 = c.cycle(&cfg).await;
     assert_eq!(c2.report.fetched, vec![a]);
@@ -435,7 +438,10 @@ pub async fn h_12(f: &dyn Factory) {
         one_row(f, Cfg::default().base(0.0).step(fail("x", true, None)), 0).await;
     let r = c.get(a).await;
     assert_eq!(r.attempts_made, 1);
-    assert_eq!(r.scheduled_at, before.scheduled_at);
+    assert_eq!(
+        r.scheduled_at, before.scheduled_at,
+        "H-12: a counted step failure with base 0 keeps scheduled_at (R38, R40)"
+    );
     assert!(r.scheduled_at < cy.t0, "base 0 moved the schedule");
 }
 

@@ -366,7 +366,12 @@ pub async fn l_12(f: &dyn Factory) {
         (vec![a, free], "w1", "one row not held"),
         (vec![a, uuid::Uuid::new_v4()], "w1", "an unknown id"),
     ] {
-        let err = repo.release_locks(&ids, &w(worker)).await.unwrap_err();
+        let err = match repo.release_locks(&ids, &w(worker)).await {
+            Err(e) => e,
+            Ok(n) => panic!(
+                "L-12 {what}: release_locks returned Ok({n}), expected ReleaseMismatch (R24)"
+            ),
+        };
         assert!(
             matches!(
                 err,
@@ -481,4 +486,102 @@ pub async fn l_16(f: &dyn Factory) {
         .unwrap();
     assert_eq!(res[0].result, OutcomeResult::LeaseLost, "A is held by w2");
     assert_eq!(c.get(a).await, held_by_w2, "A unchanged, still w2's");
+}
+
+/// L-14 release_lock frees a row only for its holder and says whether it did (R24).
+pub async fn l_14(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k", "k", "j"]).await;
+    assert_eq!(c.fetch("w1", 1, 1).await, vec![e[0]]);
+    let held = c.get(e[0]).await;
+    let free = c.get(e[2]).await;
+    let repo = c.repo();
+    for (id, worker, what) in [
+        (e[0], "w2", "another worker's row"),
+        (e[2], "w1", "a row not held"),
+        (uuid::Uuid::new_v4(), "w1", "an unknown id"),
+    ] {
+        assert!(
+            !repo.release_lock(id, &w(worker)).await.unwrap(),
+            "L-14 {what}: release_lock returned true (R24)"
+        );
+    }
+    assert_eq!(
+        c.get(e[0]).await,
+        held,
+        "a refused release_lock changed the row"
+    );
+    assert_eq!(
+        c.get(e[2]).await,
+        free,
+        "a refused release_lock changed the row"
+    );
+    assert!(
+        repo.release_lock(e[0], &w("w1")).await.unwrap(),
+        "L-14: release_lock by the holder returned false (R24)"
+    );
+    let r = c.get(e[0]).await;
+    assert!(
+        r.locked_at.is_none() && r.locked_by.is_none(),
+        "L-14: release_lock by the holder left the row held (R24)"
+    );
+    assert_eq!(
+        (
+            r.status,
+            r.attempts_made,
+            r.last_error.as_deref(),
+            r.scheduled_at
+        ),
+        (Status::Pending, 0, None, held.scheduled_at),
+        "L-14: release_lock changed more than the lock"
+    );
+    assert!(
+        !repo.release_lock(e[0], &w("w1")).await.unwrap(),
+        "L-14: a second release_lock of a released row returned true (R24)"
+    );
+    // The key is free at once, without waiting for the lease.
+    assert_eq!(c.fetch("w2", 10, 3).await, e);
+}
+
+/// L-15 A stale lock exactly `timeout` old is kept `[mem]`: release_stale_locks releases rows
+/// locked strictly before now − timeout (R63).
+pub async fn l_15(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2"]).await;
+    let now = c.now().await;
+    let boundary = now - chrono::Duration::seconds(60);
+    c.set(e[0], RowPatch::held("dead", boundary)).await;
+    c.set(
+        e[1],
+        RowPatch::held("dead", boundary - chrono::Duration::milliseconds(1)),
+    )
+    .await;
+    assert_eq!(
+        c.now().await,
+        now,
+        "the backend clock must be exact for L-15"
+    );
+    assert_eq!(
+        c.repo()
+            .release_stale_locks(Duration::from_secs(60))
+            .await
+            .unwrap(),
+        1,
+        "L-15: only the lock older than the timeout is released (R63)"
+    );
+    assert_eq!(
+        c.get(e[0]).await.locked_by.as_deref(),
+        Some("dead"),
+        "L-15: a lock exactly 60 s old was released by release_stale_locks(60) (R63)"
+    );
+    assert!(c.get(e[1]).await.locked_by.is_none());
+    c.advance(Duration::from_millis(1)).await;
+    assert_eq!(
+        c.repo()
+            .release_stale_locks(Duration::from_secs(60))
+            .await
+            .unwrap(),
+        1
+    );
+    assert!(c.get(e[0]).await.locked_by.is_none());
 }

@@ -11,7 +11,7 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 use uuid::Uuid;
 
 use crate::ctx::Ctx;
-use crate::harness::{BackendKind, Factory};
+use crate::harness::{BackendKind, Factory, RowPatch};
 
 /// R-01 Requeue.
 pub async fn r_01(f: &dyn Factory) {
@@ -130,7 +130,11 @@ pub async fn c_03(f: &dyn Factory) {
         c.get(failed).await,
         c.get(never_tried).await,
     ];
-    assert_eq!(c.repo().cleanup_old_events(1, 1, 10_000).await.unwrap(), 1);
+    assert_eq!(
+        c.repo().cleanup_old_events(1, 1, 10_000).await.unwrap(),
+        1,
+        "C-03: cleanup deletes only the completed row, never pending or failed ones (R65)"
+    );
     assert!(c.repo().get(done).await.unwrap().is_none());
     for r in &kept {
         assert_eq!(
@@ -141,4 +145,45 @@ pub async fn c_03(f: &dyn Factory) {
         );
     }
     assert_eq!(total_rows(&c).await, 3);
+}
+
+/// C-04 A completed row exactly `retention_days` old is kept `[mem]`: delete_old_completed
+/// deletes rows completed strictly before now − retention (R65).
+pub async fn c_04(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2"]).await;
+    let now = c.now().await;
+    let boundary = now - chrono::Duration::days(1);
+    for (id, at) in [
+        (e[0], boundary),
+        (e[1], boundary - chrono::Duration::milliseconds(1)),
+    ] {
+        c.set(
+            id,
+            RowPatch {
+                status: Some(Status::Completed),
+                completed_at: Some(Some(at)),
+                ..RowPatch::default()
+            },
+        )
+        .await;
+    }
+    assert_eq!(
+        c.now().await,
+        now,
+        "the backend clock must be exact for C-04"
+    );
+    assert_eq!(
+        c.repo().delete_old_completed(1, 1000).await.unwrap(),
+        1,
+        "C-04: only the row completed more than 1 day ago is deleted (R65)"
+    );
+    assert!(
+        c.repo().get(e[0]).await.unwrap().is_some(),
+        "C-04: a row completed exactly 1 day ago was deleted with retention 1 day (R65)"
+    );
+    assert!(c.repo().get(e[1]).await.unwrap().is_none());
+    c.advance(Duration::from_millis(1)).await;
+    assert_eq!(c.repo().delete_old_completed(1, 1000).await.unwrap(), 1);
+    assert!(c.repo().get(e[0]).await.unwrap().is_none());
 }

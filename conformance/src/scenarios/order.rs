@@ -120,7 +120,10 @@ pub async fn o_06(f: &dyn Factory) {
         let r = c.get(b0.id).await;
         assert_eq!(r.attempts_made, 0);
         assert_eq!(r.last_error.as_deref(), Some("down"));
-        assert_eq!(r.scheduled_at, b0.scheduled_at);
+        assert_eq!(
+            r.scheduled_at, b0.scheduled_at,
+            "O-06: a deferred row keeps its scheduled_at (R47)"
+        );
         assert!(r.locked_by.is_none());
     }
     assert_eq!(c.broker.calls().len(), 1);

@@ -158,7 +158,10 @@ async fn t_06_steps(c: &Ctx) -> Vec<Uuid> {
     for b in before {
         let r = c.get(b.id).await;
         assert_eq!(r.last_error.as_deref(), Some("down"));
-        assert_eq!(r.scheduled_at, b.scheduled_at);
+        assert_eq!(
+            r.scheduled_at, b.scheduled_at,
+            "T-06: a deferred row keeps its scheduled_at (R47)"
+        );
         assert!(r.scheduled_at < cy.t0, "the deferral moved the schedule");
         assert_eq!(r.attempts_made, 0);
         assert!(r.locked_at.is_none() && r.locked_by.is_none());

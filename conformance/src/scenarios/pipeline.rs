@@ -133,7 +133,13 @@ pub async fn p_09(f: &dyn Factory) {
     let mut want = e[..3].to_vec();
     want.sort();
     assert_eq!(retried, want);
-    assert_eq!(c2.report.counted.len(), 2, "{:?}", c2.report);
+    assert_eq!(
+        c2.report.counted.len(),
+        2,
+        "P-09: a success closes the breaker and resets its count (R62), so two later \
+         rejections do not open it again\n{:?}",
+        c2.report
+    );
     assert_eq!(c2.report.completed.len(), 6, "{:?}", c2.report);
     assert!(
         !c2.report.breaker_open,
@@ -286,11 +292,15 @@ pub async fn m_02(f: &dyn Factory) {
     c.put(c.ev("d1").topic("t2").delay(Duration::from_secs(3600)))
         .await;
     let now = c.now().await;
+    // The completed and the failed row were scheduled an hour ago: older than every pending row,
+    // but not due pending rows, so they count for nothing in the oldest due age (R80).
+    let long_ago = now - chrono::Duration::hours(1);
     c.set(
         c1,
         RowPatch {
             status: Some(Status::Completed),
             completed_at: Some(Some(now)),
+            scheduled_at: Some(long_ago),
             ..RowPatch::default()
         },
     )
@@ -300,6 +310,7 @@ pub async fn m_02(f: &dyn Factory) {
         RowPatch {
             status: Some(Status::Failed),
             attempts_made: Some(6),
+            scheduled_at: Some(long_ago),
             ..RowPatch::default()
         },
     )
@@ -328,7 +339,10 @@ pub async fn m_02(f: &dyn Factory) {
     } else {
         2.0
     };
-    assert!((age.as_secs_f64() - 30.0).abs() <= tol, "age {age:?}");
+    assert!(
+        (age.as_secs_f64() - 30.0).abs() <= tol,
+        "M-02: oldest due age {age:?}, expected 30 s: only due pending rows count (R80)"
+    );
     let fresh = Ctx::new(f).await;
     fresh
         .put(fresh.ev("d1").delay(Duration::from_secs(3600)))
@@ -507,5 +521,98 @@ pub async fn m_04(f: &dyn Factory) {
     assert!(
         bk.is_empty(),
         "nothing blocked once w1 completed its head: {bk:?}"
+    );
+}
+
+/// One call of a step's `before_publish`: the step's name and the row.
+type StepCall = (&'static str, Uuid);
+
+/// A step that logs every `before_publish` call in a log shared with other steps, and answers
+/// with the decision set for the row, or lets it go on.
+struct LoggedStep {
+    name: &'static str,
+    log: Arc<Mutex<Vec<StepCall>>>,
+    decisions: Vec<(Uuid, StepDecision)>,
+}
+
+#[async_trait]
+impl PipelineStep for LoggedStep {
+    async fn before_publish(&self, e: &OutboxEvent) -> Result<StepDecision, StepError> {
+        self.log.lock().unwrap().push((self.name, e.id));
+        Ok(self
+            .decisions
+            .iter()
+            .find(|(id, _)| *id == e.id)
+            .map_or(StepDecision::Continue, |(_, d)| d.clone()))
+    }
+}
+
+/// P-10 Two chained steps: they run in the order added, and a row reaches the second step (and
+/// the publish) only when the first lets it go on (R37).
+pub async fn p_10(f: &dyn Factory) {
+    let c = Ctx::new(f).await;
+    let e = c.puts(&["k1", "k2", "k3"]).await;
+    let (counted, not_counted, goes_on) = (e[0], e[1], e[2]);
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let first = LoggedStep {
+        name: "first",
+        log: log.clone(),
+        decisions: vec![
+            (
+                counted,
+                StepDecision::Fail {
+                    error: "first step: no".into(),
+                    counted: true,
+                    retry_at: None,
+                },
+            ),
+            (
+                not_counted,
+                StepDecision::Fail {
+                    error: "first step: later".into(),
+                    counted: false,
+                    retry_at: None,
+                },
+            ),
+        ],
+    };
+    let second = LoggedStep {
+        name: "second",
+        log: log.clone(),
+        decisions: Vec::new(),
+    };
+    let cy = c
+        .cycle(&Cfg::default().step(Arc::new(first)).step(Arc::new(second)))
+        .await;
+    assert_eq!(
+        *log.lock().unwrap(),
+        vec![
+            ("first", counted),
+            ("first", not_counted),
+            ("first", goes_on),
+            ("second", goes_on),
+        ],
+        "P-10: the second step must run after the first, and only for the row the first let go \
+         on (R37)"
+    );
+    assert_eq!(
+        cy.sent,
+        vec![goes_on],
+        "P-10: only the row both steps let go on is published (R37)"
+    );
+    c.assert_state(goes_on, Status::Completed, 0).await;
+    let r = c.get(counted).await;
+    assert_eq!(
+        (r.status, r.attempts_made, r.last_error.as_deref()),
+        (Status::Pending, 1, Some("first step: no")),
+        "P-10: the first step's counted failure is written as it gave it (R37, R38)"
+    );
+    assert_eq!(
+        cy.report.counted.iter().map(|x| x.id).collect::<Vec<_>>(),
+        vec![counted]
+    );
+    assert_eq!(
+        cy.report.transient.iter().map(|x| x.id).collect::<Vec<_>>(),
+        vec![not_counted]
     );
 }

@@ -547,9 +547,14 @@ pub async fn q_10(f: &dyn Factory) {
     assert_eq!(c.broker.called_ids(), vec![e[0]]);
     assert_eq!(
         c1.report.deferred.iter().map(|d| d.id).collect::<Vec<_>>(),
-        vec![e[1]]
+        vec![e[1]],
+        "Q-10: only the first unpublished row of a healthy key is deferred (R47)"
     );
-    assert_eq!(c1.report.released, vec![e[2], e[3]]);
+    assert_eq!(
+        c1.report.released,
+        vec![e[2], e[3]],
+        "Q-10: the rest of the healthy key's run is released untouched (R47, R77)"
+    );
     let x1 = c.get(e[1]).await;
     assert_eq!(x1.last_error.as_deref(), Some("down"));
     assert_eq!(
