@@ -1068,6 +1068,100 @@ impl CycleLog {
     }
 }
 
+/// A fault trial's table: a fresh schema with the outbox table holding `rounds` × `keys` events
+/// (keys `acct-0`, `acct-1`, …, one event per key per round, topic `orders`).
+struct FaultBacklog {
+    schema: String,
+    table: TableName,
+    /// Each key's event ids in write order.
+    written: std::collections::HashMap<String, Vec<Uuid>>,
+}
+
+impl FaultBacklog {
+    async fn write(pool: &PgPool, keys: usize, rounds: usize) -> Self {
+        let schema = fresh_schema_name();
+        let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
+        create_schema(pool, &table)
+            .await
+            .expect("create the outbox table");
+        let writer = PgOutboxWriter::new(&table);
+        let mut written: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+        let mut tx = pool.begin().await.expect("begin");
+        for seq in 0..rounds {
+            let events: Vec<NewEvent> = (0..keys)
+                .map(|k| outbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
+                .collect();
+            for r in writer.write(&mut tx, events).await.expect("write") {
+                written
+                    .entry(r.event.partition_key.clone())
+                    .or_default()
+                    .push(r.event.id);
+            }
+        }
+        tx.commit().await.expect("commit");
+        Self {
+            schema,
+            table,
+            written,
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.written.values().map(Vec::len).sum()
+    }
+
+    /// The rows not completed or still held: (id, status, locked_by).
+    async fn left(&self, pool: &PgPool) -> Vec<(Uuid, String, Option<String>)> {
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT id, status, locked_by FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
+            self.table.qualified()
+        )))
+        .fetch_all(pool)
+        .await
+        .expect("rows left")
+    }
+
+    /// Checks the first acknowledged publish of each event: every event once, per key in write
+    /// order. Returns how many publishes repeated an event already published.
+    fn check_first_publishes(&self, calls: &[outbox_core::scripted::Call]) -> usize {
+        let mut seen = std::collections::HashSet::new();
+        let mut first: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
+        let mut repeated = 0;
+        for c in calls {
+            if c.result.as_ref().is_some_and(Result::is_ok) {
+                if seen.insert(c.event_id) {
+                    first
+                        .entry(c.partition_key.clone())
+                        .or_default()
+                        .push(c.event_id);
+                } else {
+                    repeated += 1;
+                }
+            }
+        }
+        assert_eq!(
+            seen.len(),
+            self.total(),
+            "faults: every event was published"
+        );
+        assert_eq!(
+            first, self.written,
+            "faults: per key, first publishes in write order"
+        );
+        repeated
+    }
+
+    async fn drop_schema(self, pool: &PgPool) {
+        sqlx::query(AssertSqlSafe(format!(
+            "DROP SCHEMA \"{}\" CASCADE",
+            self.schema
+        )))
+        .execute(pool)
+        .await
+        .expect("drop the trial schema");
+    }
+}
+
 /// Issue 14's measurement of omni-box 0.3.1 (the ancestor) during a 10 s broker outage with
 /// three relays, counted from PostgreSQL's WAL: 46,060 row updates on NATS, 55,426 on Redis.
 /// The target is at most 10 % of it.
@@ -1136,7 +1230,7 @@ pub async fn broker_outage_on_postgres(
 ) -> OutageFigures {
     use std::collections::{HashMap, HashSet};
 
-    use outbox_conformance::broker::{LoopbackProxy, TrialOptions, e2e_event};
+    use outbox_conformance::broker::{LoopbackProxy, TrialOptions};
     use outbox_core::CancellationToken;
     use outbox_core::relay::{CycleReport, RECOMMENDED_OUTAGE_BACKOFF, Relay, RunOptions};
 
@@ -1144,11 +1238,8 @@ pub async fn broker_outage_on_postgres(
 
     let _share = reserve_connections(6).await;
     let pool = trial_pool(&database_url(), 6).await;
-    let schema = fresh_schema_name();
-    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
-    create_schema(&pool, &table)
-        .await
-        .expect("create the outbox table");
+    let backlog = FaultBacklog::write(&pool, 40, 25).await;
+    let (schema, table, total) = (&backlog.schema, backlog.table.clone(), backlog.total());
     // PostgreSQL counts the table's row updates, with the time of each statement.
     for ddl in [
         format!(
@@ -1169,22 +1260,6 @@ pub async fn broker_outage_on_postgres(
             .await
             .expect("the row-update counter");
     }
-    let writer = PgOutboxWriter::new(&table);
-    let mut written: HashMap<String, Vec<Uuid>> = HashMap::new();
-    let mut tx = pool.begin().await.expect("begin");
-    for seq in 0..25 {
-        let events: Vec<NewEvent> = (0..40)
-            .map(|k| e2e_event("orders", &format!("acct-{k}"), seq))
-            .collect();
-        for r in writer.write(&mut tx, events).await.expect("write") {
-            written
-                .entry(r.event.partition_key.clone())
-                .or_default()
-                .push(r.event.id);
-        }
-    }
-    tx.commit().await.expect("commit");
-    let total: usize = written.values().map(Vec::len).sum();
 
     let proxy = LoopbackProxy::start(b.server_addr()).await;
     let t = b
@@ -1323,23 +1398,17 @@ pub async fn broker_outage_on_postgres(
     }
     assert_eq!(seen.len(), total, "faults: every event arrived");
     assert_eq!(
-        first_seen, written,
+        first_seen, backlog.written,
         "faults: per key, first deliveries in write order"
     );
-    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
-        table.qualified()
-    )))
-    .fetch_one(&pool)
-    .await
-    .expect("count");
-    assert_eq!(left, 0, "faults: every row completed and released");
+    let left = backlog.left(&pool).await;
+    assert!(
+        left.is_empty(),
+        "faults: every row completed and released: {left:?}"
+    );
     t.cleanup().await;
     proxy.shutdown().await;
-    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
-        .execute(&pool)
-        .await
-        .expect("drop the trial schema");
+    backlog.drop_schema(&pool).await;
     let ancestor_row_writes = ANCESTOR_OUTAGE_ROW_UPDATES
         .iter()
         .find(|(k, _)| *k == b.kind())
@@ -1432,27 +1501,8 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
     let _share = reserve_connections(8).await;
     let url = database_url();
     let admin = trial_pool(&url, 3).await;
-    let schema = fresh_schema_name();
-    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
-    create_schema(&admin, &table)
-        .await
-        .expect("create the outbox table");
-    let writer = PgOutboxWriter::new(&table);
-    let mut written: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
-    let mut tx = admin.begin().await.expect("begin");
-    for seq in 0..40 {
-        let events: Vec<NewEvent> = (0..8)
-            .map(|k| outbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
-            .collect();
-        for r in writer.write(&mut tx, events).await.expect("write") {
-            written
-                .entry(r.event.partition_key.clone())
-                .or_default()
-                .push(r.event.id);
-        }
-    }
-    tx.commit().await.expect("commit");
-    let total: usize = written.values().map(Vec::len).sum();
+    let backlog = FaultBacklog::write(&admin, 8, 40).await;
+    let (schema, table, total) = (&backlog.schema, backlog.table.clone(), backlog.total());
 
     let mut pinned = None;
     if pin {
@@ -1532,45 +1582,16 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
     if let Some(c) = pinned.take() {
         c.rollback().await.expect("end the pin");
     }
-    let left: Vec<(Uuid, String, Option<String>)> = sqlx::query_as(AssertSqlSafe(format!(
-        "SELECT id, status, locked_by FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
-        table.qualified()
-    )))
-    .fetch_all(&admin)
-    .await
-    .expect("rows left");
+    let left = backlog.left(&admin).await;
     assert!(
         finished && left.is_empty(),
         "faults: the drain did not finish within 120 s after the fault: {left:?}"
     );
+    let repeated = backlog.check_first_publishes(&broker.calls());
 
-    let calls = broker.calls();
-    let mut seen = std::collections::HashSet::new();
-    let mut first: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
-    let mut repeated = 0;
-    for c in &calls {
-        if c.result.as_ref().is_some_and(Result::is_ok) {
-            if seen.insert(c.event_id) {
-                first
-                    .entry(c.partition_key.clone())
-                    .or_default()
-                    .push(c.event_id);
-            } else {
-                repeated += 1;
-            }
-        }
-    }
-    assert_eq!(seen.len(), total, "faults: every event was published");
-    assert_eq!(
-        first, written,
-        "faults: per key, first publishes in write order"
-    );
     let reports = log.reports();
     relay_pool.close().await;
-    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
-        .execute(&admin)
-        .await
-        .expect("drop the trial schema");
+    backlog.drop_schema(&admin).await;
     DatabaseFaultFigures {
         terminated,
         empty_cycles: reports
@@ -1639,27 +1660,8 @@ pub async fn fetch_terminated_mid_statement_with(
     let _share = reserve_connections(6).await;
     let url = database_url();
     let admin = trial_pool(&url, 3).await;
-    let schema = fresh_schema_name();
-    let table = TableName::new(&format!("{schema}.outbox_events")).expect("valid table name");
-    create_schema(&admin, &table)
-        .await
-        .expect("create the outbox table");
-    let writer = PgOutboxWriter::new(&table);
-    let mut written: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
-    let mut tx = admin.begin().await.expect("begin");
-    for seq in 0..10 {
-        let events: Vec<NewEvent> = (0..8)
-            .map(|k| outbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
-            .collect();
-        for r in writer.write(&mut tx, events).await.expect("write") {
-            written
-                .entry(r.event.partition_key.clone())
-                .or_default()
-                .push(r.event.id);
-        }
-    }
-    tx.commit().await.expect("commit");
-    let total: usize = written.values().map(Vec::len).sum();
+    let backlog = FaultBacklog::write(&admin, 8, 10).await;
+    let (schema, table, total) = (&backlog.schema, backlog.table.clone(), backlog.total());
 
     // The table is locked before the relay starts: its first fetch statement waits.
     let mut lock = admin.begin().await.expect("begin the lock");
@@ -1751,34 +1753,14 @@ pub async fn fetch_terminated_mid_statement_with(
     relay.waker().notify_one();
     task.await.expect("relay task").expect("relay loop");
 
-    let mut seen = std::collections::HashSet::new();
-    let mut first_seen: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
-    for c in broker.calls() {
-        if c.result.as_ref().is_some_and(Result::is_ok) && seen.insert(c.event_id) {
-            first_seen
-                .entry(c.partition_key.clone())
-                .or_default()
-                .push(c.event_id);
-        }
-    }
-    assert_eq!(seen.len(), total, "faults: every event was published");
-    assert_eq!(
-        first_seen, written,
-        "faults: per key, first publishes in write order"
+    backlog.check_first_publishes(&broker.calls());
+    let left = backlog.left(&admin).await;
+    assert!(
+        left.is_empty(),
+        "faults: every row completed and released: {left:?}"
     );
-    let left: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-        "SELECT count(*) FROM {} WHERE status <> 'completed' OR locked_by IS NOT NULL",
-        table.qualified()
-    )))
-    .fetch_one(&admin)
-    .await
-    .expect("count");
-    assert_eq!(left, 0, "faults: every row completed and released");
     drop(relay);
-    sqlx::query(AssertSqlSafe(format!("DROP SCHEMA \"{schema}\" CASCADE")))
-        .execute(&admin)
-        .await
-        .expect("drop the trial schema");
+    backlog.drop_schema(&admin).await;
     MidFetchFigures {
         delivery,
         statement: query.chars().take(60).collect(),
