@@ -121,6 +121,46 @@ pub trait BrokerTrial: Send + Sync {
     async fn cleanup(&self);
 }
 
+/// What a drain delivered, reduced for the at-least-once and per-key order checks: each event's
+/// first delivery grouped by key in delivery order, and how many deliveries repeated an event.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FirstDeliveries {
+    /// Per partition key, the event ids in the order of their first delivery.
+    pub per_key: HashMap<String, Vec<Uuid>>,
+    /// Distinct events delivered.
+    pub distinct: usize,
+    /// Deliveries of an event already delivered.
+    pub repeated: usize,
+}
+
+impl FirstDeliveries {
+    /// Reduces `(partition key, event id)` deliveries, in delivery order.
+    pub fn of(deliveries: impl IntoIterator<Item = (String, Uuid)>) -> Self {
+        let mut seen = HashSet::new();
+        let mut out = Self::default();
+        for (key, id) in deliveries {
+            if seen.insert(id) {
+                out.per_key.entry(key).or_default().push(id);
+            } else {
+                out.repeated += 1;
+            }
+        }
+        out.distinct = seen.len();
+        out
+    }
+
+    /// The same from messages read back from a broker (their `partition_key` and `event_id`
+    /// attributes).
+    pub fn of_received(got: &[Received]) -> Self {
+        Self::of(got.iter().map(|m| {
+            (
+                m.attr("partition_key").expect("partition_key").to_owned(),
+                Uuid::parse_str(m.attr("event_id").expect("event_id")).expect("uuid"),
+            )
+        }))
+    }
+}
+
 /// The NATS subject / Redis stream-key part that makes names unique per trial.
 pub fn fresh_suffix() -> String {
     Uuid::new_v4().simple().to_string()[..12].to_owned()
@@ -519,21 +559,10 @@ pub async fn outage_mid_drain(b: &dyn BrokerUnderTest) {
             row.id
         );
     }
-    let got = t.read("orders").await;
-    let mut first: HashMap<String, Vec<Uuid>> = HashMap::new();
-    let mut seen = HashSet::new();
-    for m in &got {
-        let id = Uuid::parse_str(m.attr("event_id").expect("event_id")).expect("uuid");
-        if seen.insert(id) {
-            first
-                .entry(m.attr("partition_key").expect("key").to_owned())
-                .or_default()
-                .push(id);
-        }
-    }
-    assert_eq!(seen.len(), ids.len(), "outage: every row arrived");
+    let first = FirstDeliveries::of_received(&t.read("orders").await);
+    assert_eq!(first.distinct, ids.len(), "outage: every row arrived");
     assert_eq!(
-        first, written,
+        first.per_key, written,
         "outage: per key, first deliveries in write order"
     );
     t.cleanup().await;

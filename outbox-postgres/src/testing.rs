@@ -1124,31 +1124,22 @@ impl FaultBacklog {
     /// Checks the first acknowledged publish of each event: every event once, per key in write
     /// order. Returns how many publishes repeated an event already published.
     fn check_first_publishes(&self, calls: &[outbox_core::scripted::Call]) -> usize {
-        let mut seen = std::collections::HashSet::new();
-        let mut first: std::collections::HashMap<String, Vec<Uuid>> = Default::default();
-        let mut repeated = 0;
-        for c in calls {
-            if c.result.as_ref().is_some_and(Result::is_ok) {
-                if seen.insert(c.event_id) {
-                    first
-                        .entry(c.partition_key.clone())
-                        .or_default()
-                        .push(c.event_id);
-                } else {
-                    repeated += 1;
-                }
-            }
-        }
+        let first = outbox_conformance::broker::FirstDeliveries::of(
+            calls
+                .iter()
+                .filter(|c| c.result.as_ref().is_some_and(Result::is_ok))
+                .map(|c| (c.partition_key.clone(), c.event_id)),
+        );
         assert_eq!(
-            seen.len(),
+            first.distinct,
             self.total(),
             "faults: every event was published"
         );
         assert_eq!(
-            first, self.written,
+            first.per_key, self.written,
             "faults: per key, first publishes in write order"
         );
-        repeated
+        first.repeated
     }
 
     async fn drop_schema(self, pool: &PgPool) {
@@ -1272,9 +1263,7 @@ pub async fn broker_outage_on_postgres(
     outage: Duration,
     delivery: outbox_core::repository::DeliveryMode,
 ) -> OutageFigures {
-    use std::collections::{HashMap, HashSet};
-
-    use outbox_conformance::broker::{LoopbackProxy, TrialOptions};
+    use outbox_conformance::broker::{FirstDeliveries, LoopbackProxy, TrialOptions};
     use outbox_core::CancellationToken;
     use outbox_core::relay::{CycleReport, RECOMMENDED_OUTAGE_BACKOFF, Relay, RunOptions};
 
@@ -1432,21 +1421,10 @@ pub async fn broker_outage_on_postgres(
     .await
     .expect("count the row updates");
 
-    let got = t.read("orders").await;
-    let mut first_seen: HashMap<String, Vec<Uuid>> = HashMap::new();
-    let mut seen = HashSet::new();
-    for m in &got {
-        let id = Uuid::parse_str(m.attr("event_id").expect("event_id")).expect("uuid");
-        if seen.insert(id) {
-            first_seen
-                .entry(m.attr("partition_key").expect("key").to_owned())
-                .or_default()
-                .push(id);
-        }
-    }
-    assert_eq!(seen.len(), total, "faults: every event arrived");
+    let delivered = FirstDeliveries::of_received(&t.read("orders").await);
+    assert_eq!(delivered.distinct, total, "faults: every event arrived");
     assert_eq!(
-        first_seen, backlog.written,
+        delivered.per_key, backlog.written,
         "faults: per key, first deliveries in write order"
     );
     let left = backlog.left(&pool).await;

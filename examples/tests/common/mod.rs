@@ -264,18 +264,11 @@ impl Stream {
 /// Checks that every written event arrived and that, per key, the order of first arrival is the
 /// write order. Returns the number of messages that were repeats of an earlier one.
 pub fn check_order(written: &HashMap<String, Vec<Uuid>>, got: &[(Uuid, String)]) -> usize {
-    let mut seen = std::collections::HashSet::new();
-    let mut per_key: HashMap<&str, Vec<Uuid>> = HashMap::new();
-    let mut repeats = 0;
-    for (id, key) in got {
-        if seen.insert(*id) {
-            per_key.entry(key.as_str()).or_default().push(*id);
-        } else {
-            repeats += 1;
-        }
-    }
+    let first = outbox_conformance::broker::FirstDeliveries::of(
+        got.iter().map(|(id, key)| (key.clone(), *id)),
+    );
     for (key, ids) in written {
-        let arrived = per_key.get(key.as_str()).cloned().unwrap_or_default();
+        let arrived = first.per_key.get(key).cloned().unwrap_or_default();
         assert_eq!(
             arrived.len(),
             ids.len(),
@@ -289,11 +282,11 @@ pub fn check_order(written: &HashMap<String, Vec<Uuid>>, got: &[(Uuid, String)])
         );
     }
     assert_eq!(
-        seen.len(),
+        first.distinct,
         written.values().map(Vec::len).sum::<usize>(),
         "events that were not written arrived"
     );
-    repeats
+    first.repeated
 }
 
 /// Reads the child's stderr lines into a channel as they come.
