@@ -4,6 +4,7 @@
 pub mod broker;
 pub mod ctx;
 pub mod harness;
+pub mod inbox;
 pub mod memory;
 pub mod net;
 pub mod scenarios;
@@ -111,6 +112,41 @@ macro_rules! suite {
             #[tokio::test(start_paused = true)]
             async fn $name() {
                 $crate::scenarios::$m::$name(&$f).await;
+            }
+        )*
+    };
+}
+
+/// Generates one `#[tokio::test]` per inbox scenario, named after its ID (`n_14` is N-14).
+///
+/// `inbox_suite!(memory: FACTORY)` runs the `[all]` and `[mem]` scenarios of the inbox; FACTORY
+/// is an expression evaluated per test whose value implements [`inbox::InboxFactory`].
+#[macro_export]
+macro_rules! inbox_suite {
+    (memory: $f:expr) => {
+        $crate::inbox_suite!(@all $f);
+    };
+    (@all $f:expr) => {
+        $crate::inbox_suite!(@tests $f;
+            policies::n_01, policies::n_02, policies::n_03, policies::n_04, policies::n_05,
+            policies::n_06, policies::n_07, policies::n_08, policies::n_09, policies::n_10,
+            policies::n_11, policies::n_12, policies::n_13, policies::n_14, policies::n_15,
+            policies::n_16, policies::n_17, policies::n_18
+        );
+    };
+    (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $crate::inbox::scenarios::$m::$name(&$f).await;
+            }
+        )*
+    };
+    (@paused $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(start_paused = true)]
+            async fn $name() {
+                $crate::inbox::scenarios::$m::$name(&$f).await;
             }
         )*
     };

@@ -1,0 +1,3 @@
+//! The inbox scenarios, one async function per ID, grouped by letter.
+
+pub mod policies;
