@@ -131,7 +131,12 @@ macro_rules! inbox_suite {
             policies::n_01, policies::n_02, policies::n_03, policies::n_04, policies::n_05,
             policies::n_06, policies::n_07, policies::n_08, policies::n_09, policies::n_10,
             policies::n_11, policies::n_12, policies::n_13, policies::n_14, policies::n_15,
-            policies::n_16, policies::n_17, policies::n_18
+            policies::n_16, policies::n_17, policies::n_18,
+            failures::f_01, failures::f_02, failures::f_03, failures::f_04, failures::f_05,
+            failures::f_06, failures::f_07, failures::f_08, failures::f_09, failures::f_10,
+            failures::f_11, failures::f_12, failures::f_14, failures::f_15, failures::f_16,
+            failures::f_17, failures::f_18, failures::f_19, failures::f_22, failures::f_24,
+            failures::f_25
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

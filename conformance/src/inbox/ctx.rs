@@ -30,8 +30,64 @@ pub struct Ictx<H: InboxHarness> {
     pub msgs: MessageFactory,
     /// The scripted handler (shared by every runner and processor of the trial).
     pub handler: Arc<ScriptedHandler<H>>,
+    /// The hooks of every runner and processor of the trial.
+    pub rec: Arc<Recorder>,
     counters: Mutex<HashMap<String, i64>>,
     ids: Mutex<HashMap<String, usize>>,
+}
+
+/// A hook that records what the runners and processors of a trial report.
+#[derive(Default)]
+pub struct Recorder {
+    /// Delivery results, in order.
+    pub deliveries: Mutex<Vec<DeliveryResult>>,
+    /// Terminal failures: (message_id, status of the row as before, error).
+    pub terminal: Mutex<Vec<(String, outbox_core::event::Status, i32, String)>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Recorder {
+    /// Waits until at least `n` delivery results were recorded (bounded by 10 s).
+    pub async fn wait_deliveries(&self, n: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let notified = self.changed.notified();
+            if self.deliveries.lock().expect("poisoned").len() >= n {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                panic!("timed out waiting for {n} delivery results");
+            }
+        }
+    }
+    /// The recorded results.
+    pub fn results(&self) -> Vec<DeliveryResult> {
+        self.deliveries.lock().expect("poisoned").clone()
+    }
+    /// The message ids of the terminal failures.
+    pub fn terminal_ids(&self) -> Vec<String> {
+        self.terminal
+            .lock()
+            .expect("poisoned")
+            .iter()
+            .map(|t| t.0.clone())
+            .collect()
+    }
+}
+
+impl outbox_core::inbox::InboxHooks for Recorder {
+    fn on_delivery(&self, r: &DeliveryResult) {
+        self.deliveries.lock().expect("poisoned").push(r.clone());
+        self.changed.notify_waiters();
+    }
+    fn on_terminal_failure(&self, row: &InboxEvent, error: &str) {
+        self.terminal.lock().expect("poisoned").push((
+            row.message_id.clone(),
+            row.status,
+            row.attempts_made,
+            error.to_owned(),
+        ));
+    }
 }
 
 /// The group of every scenario.
@@ -48,6 +104,7 @@ impl<H: InboxHarness> Ictx<H> {
             handler: Arc::new(ScriptedHandler::new(h.clone())),
             h,
             sub,
+            rec: Arc::default(),
             msgs: MessageFactory::new(),
             counters: Mutex::default(),
             ids: Mutex::default(),
@@ -114,6 +171,7 @@ impl<H: InboxHarness> Ictx<H> {
             .concurrency(1)
             .process_stored(false)
             .sources(["src"])
+            .hooks(self.rec.clone())
             .random_source(Box::new(SeededRng::new(7)))
     }
 
@@ -124,6 +182,7 @@ impl<H: InboxHarness> Ictx<H> {
             .batch_size(100)
             .max_per_key(1)
             .handler_concurrency(1)
+            .hooks(self.rec.clone())
             .random_source(Box::new(SeededRng::new(11)))
     }
 

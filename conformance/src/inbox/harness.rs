@@ -68,7 +68,7 @@ pub trait InboxHarness: Send + Sync + 'static {
     fn set_db_down(&self, down: bool);
     /// Runs `f` just before the next transaction begins (R126's fresh transaction when called
     /// from inside a handler run).
-    fn before_next_begin(&self, f: Box<dyn FnOnce() + Send>);
+    fn before_next_begin(&self, f: futures::future::BoxFuture<'static, ()>);
     /// The committed effects' message ids, in store order.
     async fn effects(&self) -> Vec<String>;
     /// Writes one effect through the handler's transaction.

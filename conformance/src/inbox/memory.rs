@@ -83,8 +83,10 @@ impl InboxHarness for MemInboxHarness {
     fn set_db_down(&self, down: bool) {
         self.inbox.set_down(down);
     }
-    fn before_next_begin(&self, f: Box<dyn FnOnce() + Send>) {
-        self.inbox.before_next_begin(f);
+    fn before_next_begin(&self, f: futures::future::BoxFuture<'static, ()>) {
+        // The memory fixtures complete without waiting, so the future runs to its end here.
+        self.inbox
+            .before_next_begin(move || futures::executor::block_on(f));
     }
     async fn effects(&self) -> Vec<String> {
         self.inbox
