@@ -136,7 +136,12 @@ macro_rules! inbox_suite {
             failures::f_06, failures::f_07, failures::f_08, failures::f_09, failures::f_10,
             failures::f_11, failures::f_12, failures::f_14, failures::f_15, failures::f_16,
             failures::f_17, failures::f_18, failures::f_19, failures::f_22, failures::f_24,
-            failures::f_25
+            failures::f_25,
+            processor::p_01, processor::b_09, processor::b_11, processor::t_09, processor::h_02,
+            processor::h_03, processor::h_04, processor::h_07, processor::y_01, processor::y_02,
+            processor::y_04, processor::y_05, processor::y_06, processor::y_07, processor::y_08,
+            processor::y_09, processor::y_11, processor::y_12, processor::y_13, processor::y_14,
+            processor::y_15, processor::y_17, processor::y_18
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

@@ -2,3 +2,4 @@
 
 pub mod failures;
 pub mod policies;
+pub mod processor;
