@@ -1,5 +1,7 @@
 //! The inbox scenarios, one async function per ID, grouped by letter.
 
+pub mod dedup;
 pub mod failures;
+pub mod groups;
 pub mod policies;
 pub mod processor;
