@@ -144,7 +144,9 @@ macro_rules! inbox_suite {
             processor::y_15, processor::y_17, processor::y_18,
             groups::g_01, groups::g_02, groups::g_03, groups::g_04, groups::g_05, groups::g_06,
             groups::g_07, groups::g_08, groups::g_09,
-            dedup::i_06, dedup::d_01, dedup::d_02, dedup::d_07, dedup::d_08
+            dedup::i_06, dedup::d_01, dedup::d_02, dedup::d_07, dedup::d_08,
+            decoding::e_01, decoding::e_02, decoding::e_03, decoding::e_04, decoding::e_05,
+            decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
