@@ -80,6 +80,9 @@ impl outbox_core::inbox::InboxHooks for Recorder {
         self.deliveries.lock().expect("poisoned").push(r.clone());
         self.changed.notify_waiters();
     }
+    fn on_persist_failure(&self, r: &DeliveryResult) {
+        self.on_delivery(r);
+    }
     fn on_terminal_failure(&self, row: &InboxEvent, error: &str) {
         self.terminal.lock().expect("poisoned").push((
             row.message_id.clone(),

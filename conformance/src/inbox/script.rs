@@ -88,6 +88,8 @@ pub enum Act {
     BreakTx(String, Option<Hook>),
     /// Writes one effect, returns completed after the delay.
     Delay(Duration),
+    /// Draws the action at run time (the stand tests' seeded mix).
+    Choose(Arc<dyn Fn() -> Act + Send + Sync>),
 }
 
 /// A recorded run.
@@ -179,6 +181,10 @@ impl<H: InboxHarness> Handler<HandlerTx<H::Backend>> for ScriptedHandler<H> {
         let key = row.payload.get("key").and_then(|v| v.as_str());
         let n = row.payload.get("n").and_then(|v| v.as_i64()).unwrap_or(0);
         let h = self.harness.clone();
+        let act = match act {
+            Act::Choose(f) => f(),
+            other => other,
+        };
         let out = match act {
             Act::Write => h.write_effect(tx, &row.message_id, key, n).await.map(|_| HandlerOutcome::completed()),
             Act::Ok(s) => Ok(HandlerOutcome::Completed { status: s }),
@@ -217,6 +223,10 @@ impl<H: InboxHarness> Handler<HandlerTx<H::Backend>> for ScriptedHandler<H> {
                 tokio::time::sleep(d).await;
                 Ok(HandlerOutcome::completed())
             }
+            Act::Choose(_) => h
+                .write_effect(tx, &row.message_id, key, n)
+                .await
+                .map(|_| HandlerOutcome::completed()),
         };
         self.runs.lock().expect("poisoned")[idx].end = Some(tokio::time::Instant::now());
         out

@@ -13,8 +13,12 @@ use crate::inbox::runner::DeliveryResult;
 
 /// Observers of the inbox. Every method has an empty default.
 pub trait InboxHooks: Send + Sync {
-    /// A runner finished a delivery (R171), after T committed (or failed).
+    /// A runner finished a delivery (R171): after T committed, or for an invalid delivery
+    /// after its dead-letter copy. Not called when T failed (see
+    /// [`on_persist_failure`](Self::on_persist_failure)).
     fn on_delivery(&self, _result: &DeliveryResult) {}
+    /// A delivery's transaction failed (R132); nothing of it was stored.
+    fn on_persist_failure(&self, _result: &DeliveryResult) {}
     /// A processor fetched `rows` rows (0 included).
     fn on_fetch(&self, _rows: usize) {}
     /// A processor finished a row (R157, R158), after T_row committed (or failed): its event

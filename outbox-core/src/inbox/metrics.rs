@@ -155,6 +155,10 @@ impl InboxHooks for InboxMetrics {
         }
     }
 
+    fn on_persist_failure(&self, r: &DeliveryResult) {
+        self.on_delivery(r);
+    }
+
     fn on_fetch(&self, rows: usize) {
         metrics::gauge!(self.names.batch.clone()).set(rows as f64);
     }

@@ -483,7 +483,11 @@ impl<B: InboxBackend> Runner<B> {
     }
 
     fn after(&self, result: &DeliveryResult) {
-        hooks::each(&self.hooks, |h| h.on_delivery(result));
+        if result.outcome == DeliveryOutcome::PersistFailed {
+            hooks::each(&self.hooks, |h| h.on_persist_failure(result));
+        } else {
+            hooks::each(&self.hooks, |h| h.on_delivery(result));
+        }
     }
 
     async fn commit_delivery(&self, d: &InboxDelivery, r: &mut DeliveryResult) {

@@ -6,3 +6,5 @@ pub mod failures;
 pub mod groups;
 pub mod policies;
 pub mod processor;
+pub mod stand;
+pub mod visibility;
