@@ -210,7 +210,13 @@ impl<H: InboxHarness> Ictx<H> {
     }
 
     /// A landed row of another group or source.
-    pub async fn land_in(&self, group: &str, source: &str, id: &str, key: Option<&str>) -> InboxEvent {
+    pub async fn land_in(
+        &self,
+        group: &str,
+        source: &str,
+        id: &str,
+        key: Option<&str>,
+    ) -> InboxEvent {
         let n = self.next_n(key.unwrap_or(""));
         let mut b = NewInboxEvent::builder()
             .message_id(id)
@@ -222,7 +228,10 @@ impl<H: InboxHarness> Ictx<H> {
             b = b.partition_key(k);
         }
         let mut tx = self.backend().begin().await.expect("begin");
-        let l = tx.land(vec![b.build().expect("valid event")]).await.expect("land");
+        let l = tx
+            .land(vec![b.build().expect("valid event")])
+            .await
+            .expect("land");
         tx.commit().await.expect("commit");
         l[0].row.clone()
     }
@@ -237,7 +246,9 @@ impl<H: InboxHarness> Ictx<H> {
 
     /// The row of a message; panics when there is none.
     pub async fn row_of(&self, id: &str) -> InboxEvent {
-        self.row(id).await.unwrap_or_else(|| panic!("no row for {id}"))
+        self.row(id)
+            .await
+            .unwrap_or_else(|| panic!("no row for {id}"))
     }
 
     /// The backend's now.
@@ -278,7 +289,14 @@ impl<H: InboxHarness> Ictx<H> {
 }
 
 /// Asserts `t − now ∈ [lo, hi]` seconds, with `now` read before (`before`) and after (`after`).
-pub fn assert_within(t: DateTime<Utc>, before: DateTime<Utc>, after: DateTime<Utc>, lo: f64, hi: f64, what: &str) {
+pub fn assert_within(
+    t: DateTime<Utc>,
+    before: DateTime<Utc>,
+    after: DateTime<Utc>,
+    lo: f64,
+    hi: f64,
+    what: &str,
+) {
     let a = (t - after).as_seconds_f64();
     let b = (t - before).as_seconds_f64();
     assert!(

@@ -12,8 +12,8 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::clock::Clock;
 use outbox_core::event::Status;
-use outbox_core::inbox::repository::{HandlerTx, InboxBackend};
 use outbox_core::inbox::HandlerError;
+use outbox_core::inbox::repository::{HandlerTx, InboxBackend};
 use uuid::Uuid;
 
 use crate::harness::BackendKind;

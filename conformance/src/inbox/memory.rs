@@ -5,9 +5,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::clock::{Clock, ManualClock};
+use outbox_core::inbox::HandlerError;
 use outbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
 use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::HandlerError;
 use serde_json::json;
 use uuid::Uuid;
 

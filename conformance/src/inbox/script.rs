@@ -186,7 +186,10 @@ impl<H: InboxHarness> Handler<HandlerTx<H::Backend>> for ScriptedHandler<H> {
             other => other,
         };
         let out = match act {
-            Act::Write => h.write_effect(tx, &row.message_id, key, n).await.map(|_| HandlerOutcome::completed()),
+            Act::Write => h
+                .write_effect(tx, &row.message_id, key, n)
+                .await
+                .map(|_| HandlerOutcome::completed()),
             Act::Ok(s) => Ok(HandlerOutcome::Completed { status: s }),
             Act::Fail(t) => {
                 h.write_effect(tx, &row.message_id, key, n).await?;

@@ -7,9 +7,7 @@
 
 use serde_json::Value;
 
-use crate::inbox::model::{
-    ConsumerGroup, InvalidLabel, InvalidMessage, NewInboxEvent,
-};
+use crate::inbox::model::{ConsumerGroup, InvalidLabel, InvalidMessage, NewInboxEvent};
 
 /// The names R137 maps to columns, and the outbox's other message attributes (R50), none of
 /// which is stored as a header (R141, D24).
@@ -274,8 +272,12 @@ mod tests {
     #[test]
     fn ids_and_sources() {
         let o = DecodeOptions::default();
-        let e = decode(&nats(&[("message_id", "a"), ("event_id", "b")], "{\"n\":1}"), &g(), o)
-            .unwrap();
+        let e = decode(
+            &nats(&[("message_id", "a"), ("event_id", "b")], "{\"n\":1}"),
+            &g(),
+            o,
+        )
+        .unwrap();
         assert_eq!(e.message_id(), "a");
         let e = decode(&nats(&[], "{\"n\":1}"), &g(), o).unwrap();
         assert_eq!(e.message_id(), "S:17");
@@ -290,13 +292,26 @@ mod tests {
         )
         .unwrap_err();
         assert_eq!(r.to_string(), "invalid message: message_id: missing");
-        let e = decode(&nats(&[("topic", "t")], "{\"event_type\":\"x.y\"}"), &g(), o).unwrap();
+        let e = decode(
+            &nats(&[("topic", "t")], "{\"event_type\":\"x.y\"}"),
+            &g(),
+            o,
+        )
+        .unwrap();
         assert_eq!((e.source(), e.event_type()), ("t", "x.y"));
-        let e = decode(&nats(&[("source_service", "s2"), ("topic", "t")], "{\"n\":1}"), &g(), o)
-            .unwrap();
+        let e = decode(
+            &nats(&[("source_service", "s2"), ("topic", "t")], "{\"n\":1}"),
+            &g(),
+            o,
+        )
+        .unwrap();
         assert_eq!((e.source(), e.event_type()), ("s2", "s2"));
-        let r = decode(&nats(&[("tenant", "a"), ("tenant", "b")], "{\"n\":1}"), &g(), o)
-            .unwrap_err();
+        let r = decode(
+            &nats(&[("tenant", "a"), ("tenant", "b")], "{\"n\":1}"),
+            &g(),
+            o,
+        )
+        .unwrap_err();
         assert_eq!(r.reason, "headers: repeated key tenant");
         let r = decode(&nats(&[], "{\"x\": 1e999}"), &g(), o).unwrap_err();
         assert_eq!(r.reason, "body is not JSON");

@@ -250,6 +250,8 @@ impl InMemoryInbox {
     }
 }
 
+// Rows are most of a journal; boxing them would cost an allocation per write.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 enum Entry {
     Row(InboxEvent),
@@ -811,7 +813,10 @@ impl InboxRepository for InMemoryInbox {
         Ok(out.into_iter().take(limit).map(|(_, _, b)| b).collect())
     }
 
-    async fn counts(&self, group: &ConsumerGroup) -> Result<Vec<InboxStatusCount>, RepositoryError> {
+    async fn counts(
+        &self,
+        group: &ConsumerGroup,
+    ) -> Result<Vec<InboxStatusCount>, RepositoryError> {
         let st = self.lock();
         let mut m: BTreeMap<(String, Status), i64> = BTreeMap::new();
         for r in Self::group_rows(&st, group) {

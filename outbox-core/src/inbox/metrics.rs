@@ -163,13 +163,7 @@ impl InboxHooks for InboxMetrics {
         metrics::gauge!(self.names.batch.clone()).set(rows as f64);
     }
 
-    fn on_row(
-        &self,
-        _id: Uuid,
-        event_type: Option<&str>,
-        report: &RowReport,
-        d: Option<Duration>,
-    ) {
+    fn on_row(&self, _id: Uuid, event_type: Option<&str>, report: &RowReport, d: Option<Duration>) {
         let et = event_type.unwrap_or("");
         match report {
             RowReport::Completed { .. } => self.run(et, Some(true), false, d),

@@ -5,7 +5,7 @@
 //!
 //! * [`model`]: the stored row [`InboxEvent`], the validated [`NewInboxEvent`], the inbox key, and
 //!   why a delivery is invalid (R100 to R106, R139);
-//! * [`decode`]: from a broker message to an event (R137, R138, R141);
+//! * [`decode`](mod@decode): from a broker message to an event (R137, R138, R141);
 //! * [`subscription`]: the [`Subscription`], [`InboxDelivery`] and [`AckHandle`] an adapter
 //!   implements (R113);
 //! * [`repository`]: the backend contract, [`InboxRepository`], [`InboxTransaction`] and

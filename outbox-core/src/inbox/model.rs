@@ -409,7 +409,10 @@ pub fn check_headers(
     }
     for (k, v) in &raw {
         if k.contains('\0') || v.contains('\0') {
-            return Err(bad(format!("{} contains U+0000", k.replace('\0', "\u{FFFD}"))));
+            return Err(bad(format!(
+                "{} contains U+0000",
+                k.replace('\0', "\u{FFFD}")
+            )));
         }
     }
     let (tp, rest): (Vec<_>, Vec<_>) = raw
@@ -421,10 +424,10 @@ pub fn check_headers(
     for (_, v) in tp {
         // R6's value rules, through the same check under a neutral key.
         let checked = validate_headers(vec![("x".into(), v)]).map_err(|e| bad(e.to_string()))?;
-        if let Some(v) = checked.and_then(|m| m.into_values().next()) {
-            if out.insert(crate::trace::TRACEPARENT.into(), v).is_some() {
-                return Err(bad(format!("repeated key {}", crate::trace::TRACEPARENT)));
-            }
+        if let Some(v) = checked.and_then(|m| m.into_values().next())
+            && out.insert(crate::trace::TRACEPARENT.into(), v).is_some()
+        {
+            return Err(bad(format!("repeated key {}", crate::trace::TRACEPARENT)));
         }
     }
     Ok(if out.is_empty() { None } else { Some(out) })
@@ -497,10 +500,10 @@ impl InboxEventBuilder {
     /// Validates (R102, R104) in R139's order: payload, fields, headers. event_type defaults
     /// to the source when not given.
     pub fn build(self) -> Result<NewInboxEvent, InvalidMessage> {
-        let payload = check_payload(
-            self.payload
-                .ok_or_else(|| InvalidMessage::new(InvalidLabel::NotJson, "payload field missing"))?,
-        )?;
+        let payload =
+            check_payload(self.payload.ok_or_else(|| {
+                InvalidMessage::new(InvalidLabel::NotJson, "payload field missing")
+            })?)?;
         let need = |field: &str, v: Option<String>| {
             v.ok_or_else(|| InvalidMessage::field(format!("{field}: missing")))
         };
@@ -535,8 +538,11 @@ impl InboxEventBuilder {
             self.correlation_id,
             inbox_limits::TRACE_ID_MAX,
         )?;
-        let causation_id =
-            optional_field("causation_id", self.causation_id, inbox_limits::TRACE_ID_MAX)?;
+        let causation_id = optional_field(
+            "causation_id",
+            self.causation_id,
+            inbox_limits::TRACE_ID_MAX,
+        )?;
         let schema_version = optional_field(
             "schema_version",
             self.schema_version,
@@ -604,7 +610,11 @@ mod tests {
         assert_eq!(e.reason, "payload is empty");
         let e = base().payload_json(json!([1])).build().unwrap_err();
         assert_eq!(e.reason, "body is not a JSON object");
-        for p in [json!({"x": "a\u{0}b"}), json!({"a\u{0}": 1}), json!({"x": ["\u{0}"]})] {
+        for p in [
+            json!({"x": "a\u{0}b"}),
+            json!({"a\u{0}": 1}),
+            json!({"x": ["\u{0}"]}),
+        ] {
             let e = base().payload_json(p).build().unwrap_err();
             assert_eq!(e.reason, "payload contains U+0000");
         }
@@ -612,7 +622,9 @@ mod tests {
 
     #[test]
     fn header_rules() {
-        let many: Vec<_> = (0..101).map(|i| (format!("h{i}"), "v".to_string())).collect();
+        let many: Vec<_> = (0..101)
+            .map(|i| (format!("h{i}"), "v".to_string()))
+            .collect();
         let e = base().headers(many).build().unwrap_err();
         assert_eq!(e.reason, "headers: more than 100 entries");
         let e = base().header("tenant", "a\0b").build().unwrap_err();
@@ -622,7 +634,10 @@ mod tests {
         assert!(base().header("A", "1").header("a", "2").build().is_err());
         // An invalid trace context is stored, not refused (R170).
         let e = base()
-            .header("traceparent", "00-00000000000000000000000000000000-00f067aa0ba902b7-01")
+            .header(
+                "traceparent",
+                "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            )
             .build()
             .unwrap();
         assert!(e.headers().unwrap().contains_key("traceparent"));

@@ -295,12 +295,18 @@ mod tests {
             .unwrap()
         };
         use AckStrategy::*;
-        assert_eq!(a(Some(ExactlyOnceInbox), None, None).on_failure, OnFailure::Record);
+        assert_eq!(
+            a(Some(ExactlyOnceInbox), None, None).on_failure,
+            OnFailure::Record
+        );
         assert_eq!(
             a(Some(ExactlyOnceInbox), None, Some(false)).on_failure,
             OnFailure::Rewind
         );
-        assert_eq!(a(Some(AtLeastOnce), None, None).on_failure, OnFailure::Record);
+        assert_eq!(
+            a(Some(AtLeastOnce), None, None).on_failure,
+            OnFailure::Record
+        );
         assert_eq!(
             a(Some(AtLeastOnce), Some(CommitOffsetPolicy::OnSuccess), None).on_failure,
             OnFailure::Rewind
@@ -319,7 +325,10 @@ mod tests {
             e.to_string(),
             "give on_failure and at_most_once, or the ancestor's ack settings, not both"
         );
-        assert_eq!(resolve(None, None, Default::default()).unwrap(), FailurePolicy::default());
+        assert_eq!(
+            resolve(None, None, Default::default()).unwrap(),
+            FailurePolicy::default()
+        );
     }
 
     #[test]
@@ -366,7 +375,14 @@ mod tests {
     fn recorded_writes() {
         let b = Backoff::default();
         let now = Utc::now();
-        let w = record_write(&fail(FailureClass::Transient), 0, now, &b, &mut Fixed(0.0), false);
+        let w = record_write(
+            &fail(FailureClass::Transient),
+            0,
+            now,
+            &b,
+            &mut Fixed(0.0),
+            false,
+        );
         assert_eq!(
             w,
             RowWrite::NotCounted {
@@ -374,7 +390,14 @@ mod tests {
                 retry: Retry::After(TRANSIENT_RETRY)
             }
         );
-        let w = record_write(&fail(FailureClass::Transient), 0, now, &b, &mut Fixed(0.0), true);
+        let w = record_write(
+            &fail(FailureClass::Transient),
+            0,
+            now,
+            &b,
+            &mut Fixed(0.0),
+            true,
+        );
         assert!(matches!(w, RowWrite::Counted { .. }));
         let at = now + chrono::Duration::seconds(42);
         let w = record_write(

@@ -35,8 +35,8 @@ use crate::inbox::hooks::{self, InboxHooks};
 use crate::inbox::model::{ConsumerGroup, InboxEvent};
 use crate::inbox::policy;
 use crate::inbox::repository::{
-    DEFAULT_INBOX_MAX_PER_KEY, Guard, HandlerTx, InboxBackend, InboxFetchRequest,
-    InboxTransaction, RowWrite,
+    DEFAULT_INBOX_MAX_PER_KEY, Guard, HandlerTx, InboxBackend, InboxFetchRequest, InboxTransaction,
+    RowWrite,
 };
 use crate::repository::DEFAULT_LEASE_TTL;
 
@@ -180,7 +180,10 @@ impl ProcessorConfig {
 }
 
 /// Checks the handler timeout and the lease margin (R153, R165).
-pub(crate) fn check_timeouts(handler_timeout: Duration, lease_ttl: Duration) -> Result<(), ConfigError> {
+pub(crate) fn check_timeouts(
+    handler_timeout: Duration,
+    lease_ttl: Duration,
+) -> Result<(), ConfigError> {
     if handler_timeout.is_zero() {
         return Err(ConfigError::new("handler_timeout must be positive"));
     }
@@ -460,7 +463,9 @@ impl<B: InboxBackend> Processor<B> {
             let r = self.run_row(row.id).await;
             stop = !matches!(
                 r,
-                RowReport::Completed { .. } | RowReport::Skipped { .. } | RowReport::Duplicate { .. }
+                RowReport::Completed { .. }
+                    | RowReport::Skipped { .. }
+                    | RowReport::Duplicate { .. }
             );
             out.push((row.id, r));
         }
@@ -473,9 +478,17 @@ impl<B: InboxBackend> Processor<B> {
     pub async fn run_row(&self, id: Uuid) -> RowReport {
         let report = self.run_row_inner(id).await;
         let event_type = report.1.as_ref().map(|r| r.event_type.as_str());
-        hooks::each(&self.hooks, |h| h.on_row(id, event_type, &report.0, report.2));
-        if let (RowReport::Counted { terminal: true, error, .. }, Some(before)) =
-            (&report.0, &report.1)
+        hooks::each(&self.hooks, |h| {
+            h.on_row(id, event_type, &report.0, report.2)
+        });
+        if let (
+            RowReport::Counted {
+                terminal: true,
+                error,
+                ..
+            },
+            Some(before),
+        ) = (&report.0, &report.1)
         {
             hooks::each(&self.hooks, |h| h.on_terminal_failure(before, error));
         }
@@ -520,10 +533,15 @@ impl<B: InboxBackend> Processor<B> {
             match tx.completed_sibling(&row).await {
                 Ok(true) => {
                     let r = match tx.write(id, RowWrite::Complete).await {
-                        Ok(_) => commit(tx, RowReport::Duplicate {
-                            reason: "duplicate_sibling".into(),
-                        })
-                        .await,
+                        Ok(_) => {
+                            commit(
+                                tx,
+                                RowReport::Duplicate {
+                                    reason: "duplicate_sibling".into(),
+                                },
+                            )
+                            .await
+                        }
                         Err(e) => RowReport::CommitFailed {
                             error: e.to_string(),
                         },
@@ -548,7 +566,12 @@ impl<B: InboxBackend> Processor<B> {
             let _enter = span.enter();
             drop(_enter);
             match tracing::Instrument::instrument(
-                run_handler(&mut tx, self.handler.as_ref(), &row, self.config.handler_timeout),
+                run_handler(
+                    &mut tx,
+                    self.handler.as_ref(),
+                    &row,
+                    self.config.handler_timeout,
+                ),
                 span.clone(),
             )
             .await

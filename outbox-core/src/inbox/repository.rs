@@ -98,6 +98,8 @@ pub struct Landed {
 }
 
 /// What taking a row's lock found (R116 step 3, R152).
+// A locked row is the usual answer; boxing it would cost an allocation per run.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum RowLock {
     /// Locked by this transaction; the row as it stands.
@@ -139,6 +141,7 @@ pub enum RowWrite {
 
 /// The guard of a fresh outcome transaction (R126, R152): the row must still be as the failed
 /// transaction found it.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Guard {
     /// The failed transaction inserted the row: land it again and write only if this landing
@@ -289,7 +292,8 @@ pub trait InboxRepository: Send + Sync {
     ) -> Result<Vec<InboxBlockedKey>, RepositoryError>;
 
     /// Row counts of the group per (source, status), sorted (R161; A-02).
-    async fn counts(&self, group: &ConsumerGroup) -> Result<Vec<InboxStatusCount>, RepositoryError>;
+    async fn counts(&self, group: &ConsumerGroup)
+    -> Result<Vec<InboxStatusCount>, RepositoryError>;
 
     /// now − scheduled_at of the group's oldest due pending row, or none (R161; A-02).
     async fn oldest_due_age(

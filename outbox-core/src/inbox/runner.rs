@@ -34,9 +34,7 @@ use crate::inbox::handler::{Failure, Handler, HandlerRun, RunResult, run_handler
 use crate::inbox::hooks::{self, InboxHooks};
 use crate::inbox::model::{ConsumerGroup, InboxEvent, InvalidMessage, NewInboxEvent};
 use crate::inbox::ordering as inbox_order;
-use crate::inbox::policy::{
-    self, AncestorAckSettings, FailurePolicy, OnFailure, RewindDecision,
-};
+use crate::inbox::policy::{self, AncestorAckSettings, FailurePolicy, OnFailure, RewindDecision};
 use crate::inbox::processor::{
     DEFAULT_HANDLER_TIMEOUT, DEFAULT_INBOX_POLL, Processor, check_timeouts,
 };
@@ -333,7 +331,9 @@ impl<B: InboxBackend> RunnerBuilder<B> {
             let mut b = Processor::builder(
                 self.backend.clone(),
                 group.as_str(),
-                self.handler.clone().expect("process_stored needs a handler"),
+                self.handler
+                    .clone()
+                    .expect("process_stored needs a handler"),
             )
             .worker_id(pw)
             .sources(sources.clone())
@@ -455,7 +455,9 @@ impl<B: InboxBackend> Runner<B> {
 
     /// Reads at most one delivery without waiting and handles it; none when the subscription
     /// had nothing to give.
-    pub async fn handle_next(&self) -> Result<Option<DeliveryResult>, crate::inbox::subscription::SubscriptionError> {
+    pub async fn handle_next(
+        &self,
+    ) -> Result<Option<DeliveryResult>, crate::inbox::subscription::SubscriptionError> {
         let mut d = self.subscription.next(1, Duration::ZERO).await?;
         match d.pop() {
             Some(d) => Ok(Some(self.handle_delivery(d).await)),
@@ -524,7 +526,10 @@ impl<B: InboxBackend> Runner<B> {
                 let mut r = pre_committed;
                 r.message_id = Some(event.message_id().to_owned());
                 r.outcome = DeliveryOutcome::Rewound;
-                r.error = Some("the commit before handling failed (at_most_once); the message was not handled".into());
+                r.error = Some(
+                    "the commit before handling failed (at_most_once); the message was not handled"
+                        .into(),
+                );
                 return r;
             }
         }
@@ -532,7 +537,8 @@ impl<B: InboxBackend> Runner<B> {
             match self.transact(d, &event).await {
                 Ok(mut r) => {
                     r.message_id = Some(event.message_id().to_owned());
-                    r.event_type.get_or_insert_with(|| event.event_type().to_owned());
+                    r.event_type
+                        .get_or_insert_with(|| event.event_type().to_owned());
                     if at_most_once {
                         r.committed = true;
                     } else if !matches!(r.outcome, DeliveryOutcome::Rewound) {
@@ -709,7 +715,8 @@ impl<B: InboxBackend> Runner<B> {
             Some(w)
         } else {
             tx.rollback().await;
-            self.fresh_write(event, &row, inserted, write, &failure).await?
+            self.fresh_write(event, &row, inserted, write, &failure)
+                .await?
         };
         match written {
             Some(w) => {

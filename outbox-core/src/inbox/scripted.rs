@@ -341,7 +341,9 @@ impl AckHandle for ScriptedAck {
         self.record(&mut st, AckOp::Commit);
         if st.msgs[self.idx].fail_commits > 0 {
             st.msgs[self.idx].fail_commits -= 1;
-            return Err(SubscriptionError::transient("injected commit failure (fail_commit)"));
+            return Err(SubscriptionError::transient(
+                "injected commit failure (fail_commit)",
+            ));
         }
         st.outstanding.remove(&self.token);
         Ok(())

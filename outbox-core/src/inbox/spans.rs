@@ -31,8 +31,8 @@ pub fn handler_span(row: &InboxEvent, worker: &WorkerId) -> tracing::Span {
     {
         use opentelemetry::trace::TraceContextExt;
         use tracing_opentelemetry::OpenTelemetrySpanExt;
-        let cx = opentelemetry::Context::new()
-            .with_remote_span_context(crate::trace::span_context(&tp));
+        let cx =
+            opentelemetry::Context::new().with_remote_span_context(crate::trace::span_context(&tp));
         let _ = span.set_parent(cx);
     }
     span

@@ -13,12 +13,22 @@ use serde_json::json;
 use crate::inbox::ctx::{Ictx, g};
 use crate::inbox::harness::{InboxFactory, InboxHarness};
 
+type Headers<'a> = Vec<(&'a str, &'a str)>;
+
 const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
 /// Lands one message through a runner without a handler: the row, or the invalid reason.
-async fn land_msg<H: InboxHarness>(c: &Ictx<H>, m: BrokerMessage, require_id: bool) -> Result<InboxEvent, String> {
+async fn land_msg<H: InboxHarness>(
+    c: &Ictx<H>,
+    m: BrokerMessage,
+    require_id: bool,
+) -> Result<InboxEvent, String> {
     c.sub.push(m);
-    let r = c.bare_runner().require_message_id(require_id).build().unwrap();
+    let r = c
+        .bare_runner()
+        .require_message_id(require_id)
+        .build()
+        .unwrap();
     let res = c.handle(&r).await;
     if res.outcome == O::Invalid {
         return Err(res.error.unwrap_or_default());
@@ -28,7 +38,9 @@ async fn land_msg<H: InboxHarness>(c: &Ictx<H>, m: BrokerMessage, require_id: bo
 }
 
 fn own(h: &[(&str, &str)]) -> Vec<(String, String)> {
-    h.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())).collect()
+    h.iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect()
 }
 
 /// E-01: a message from this library's outbox lands with its columns and exactly its headers
@@ -59,18 +71,28 @@ pub async fn e_01<F: InboxFactory>(f: &F) {
             c.msgs.redis(&fields)
         } else {
             let mut h: Vec<(&str, &str)> = attrs.to_vec();
-            h.extend([("tenant", "acme"), ("traceparent", TP), ("Nats-Msg-Id", u.as_str()), ("Nats-Expected-Stream", "S")]);
+            h.extend([
+                ("tenant", "acme"),
+                ("traceparent", TP),
+                ("Nats-Msg-Id", u.as_str()),
+                ("Nats-Expected-Stream", "S"),
+            ]);
             c.msgs.nats(&h, "{\"n\": 1}")
         };
         let row = land_msg(&c, m, false).await.expect("landed");
         assert_eq!(row.message_id, u);
-        assert_eq!((row.source.as_str(), row.event_type.as_str()), ("orders", "order.paid"));
+        assert_eq!(
+            (row.source.as_str(), row.event_type.as_str()),
+            ("orders", "order.paid")
+        );
         assert_eq!(row.partition_key.as_deref(), Some("acct-1"));
         assert_eq!(row.trace_id.as_deref(), Some("tr-1"));
         assert_eq!(row.schema_version.as_deref(), Some("1.0.0"));
         assert_eq!(row.correlation_id.as_deref(), Some("c-1"));
         assert_eq!(row.payload, json!({"n": 1}));
-        let mut want: BTreeMap<String, String> = own(&[("tenant", "acme"), ("traceparent", TP)]).into_iter().collect();
+        let mut want: BTreeMap<String, String> = own(&[("tenant", "acme"), ("traceparent", TP)])
+            .into_iter()
+            .collect();
         if redis {
             want.insert("x-extra".into(), "1".into());
         }
@@ -82,24 +104,38 @@ pub async fn e_01<F: InboxFactory>(f: &F) {
 pub async fn e_02<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let body = "{\"n\": 1}";
-    let cases: Vec<(Vec<(&str, &str)>, bool, Result<&str, &str>)> = vec![
+    let cases: Vec<(Headers<'_>, bool, Result<&str, &str>)> = vec![
         (vec![("message_id", "a"), ("event_id", "b")], false, Ok("a")),
-        (vec![("event_id", "b"), ("Nats-Msg-Id", "c")], false, Ok("b")),
+        (
+            vec![("event_id", "b"), ("Nats-Msg-Id", "c")],
+            false,
+            Ok("b"),
+        ),
         (vec![("Nats-Msg-Id", "c")], false, Ok("c")),
-        (vec![("message_id", "   ")], false, Err("invalid message: message_id: empty")),
+        (
+            vec![("message_id", "   ")],
+            false,
+            Err("invalid message: message_id: empty"),
+        ),
         (vec![], true, Err("invalid message: message_id: missing")),
     ];
     for (h, req, want) in cases {
-        let got = land_msg(&c, c.msgs.nats(&h, body), req).await.map(|r| r.message_id);
+        let got = land_msg(&c, c.msgs.nats(&h, body), req)
+            .await
+            .map(|r| r.message_id);
         assert_eq!(got.as_deref().map_err(String::as_str), want, "{h:?}");
     }
     // The n-th message of stream S without an id gets `S:{n}`.
     let m = c.msgs.nats(&[], body);
-    let BrokerMessage::Nats { sequence, .. } = &m else { unreachable!() };
+    let BrokerMessage::Nats { sequence, .. } = &m else {
+        unreachable!()
+    };
     let want = format!("S:{sequence}");
     assert_eq!(land_msg(&c, m, false).await.unwrap().message_id, want);
     let m = c.msgs.redis(&[("payload", body)]);
-    let BrokerMessage::Redis { entry_id, .. } = &m else { unreachable!() };
+    let BrokerMessage::Redis { entry_id, .. } = &m else {
+        unreachable!()
+    };
     let want = format!("in:src:{entry_id}");
     assert_eq!(land_msg(&c, m, false).await.unwrap().message_id, want);
 }
@@ -107,10 +143,27 @@ pub async fn e_02<F: InboxFactory>(f: &F) {
 /// E-03: source and event_type (R137).
 pub async fn e_03<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
-    let cases: Vec<(Vec<(&str, &str)>, &str, (&str, &str))> = vec![
-        (vec![("source", "s1"), ("source_service", "s2"), ("topic", "t"), ("event_type", "e")], "{\"n\": 1}", ("s1", "e")),
-        (vec![("source_service", "s2"), ("topic", "t")], "{\"n\": 1}", ("s2", "s2")),
-        (vec![("topic", "t")], "{\"event_type\": \"x.y\"}", ("t", "x.y")),
+    let cases: Vec<(Headers<'_>, &str, (&str, &str))> = vec![
+        (
+            vec![
+                ("source", "s1"),
+                ("source_service", "s2"),
+                ("topic", "t"),
+                ("event_type", "e"),
+            ],
+            "{\"n\": 1}",
+            ("s1", "e"),
+        ),
+        (
+            vec![("source_service", "s2"), ("topic", "t")],
+            "{\"n\": 1}",
+            ("s2", "s2"),
+        ),
+        (
+            vec![("topic", "t")],
+            "{\"event_type\": \"x.y\"}",
+            ("t", "x.y"),
+        ),
         (vec![], "{\"event_type\": \"  \"}", ("src", "src")),
     ];
     for (i, (h, body, want)) in cases.into_iter().enumerate() {
@@ -118,7 +171,11 @@ pub async fn e_03<F: InboxFactory>(f: &F) {
         let id = format!("e3-{i}");
         h.push(("event_id", &id));
         let row = land_msg(&c, c.msgs.nats(&h, body), false).await.unwrap();
-        assert_eq!((row.source.as_str(), row.event_type.as_str()), want, "case {i}");
+        assert_eq!(
+            (row.source.as_str(), row.event_type.as_str()),
+            want,
+            "case {i}"
+        );
     }
 }
 
@@ -151,16 +208,44 @@ pub async fn e_04<F: InboxFactory>(f: &F) {
         let id = format!("e4-{i}");
         let at = "a".repeat(*max);
         let over = "a".repeat(max + 1);
-        let ok = land_msg(&c, c.msgs.nats(&with_field(&id, field, &at), "{\"n\": 1}"), false).await;
+        let ok = land_msg(
+            &c,
+            c.msgs.nats(&with_field(&id, field, &at), "{\"n\": 1}"),
+            false,
+        )
+        .await;
         assert!(ok.is_ok(), "{field} at {max}: {ok:?}");
         let id2 = format!("e4-{i}-over");
-        let bad = land_msg(&c, c.msgs.nats(&with_field(&id2, field, &over), "{\"n\": 1}"), false).await;
-        assert_eq!(bad.unwrap_err(), format!("invalid message: {field}: longer than {max} characters"));
+        let bad = land_msg(
+            &c,
+            c.msgs.nats(&with_field(&id2, field, &over), "{\"n\": 1}"),
+            false,
+        )
+        .await;
+        assert_eq!(
+            bad.unwrap_err(),
+            format!("invalid message: {field}: longer than {max} characters")
+        );
     }
-    for (i, (field, v)) in [("message_id", "a\u{0}b"), ("source", "s\u{0}"), ("partition_key", "k\u{0}")].iter().enumerate() {
+    for (i, (field, v)) in [
+        ("message_id", "a\u{0}b"),
+        ("source", "s\u{0}"),
+        ("partition_key", "k\u{0}"),
+    ]
+    .iter()
+    .enumerate()
+    {
         let id = format!("e4-nul-{i}");
-        let bad = land_msg(&c, c.msgs.nats(&with_field(&id, field, v), "{\"n\": 1}"), false).await;
-        assert_eq!(bad.unwrap_err(), format!("invalid message: {field}: contains U+0000"));
+        let bad = land_msg(
+            &c,
+            c.msgs.nats(&with_field(&id, field, v), "{\"n\": 1}"),
+            false,
+        )
+        .await;
+        assert_eq!(
+            bad.unwrap_err(),
+            format!("invalid message: {field}: contains U+0000")
+        );
     }
 }
 
@@ -177,9 +262,15 @@ pub async fn e_05<F: InboxFactory>(f: &F) {
         ("[1, 2]".into(), Err("body is not a JSON object")),
         ("not json".into(), Err("body is not JSON")),
         ("{\"x\": 1e999}".into(), Err("body is not JSON")),
-        ("{\"x\": \"a\\u0000b\"}".into(), Err("payload contains U+0000")),
+        (
+            "{\"x\": \"a\\u0000b\"}".into(),
+            Err("payload contains U+0000"),
+        ),
         ("{\"a\\u0000\": 1}".into(), Err("payload contains U+0000")),
-        ("{\"x\": [\"\\u0000\"]}".into(), Err("payload contains U+0000")),
+        (
+            "{\"x\": [\"\\u0000\"]}".into(),
+            Err("payload contains U+0000"),
+        ),
     ];
     for (i, (body, want)) in cases.into_iter().enumerate() {
         let id = format!("e5-{i}");
@@ -191,7 +282,11 @@ pub async fn e_05<F: InboxFactory>(f: &F) {
                     assert_eq!(row.payload, p);
                 }
             }
-            Err(reason) => assert_eq!(got.unwrap_err(), format!("invalid message: {reason}"), "case {i}"),
+            Err(reason) => assert_eq!(
+                got.unwrap_err(),
+                format!("invalid message: {reason}"),
+                "case {i}"
+            ),
         }
     }
     let got = land_msg(&c, c.msgs.redis(&[("event_id", "e5-r")]), false).await;
@@ -201,22 +296,105 @@ pub async fn e_05<F: InboxFactory>(f: &F) {
 /// E-06: headers (R6, R139, R141).
 pub async fn e_06<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
-    let user: Vec<(String, String)> = (0..100).map(|i| (format!("h{i}"), "v".to_string())).collect();
+    let user: Vec<(String, String)> = (0..100)
+        .map(|i| (format!("h{i}"), "v".to_string()))
+        .collect();
     let mut h: Vec<(&str, &str)> = user.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     let agg = uuid::Uuid::new_v4().to_string();
-    h.extend([("event_id", "e6-0"), ("topic", "src"), ("event_type", "e"), ("aggregate_type", "o"), ("aggregate_id", agg.as_str()), ("created_at", "2026-12-01T10:15:30.123456Z"), ("Nats-Msg-Id", "e6-0")]);
-    let row = land_msg(&c, c.msgs.nats(&h, "{\"n\": 1}"), false).await.unwrap();
+    h.extend([
+        ("event_id", "e6-0"),
+        ("topic", "src"),
+        ("event_type", "e"),
+        ("aggregate_type", "o"),
+        ("aggregate_id", agg.as_str()),
+        ("created_at", "2026-12-01T10:15:30.123456Z"),
+        ("Nats-Msg-Id", "e6-0"),
+    ]);
+    let row = land_msg(&c, c.msgs.nats(&h, "{\"n\": 1}"), false)
+        .await
+        .unwrap();
     assert_eq!(row.headers.unwrap().len(), 100);
-    let many: Vec<(String, String)> = (0..101).map(|i| (format!("h{i}"), "v".to_string())).collect();
+    let many: Vec<(String, String)> = (0..101)
+        .map(|i| (format!("h{i}"), "v".to_string()))
+        .collect();
     let mut h: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     h.push(("event_id", "e6-1"));
-    assert_eq!(land_msg(&c, c.msgs.nats(&h, "{\"n\": 1}"), false).await.unwrap_err(), "invalid message: headers: more than 100 entries");
-    assert!(land_msg(&c, c.msgs.nats(&[("event_id", "e6-2"), ("a", "x\ny")], "{\"n\": 1}"), false).await.is_err());
-    assert!(land_msg(&c, c.msgs.nats(&[("event_id", "e6-3"), ("a", "x\ty")], "{\"n\": 1}"), false).await.is_ok());
-    assert_eq!(land_msg(&c, c.msgs.nats(&[("event_id", "e6-4"), ("tenant", "a\u{0}b")], "{\"n\": 1}"), false).await.unwrap_err(), "invalid message: headers: tenant contains U+0000");
-    assert_eq!(land_msg(&c, c.msgs.nats(&[("event_id", "e6-5"), ("tenant", "a"), ("tenant", "b")], "{\"n\": 1}"), false).await.unwrap_err(), "invalid message: headers: repeated key tenant");
-    assert!(land_msg(&c, c.msgs.nats(&[("event_id", "e6-6"), ("A", "1"), ("a", "2")], "{\"n\": 1}"), false).await.is_err());
-    assert_eq!(land_msg(&c, c.msgs.redis(&[("event_id", "e6-7"), ("payload", "{\"n\": 1}"), ("headers", "[1]")]), false).await.unwrap_err(), "invalid message: headers: not a JSON object of strings");
+    assert_eq!(
+        land_msg(&c, c.msgs.nats(&h, "{\"n\": 1}"), false)
+            .await
+            .unwrap_err(),
+        "invalid message: headers: more than 100 entries"
+    );
+    assert!(
+        land_msg(
+            &c,
+            c.msgs
+                .nats(&[("event_id", "e6-2"), ("a", "x\ny")], "{\"n\": 1}"),
+            false
+        )
+        .await
+        .is_err()
+    );
+    assert!(
+        land_msg(
+            &c,
+            c.msgs
+                .nats(&[("event_id", "e6-3"), ("a", "x\ty")], "{\"n\": 1}"),
+            false
+        )
+        .await
+        .is_ok()
+    );
+    assert_eq!(
+        land_msg(
+            &c,
+            c.msgs
+                .nats(&[("event_id", "e6-4"), ("tenant", "a\u{0}b")], "{\"n\": 1}"),
+            false
+        )
+        .await
+        .unwrap_err(),
+        "invalid message: headers: tenant contains U+0000"
+    );
+    assert_eq!(
+        land_msg(
+            &c,
+            c.msgs.nats(
+                &[("event_id", "e6-5"), ("tenant", "a"), ("tenant", "b")],
+                "{\"n\": 1}"
+            ),
+            false
+        )
+        .await
+        .unwrap_err(),
+        "invalid message: headers: repeated key tenant"
+    );
+    assert!(
+        land_msg(
+            &c,
+            c.msgs.nats(
+                &[("event_id", "e6-6"), ("A", "1"), ("a", "2")],
+                "{\"n\": 1}"
+            ),
+            false
+        )
+        .await
+        .is_err()
+    );
+    assert_eq!(
+        land_msg(
+            &c,
+            c.msgs.redis(&[
+                ("event_id", "e6-7"),
+                ("payload", "{\"n\": 1}"),
+                ("headers", "[1]")
+            ]),
+            false
+        )
+        .await
+        .unwrap_err(),
+        "invalid message: headers: not a JSON object of strings"
+    );
 }
 
 /// E-07: an invalid delivery is dead-lettered, then terminated, under every policy (R114,
@@ -225,7 +403,11 @@ pub async fn e_07<F: InboxFactory>(f: &F) {
     for redis in [false, true] {
         for policy in ["at_most_once", "record", "rewind"] {
             let c = Ictx::new(f).await;
-            let m = if redis { c.msgs.redis(&[("payload", "not json")]) } else { c.msgs.nats(&[], "not json") };
+            let m = if redis {
+                c.msgs.redis(&[("payload", "not json")])
+            } else {
+                c.msgs.nats(&[], "not json")
+            };
             let i = c.sub.push(m.clone());
             let b = c.runner();
             let b = match policy {
@@ -234,12 +416,19 @@ pub async fn e_07<F: InboxFactory>(f: &F) {
                 _ => b.on_failure(OnFailure::Rewind),
             };
             let res = c.handle(&b.build().unwrap()).await;
-            assert_eq!((res.outcome, res.committed), (O::Invalid, false), "{policy}");
+            assert_eq!(
+                (res.outcome, res.committed),
+                (O::Invalid, false),
+                "{policy}"
+            );
             let reason = "invalid message: body is not JSON";
             assert_eq!(c.sub.acks(i), vec![AckOp::Term(reason.into())], "{policy}");
             let dl = c.sub.dead_letters();
             assert_eq!(dl.len(), 1);
-            assert_eq!((&dl[0].message, dl[0].reason.as_str(), dl[0].group.as_str()), (&m, reason, "g"));
+            assert_eq!(
+                (&dl[0].message, dl[0].reason.as_str(), dl[0].group.as_str()),
+                (&m, reason, "g")
+            );
             assert_eq!(c.handler.runs().len(), 0);
             assert!(c.backend().counts(&g()).await.unwrap().is_empty(), "no row");
         }
@@ -257,7 +446,10 @@ pub async fn e_08<F: InboxFactory>(f: &F) {
     assert!(c.sub.dead_letters().is_empty());
     c.advance(Duration::from_secs(1)).await;
     c.handle(&r).await;
-    assert_eq!(c.sub.acks(i)[1], AckOp::Term("invalid message: body is not JSON".into()));
+    assert_eq!(
+        c.sub.acks(i)[1],
+        AckOp::Term("invalid message: body is not JSON".into())
+    );
     assert_eq!(c.sub.dead_letters().len(), 1);
     assert!(c.backend().counts(&g()).await.unwrap().is_empty());
 }
@@ -269,9 +461,21 @@ pub async fn e_09<F: InboxFactory>(f: &F) {
     let res = c.handle(&c.bare_runner().build().unwrap()).await;
     assert_eq!(res.outcome, O::Landed);
     let r = c.row_of("m1").await;
-    assert_eq!((r.status, r.attempts_made, r.max_attempts), (Status::Pending, 0, 6));
-    assert!(r.last_error.is_none() && r.completed_at.is_none() && r.locked_at.is_none() && r.locked_by.is_none() && r.idempotency_key.is_none());
-    assert_eq!((r.scheduled_at, r.updated_at), (r.created_at, Some(r.created_at)));
+    assert_eq!(
+        (r.status, r.attempts_made, r.max_attempts),
+        (Status::Pending, 0, 6)
+    );
+    assert!(
+        r.last_error.is_none()
+            && r.completed_at.is_none()
+            && r.locked_at.is_none()
+            && r.locked_by.is_none()
+            && r.idempotency_key.is_none()
+    );
+    assert_eq!(
+        (r.scheduled_at, r.updated_at),
+        (r.created_at, Some(r.created_at))
+    );
     assert_eq!(r.id.get_version_num(), 7);
     assert_eq!(r.headers, None);
 }
@@ -280,7 +484,15 @@ pub async fn e_09<F: InboxFactory>(f: &F) {
 pub async fn e_10<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let b = c.backend();
-    let e = || NewInboxEvent::builder().message_id("m1").consumer_group("g").source("src").payload_json(json!({"n": 1})).build().unwrap();
+    let e = || {
+        NewInboxEvent::builder()
+            .message_id("m1")
+            .consumer_group("g")
+            .source("src")
+            .payload_json(json!({"n": 1}))
+            .build()
+            .unwrap()
+    };
     let mut t = b.begin().await.unwrap();
     t.land(vec![e()]).await.unwrap();
     t.rollback().await;
@@ -289,5 +501,8 @@ pub async fn e_10<F: InboxFactory>(f: &F) {
     let l = u.land(vec![e()]).await.unwrap();
     u.commit().await.unwrap();
     assert!(l[0].inserted);
-    assert_eq!(b.get_by_message_id("m1", &g()).await.unwrap().map(|r| r.id), Some(l[0].row.id));
+    assert_eq!(
+        b.get_by_message_id("m1", &g()).await.unwrap().map(|r| r.id),
+        Some(l[0].row.id)
+    );
 }

@@ -27,13 +27,22 @@ pub async fn i_06<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let b = c.backend();
     let mut t = b.begin().await.unwrap();
-    let first = t.land(vec![ev("m1", json!({"n": 1}), "src", "e")]).await.unwrap();
+    let first = t
+        .land(vec![ev("m1", json!({"n": 1}), "src", "e")])
+        .await
+        .unwrap();
     t.commit().await.unwrap();
     let mut t = b.begin().await.unwrap();
-    let again = t.land(vec![ev("m1", json!({"n": 1}), "src", "e")]).await.unwrap();
+    let again = t
+        .land(vec![ev("m1", json!({"n": 1}), "src", "e")])
+        .await
+        .unwrap();
     t.commit().await.unwrap();
     assert!(first[0].inserted);
-    assert_eq!((again[0].row.id, again[0].inserted), (first[0].row.id, false));
+    assert_eq!(
+        (again[0].row.id, again[0].inserted),
+        (first[0].row.id, false)
+    );
     assert_eq!(b.counts(&g()).await.unwrap()[0].count, 1);
 }
 
@@ -42,17 +51,33 @@ pub async fn d_01<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let b = c.backend();
     let mut t = b.begin().await.unwrap();
-    t.land(vec![ev("m1", json!({"n": 1}), "a", "x")]).await.unwrap();
+    t.land(vec![ev("m1", json!({"n": 1}), "a", "x")])
+        .await
+        .unwrap();
     t.commit().await.unwrap();
     let mut t = b.begin().await.unwrap();
-    let l = t.land(vec![ev("m1", json!({"n": 2}), "b", "y")]).await.unwrap();
+    let l = t
+        .land(vec![ev("m1", json!({"n": 2}), "b", "y")])
+        .await
+        .unwrap();
     let two = t
-        .land(vec![ev("m2", json!({"n": 1}), "a", "x"), ev("m2", json!({"n": 9}), "a", "x")])
+        .land(vec![
+            ev("m2", json!({"n": 1}), "a", "x"),
+            ev("m2", json!({"n": 9}), "a", "x"),
+        ])
         .await
         .unwrap();
     t.commit().await.unwrap();
     let r = &l[0].row;
-    assert_eq!((&r.payload, r.source.as_str(), r.event_type.as_str(), l[0].inserted), (&json!({"n": 1}), "a", "x", false));
+    assert_eq!(
+        (
+            &r.payload,
+            r.source.as_str(),
+            r.event_type.as_str(),
+            l[0].inserted
+        ),
+        (&json!({"n": 1}), "a", "x", false)
+    );
     assert_eq!(two[0].row.id, two[1].row.id);
     assert_eq!((two[0].inserted, two[1].inserted), (true, false));
 }
@@ -63,7 +88,10 @@ pub async fn d_02<F: InboxFactory>(f: &F) {
         let c = Ictx::new(f).await;
         let b = c.backend();
         let mut t1 = b.begin().await.unwrap();
-        let l1 = t1.land(vec![ev("m1", json!({"n": 1}), "src", "e")]).await.unwrap();
+        let l1 = t1
+            .land(vec![ev("m1", json!({"n": 1}), "src", "e")])
+            .await
+            .unwrap();
         let mut t2 = b.begin().await.unwrap();
         let waiting = t2.land(vec![ev("m1", json!({"n": 2}), "src", "e")]);
         let control = async {
@@ -94,7 +122,13 @@ pub async fn d_07<F: InboxFactory>(f: &F) {
     let r = c.runner().at_most_once(true).build().unwrap();
     c.handle(&r).await;
     c.advance(Duration::from_secs(400 * 86_400)).await;
-    assert_eq!(c.backend().cleanup_old_events(1, 1000, 10_000).await.unwrap(), 0);
+    assert_eq!(
+        c.backend()
+            .cleanup_old_events(1, 1000, 10_000)
+            .await
+            .unwrap(),
+        0
+    );
     c.duplicate("m1");
     let res = c.handle(&r).await;
     assert_eq!((res.outcome, res.committed), (O::Duplicate, true));
@@ -107,7 +141,13 @@ pub async fn d_08<F: InboxFactory>(f: &F) {
     let r = c.runner().build().unwrap();
     assert_eq!(c.handle(&r).await.outcome, O::Completed);
     c.advance(Duration::from_secs(2 * 86_400)).await;
-    assert_eq!(c.backend().cleanup_old_events(1, 1000, 10_000).await.unwrap(), 1);
+    assert_eq!(
+        c.backend()
+            .cleanup_old_events(1, 1000, 10_000)
+            .await
+            .unwrap(),
+        1
+    );
     c.duplicate("m1");
     assert_eq!(c.handle(&r).await.outcome, O::Completed);
     assert_eq!(c.backend().counts(&g()).await.unwrap()[0].count, 1);

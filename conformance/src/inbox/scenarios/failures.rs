@@ -6,7 +6,9 @@ use std::time::Duration;
 use outbox_core::event::Status;
 use outbox_core::inbox::repository::{InboxBackend, InboxTransaction};
 use outbox_core::inbox::scripted::AckOp;
-use outbox_core::inbox::{AckStrategy, AncestorAckSettings, CommitOffsetPolicy, DeliveryOutcome as O, OnFailure};
+use outbox_core::inbox::{
+    AckStrategy, AncestorAckSettings, CommitOffsetPolicy, DeliveryOutcome as O, OnFailure,
+};
 
 use crate::inbox::ctx::{Ictx, assert_within};
 use crate::inbox::harness::{InboxFactory, InboxHarness, InboxPatch};
@@ -27,11 +29,16 @@ pub async fn f_01<F: InboxFactory>(f: &F) {
     let after = c.now().await;
     assert_eq!((res.outcome, res.committed), (O::Recorded, true));
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Pending, 1, Some("boom")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Pending, 1, Some("boom"))
+    );
     assert!(row.locked_at.is_none());
     assert_within(row.scheduled_at, before, after, 5.0, 10.0, "F-01");
     assert!(c.effects().await.is_empty());
-    let wait = (row.scheduled_at - c.now().await).to_std().unwrap_or_default();
+    let wait = (row.scheduled_at - c.now().await)
+        .to_std()
+        .unwrap_or_default();
     c.advance(wait).await;
     let p = c.processor().build().unwrap();
     let rep = c.cycle(&p).await;
@@ -47,8 +54,22 @@ pub async fn f_02<F: InboxFactory>(f: &F) {
     c.deliver("m2", Some("k2"));
     c.deliver("m3", Some("k3"));
     c.script("m1", vec![Act::Transient("down".into())]);
-    c.script("m2", vec![Act::Retry { text: "x".into(), counted: false, at: Some(now + chrono::Duration::seconds(42)) }]);
-    c.script("m3", vec![Act::Retry { text: "y".into(), counted: false, at: None }]);
+    c.script(
+        "m2",
+        vec![Act::Retry {
+            text: "x".into(),
+            counted: false,
+            at: Some(now + chrono::Duration::seconds(42)),
+        }],
+    );
+    c.script(
+        "m3",
+        vec![Act::Retry {
+            text: "y".into(),
+            counted: false,
+            at: None,
+        }],
+    );
     let r = c.runner().build().unwrap();
     for _ in 0..3 {
         let res = c.handle(&r).await;
@@ -57,9 +78,17 @@ pub async fn f_02<F: InboxFactory>(f: &F) {
     let t = c.now().await;
     for (id, err) in [("m1", "down"), ("m2", "x"), ("m3", "y")] {
         let row = c.row_of(id).await;
-        assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Pending, 0, Some(err)), "{id}");
+        assert_eq!(
+            (row.status, row.attempts_made, row.last_error.as_deref()),
+            (Status::Pending, 0, Some(err)),
+            "{id}"
+        );
         if id == "m2" {
-            assert_eq!(row.scheduled_at, now + chrono::Duration::seconds(42), "{id}: next try");
+            assert_eq!(
+                row.scheduled_at,
+                now + chrono::Duration::seconds(42),
+                "{id}: next try"
+            );
         } else {
             assert_within(row.scheduled_at, now, t, 1.0, 1.0, id);
         }
@@ -75,13 +104,23 @@ pub async fn f_03<F: InboxFactory>(f: &F) {
     c.deliver("m1", Some("k"));
     c.handler.always(Act::Fail("boom".into()));
     let r = c.runner().on_failure(OnFailure::Rewind).build().unwrap();
-    let windows = [(5.0, 10.0), (10.0, 20.0), (20.0, 40.0), (40.0, 80.0), (80.0, 160.0)];
+    let windows = [
+        (5.0, 10.0),
+        (10.0, 20.0),
+        (20.0, 40.0),
+        (40.0, 80.0),
+        (80.0, 160.0),
+    ];
     let mut total = 0.0;
     for (i, (lo, hi)) in windows.iter().enumerate() {
         let res = c.handle(&r).await;
         assert_eq!(res.outcome, O::Rewound, "delivery {}", i + 1);
         let d = res.rewind_delay.expect("a rewind delay");
-        assert!(d.as_secs_f64() >= *lo && d.as_secs_f64() <= *hi, "delivery {}: {d:?}", i + 1);
+        assert!(
+            d.as_secs_f64() >= *lo && d.as_secs_f64() <= *hi,
+            "delivery {}: {d:?}",
+            i + 1
+        );
         assert!(c.row("m1").await.is_none());
         total += d.as_secs_f64();
         c.advance(d).await;
@@ -89,7 +128,10 @@ pub async fn f_03<F: InboxFactory>(f: &F) {
     let res = c.handle(&r).await;
     assert_eq!((res.outcome, res.committed), (O::Recorded, true));
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Failed, 6, Some("boom")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Failed, 6, Some("boom"))
+    );
     assert_eq!(c.rec.terminal_ids(), vec!["m1"]);
     assert!((155.0..=310.0).contains(&total), "waits sum to {total}");
     assert!(c.effects().await.is_empty());
@@ -100,10 +142,19 @@ pub async fn f_04<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
     c.handler.always(Act::Fail("boom".into()));
-    let r = c.runner().on_failure(OnFailure::Rewind).backoff(Ictx::<F::Harness>::backoff(0.0)).build().unwrap();
+    let r = c
+        .runner()
+        .on_failure(OnFailure::Rewind)
+        .backoff(Ictx::<F::Harness>::backoff(0.0))
+        .build()
+        .unwrap();
     for i in 1..=5 {
         let res = c.handle(&r).await;
-        assert_eq!((res.outcome, res.rewind_delay), (O::Rewound, Some(Duration::ZERO)), "delivery {i}");
+        assert_eq!(
+            (res.outcome, res.rewind_delay),
+            (O::Rewound, Some(Duration::ZERO)),
+            "delivery {i}"
+        );
     }
     let res = c.handle(&r).await;
     assert_eq!(res.outcome, O::Recorded);
@@ -121,14 +172,21 @@ pub async fn f_05<F: InboxFactory>(f: &F) {
     let r = c.runner().on_failure(OnFailure::Rewind).build().unwrap();
     for n in 1..=8 {
         let res = c.handle(&r).await;
-        assert_eq!((res.outcome, res.rewind_delay), (O::Rewound, Some(secs(1.0))), "delivery {n}");
+        assert_eq!(
+            (res.outcome, res.rewind_delay),
+            (O::Rewound, Some(secs(1.0))),
+            "delivery {n}"
+        );
         assert!(c.row("m1").await.is_none());
         c.advance(secs(1.0)).await;
     }
     let res = c.handle(&r).await;
     assert_eq!((res.outcome, res.committed), (O::Recorded, true));
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Failed, 6, Some("down")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Failed, 6, Some("down"))
+    );
 }
 
 /// F-06: an explicit time on the rewind path; one beyond the cap is recorded (R127).
@@ -137,9 +195,23 @@ pub async fn f_06<F: InboxFactory>(f: &F) {
     let now = c.now().await;
     c.deliver("m1", Some("k1"));
     c.deliver("m2", Some("k2"));
-    c.script("m1", vec![Act::Retry { text: "x".into(), counted: false, at: Some(now + chrono::Duration::seconds(42)) }]);
+    c.script(
+        "m1",
+        vec![Act::Retry {
+            text: "x".into(),
+            counted: false,
+            at: Some(now + chrono::Duration::seconds(42)),
+        }],
+    );
     let far = now + chrono::Duration::hours(2);
-    c.script("m2", vec![Act::Retry { text: "y".into(), counted: false, at: Some(far) }]);
+    c.script(
+        "m2",
+        vec![Act::Retry {
+            text: "y".into(),
+            counted: false,
+            at: Some(far),
+        }],
+    );
     let r = c.runner().on_failure(OnFailure::Rewind).build().unwrap();
     let a = c.handle(&r).await;
     assert_eq!(a.outcome, O::Rewound);
@@ -150,7 +222,10 @@ pub async fn f_06<F: InboxFactory>(f: &F) {
     assert_eq!((b.outcome, b.committed), (O::Recorded, true));
     assert_eq!(c.sub.acks(c.idx("m2")), vec![AckOp::Commit]);
     let row = c.row_of("m2").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Pending, 0, Some("y")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Pending, 0, Some("y"))
+    );
     assert_eq!(row.scheduled_at, far);
 }
 
@@ -163,7 +238,15 @@ pub async fn f_07<F: InboxFactory>(f: &F) {
     let a = c.handle(&r).await;
     assert_eq!((a.outcome, a.committed), (O::Recorded, true));
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref(), row.max_attempts), (Status::Failed, 1, Some("down"), 1));
+    assert_eq!(
+        (
+            row.status,
+            row.attempts_made,
+            row.last_error.as_deref(),
+            row.max_attempts
+        ),
+        (Status::Failed, 1, Some("down"), 1)
+    );
     c.duplicate("m1");
     let b = c.handle(&r).await;
     assert_eq!((b.outcome, b.committed), (O::Duplicate, true));
@@ -174,7 +257,16 @@ pub async fn f_07<F: InboxFactory>(f: &F) {
 pub async fn f_08<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let row = c.land("m1", None).await;
-    c.set(row.id, InboxPatch { status: Some(Status::Failed), attempts_made: Some(6), last_error: Some(Some("bad".into())), ..Default::default() }).await;
+    c.set(
+        row.id,
+        InboxPatch {
+            status: Some(Status::Failed),
+            attempts_made: Some(6),
+            last_error: Some(Some("bad".into())),
+            ..Default::default()
+        },
+    )
+    .await;
     let before = c.row_of("m1").await;
     for policy in ["rewind", "record", "at_most_once"] {
         c.deliver("m1", None);
@@ -185,7 +277,11 @@ pub async fn f_08<F: InboxFactory>(f: &F) {
             _ => b.at_most_once(true),
         };
         let res = c.handle(&b.build().unwrap()).await;
-        assert_eq!((res.outcome, res.committed), (O::Duplicate, true), "{policy}");
+        assert_eq!(
+            (res.outcome, res.committed),
+            (O::Duplicate, true),
+            "{policy}"
+        );
     }
     assert_eq!(c.handler.runs_of("m1"), 0);
     assert_eq!(c.row_of("m1").await, before);
@@ -196,7 +292,16 @@ pub async fn f_09<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let row = c.land("m1", Some("k")).await;
     let now = c.now().await;
-    c.set(row.id, InboxPatch { attempts_made: Some(2), last_error: Some(Some("bad".into())), scheduled_at: Some(now + chrono::Duration::hours(1)), ..Default::default() }).await;
+    c.set(
+        row.id,
+        InboxPatch {
+            attempts_made: Some(2),
+            last_error: Some(Some("bad".into())),
+            scheduled_at: Some(now + chrono::Duration::hours(1)),
+            ..Default::default()
+        },
+    )
+    .await;
     let before = c.row_of("m1").await;
     c.deliver("m1", Some("k"));
     let res = c.handle(&c.runner().build().unwrap()).await;
@@ -211,8 +316,16 @@ pub async fn f_10<F: InboxFactory>(f: &F) {
     let m1 = c.land("m1", Some("k")).await;
     let m2 = c.land("m2", Some("j")).await;
     let now = c.now().await;
-    c.set(m1.id, InboxPatch::held("dead", now - chrono::Duration::seconds(301))).await;
-    c.set(m2.id, InboxPatch::held("live", now - chrono::Duration::seconds(10))).await;
+    c.set(
+        m1.id,
+        InboxPatch::held("dead", now - chrono::Duration::seconds(301)),
+    )
+    .await;
+    c.set(
+        m2.id,
+        InboxPatch::held("live", now - chrono::Duration::seconds(10)),
+    )
+    .await;
     c.deliver("m1", Some("k"));
     c.deliver("m2", Some("j"));
     let r = c.runner().build().unwrap();
@@ -234,7 +347,9 @@ pub async fn f_11<F: InboxFactory>(f: &F) {
     let _ = other.lock_row(row.id).await.unwrap();
     c.deliver("m1", None);
     let r = c.runner().build().unwrap();
-    let res = tokio::time::timeout(Duration::from_secs(1), c.handle(&r)).await.expect("handled within 1 s");
+    let res = tokio::time::timeout(Duration::from_secs(1), c.handle(&r))
+        .await
+        .expect("handled within 1 s");
     assert_eq!((res.outcome, res.committed), (O::Landed, true));
     assert_eq!(c.handler.runs_of("m1"), 0);
     other.rollback().await;
@@ -250,7 +365,10 @@ pub async fn f_12<F: InboxFactory>(f: &F) {
     let a = c.handle(&r).await;
     assert_eq!(a.outcome, O::Recorded);
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Pending, 1, Some("Handler panicked: kaput")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Pending, 1, Some("Handler panicked: kaput"))
+    );
     let b = c.handle(&r).await;
     assert_eq!(b.outcome, O::Completed);
     assert_eq!(c.effects().await, vec!["m2"]);
@@ -264,7 +382,10 @@ pub async fn f_14<F: InboxFactory>(f: &F) {
     c.sub.fail_commit(i);
     let r = c.runner().build().unwrap();
     let a = c.handle(&r).await;
-    assert_eq!((a.outcome, a.committed, a.commit_failed), (O::Completed, false, true));
+    assert_eq!(
+        (a.outcome, a.committed, a.commit_failed),
+        (O::Completed, false, true)
+    );
     assert_eq!(c.sub.acks(i), vec![AckOp::Commit]);
     assert_eq!(c.row_of("m1").await.status, Status::Completed);
     c.advance(Duration::from_secs(30)).await;
@@ -294,10 +415,16 @@ async fn key_trial<F: InboxFactory>(f: &F, key_order: bool) {
     let b = c.handle(&r).await;
     let p = c.processor().key_order(key_order).build().unwrap();
     let m1 = c.row_of("m1").await;
-    let wait = (m1.scheduled_at - c.now().await).to_std().unwrap_or_default();
+    let wait = (m1.scheduled_at - c.now().await)
+        .to_std()
+        .unwrap_or_default();
     c.advance(wait).await;
     if key_order {
-        assert_eq!((b.outcome, b.committed), (O::Landed, true), "m2 waits behind m1");
+        assert_eq!(
+            (b.outcome, b.committed),
+            (O::Landed, true),
+            "m2 waits behind m1"
+        );
         assert_eq!(c.handler.runs_of("m2"), 0);
         let m2 = c.row_of("m2").await;
         let c1 = c.cycle(&p).await;
@@ -306,7 +433,11 @@ async fn key_trial<F: InboxFactory>(f: &F, key_order: bool) {
         assert_eq!(c2.completed(), vec![m2.id]);
         assert_eq!(c.effects().await, vec!["m1", "m2"]);
     } else {
-        assert_eq!((b.outcome, b.committed), (O::Completed, true), "m2 runs at once");
+        assert_eq!(
+            (b.outcome, b.committed),
+            (O::Completed, true),
+            "m2 runs at once"
+        );
         c.cycle(&p).await;
         assert_eq!(c.effects().await, vec!["m2", "m1"]);
     }
@@ -336,7 +467,11 @@ pub async fn f_18<F: InboxFactory>(f: &F) {
     let r1 = c.bare_runner().at_most_once(true).build().unwrap();
     c.handle(&r1).await;
     assert_eq!(c.row_of("m2").await.max_attempts, 1);
-    let e = c.runner().handler_timeout(Duration::ZERO).build().unwrap_err();
+    let e = c
+        .runner()
+        .handler_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err();
     assert_eq!(e.to_string(), "handler_timeout must be positive");
     let e = c
         .runner()
@@ -344,17 +479,34 @@ pub async fn f_18<F: InboxFactory>(f: &F) {
         .handler_timeout(Duration::from_secs(30))
         .process_stored(true)
         .build();
-    assert!(e.is_err(), "a lease not above the handler timeout is rejected (R153)");
-    let alias = |s: AckStrategy, cp: Option<CommitOffsetPolicy>, cf: Option<bool>| AncestorAckSettings {
-        ack_strategy: Some(s),
-        commit_offset_policy: cp,
-        exactly_once_commit_on_failed: cf,
-    };
+    assert!(
+        e.is_err(),
+        "a lease not above the handler timeout is rejected (R153)"
+    );
+    let alias =
+        |s: AckStrategy, cp: Option<CommitOffsetPolicy>, cf: Option<bool>| AncestorAckSettings {
+            ack_strategy: Some(s),
+            commit_offset_policy: cp,
+            exactly_once_commit_on_failed: cf,
+        };
     let cases = [
-        (alias(AckStrategy::ExactlyOnceInbox, None, None), O::Recorded),
-        (alias(AckStrategy::ExactlyOnceInbox, None, Some(false)), O::Rewound),
+        (
+            alias(AckStrategy::ExactlyOnceInbox, None, None),
+            O::Recorded,
+        ),
+        (
+            alias(AckStrategy::ExactlyOnceInbox, None, Some(false)),
+            O::Rewound,
+        ),
         (alias(AckStrategy::AtLeastOnce, None, None), O::Recorded),
-        (alias(AckStrategy::AtLeastOnce, Some(CommitOffsetPolicy::OnSuccess), None), O::Rewound),
+        (
+            alias(
+                AckStrategy::AtLeastOnce,
+                Some(CommitOffsetPolicy::OnSuccess),
+                None,
+            ),
+            O::Rewound,
+        ),
         (alias(AckStrategy::AtMostOnce, None, None), O::Recorded),
     ];
     for (i, (a, want)) in cases.into_iter().enumerate() {
@@ -375,9 +527,17 @@ pub async fn f_18<F: InboxFactory>(f: &F) {
         .ancestor_ack_settings(alias(AckStrategy::AtLeastOnce, None, None))
         .build()
         .unwrap_err();
-    assert_eq!(e.to_string(), "give on_failure and at_most_once, or the ancestor's ack settings, not both");
+    assert_eq!(
+        e.to_string(),
+        "give on_failure and at_most_once, or the ancestor's ack settings, not both"
+    );
     let w = "w".repeat(254);
-    let e = c.runner().worker_id(w.clone()).process_stored(true).build().unwrap_err();
+    let e = c
+        .runner()
+        .worker_id(w.clone())
+        .process_stored(true)
+        .build()
+        .unwrap_err();
     assert_eq!(e.to_string(), format!("Invalid worker_id format: '{w}/p'"));
 }
 
@@ -395,7 +555,12 @@ pub async fn f_19<F: InboxFactory>(f: &F) {
         }
         c.script("m1", vec![Act::Gate(g1.clone())]);
         c.script("m3", vec![Act::Gate(g3.clone())]);
-        let r = c.runner().concurrency(3).process_stored(true).build().unwrap();
+        let r = c
+            .runner()
+            .concurrency(3)
+            .process_stored(true)
+            .build()
+            .unwrap();
         r.start();
         let control = async {
             g1.reached(1).await;
@@ -408,7 +573,11 @@ pub async fn f_19<F: InboxFactory>(f: &F) {
         done.unwrap();
         r.stop();
         let res = c.rec.results();
-        let of = |id: &str| res.iter().find(|x| x.message_id.as_deref() == Some(id)).cloned();
+        let of = |id: &str| {
+            res.iter()
+                .find(|x| x.message_id.as_deref() == Some(id))
+                .cloned()
+        };
         for id in ["m1", "m3"] {
             let x = of(id).unwrap_or_else(|| panic!("{id} has a result"));
             assert_eq!((x.outcome, x.committed), (O::Completed, true), "{id}");
@@ -448,7 +617,10 @@ pub async fn f_22<F: InboxFactory>(f: &F) {
         assert_eq!(first.outcome, O::PersistFailed);
         assert_eq!(c.sub.acks(i1), vec![AckOp::Rewind(Duration::from_secs(1))]);
         assert_eq!(c.sub.acks(i2), vec![AckOp::Rewind(Duration::from_secs(1))]);
-        assert!(c.row("m1").await.is_none() && c.row("m2").await.is_none(), "no row of k");
+        assert!(
+            c.row("m1").await.is_none() && c.row("m2").await.is_none(),
+            "no row of k"
+        );
         g3.open();
         c.rec.wait_deliveries(2).await;
         c.advance(Duration::from_secs(1)).await;
@@ -473,17 +645,34 @@ pub async fn f_24<F: InboxFactory>(f: &F) {
     let hook: crate::inbox::script::Hook = Arc::new(move || {
         let h = h.clone();
         h.clone().before_next_begin(Box::pin(async move {
-            h.set(id, InboxPatch { status: Some(Status::Completed), completed_at: Some(Some(now)), ..Default::default() }).await;
+            h.set(
+                id,
+                InboxPatch {
+                    status: Some(Status::Completed),
+                    completed_at: Some(Some(now)),
+                    ..Default::default()
+                },
+            )
+            .await;
         }));
     });
     c.script("m2", vec![Act::BreakTx("gone".into(), Some(hook))]);
     let r = c.runner().build().unwrap();
     let a = c.handle(&r).await;
-    assert_eq!((a.outcome, a.committed, a.guard_failed), (O::Recorded, true, false));
+    assert_eq!(
+        (a.outcome, a.committed, a.guard_failed),
+        (O::Recorded, true, false)
+    );
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Pending, 1, Some("gone")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Pending, 1, Some("gone"))
+    );
     let b = c.handle(&r).await;
-    assert_eq!((b.outcome, b.committed, b.guard_failed), (O::Duplicate, true, true));
+    assert_eq!(
+        (b.outcome, b.committed, b.guard_failed),
+        (O::Duplicate, true, true)
+    );
     assert_eq!(b.error.as_deref(), Some("gone"));
     let row = c.row_of("m2").await;
     assert_eq!((row.status, row.attempts_made), (Status::Completed, 0));
@@ -503,7 +692,10 @@ pub async fn f_25<F: InboxFactory>(f: &F) {
     assert_eq!((res.outcome, res.committed), (O::Recorded, true));
     assert_eq!(c.sub.acks(c.idx("m1")), vec![AckOp::Commit]);
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Pending, 1, Some("boom")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Pending, 1, Some("boom"))
+    );
     assert!(row.locked_at.is_none());
     assert_within(row.scheduled_at, before, after, 5.0, 10.0, "F-25");
 }

@@ -40,7 +40,10 @@ pub async fn g_01<F: InboxFactory>(f: &F) {
     assert_eq!(e.len(), 200, "each message once");
     let counts = c.backend().counts(&g()).await.unwrap();
     assert_eq!(counts.len(), 1);
-    assert_eq!((counts[0].status, counts[0].count), (Status::Completed, 200));
+    assert_eq!(
+        (counts[0].status, counts[0].count),
+        (Status::Completed, 200)
+    );
 }
 
 /// G-02: one message delivered to two runners at once: the second waits for the first's
@@ -58,7 +61,11 @@ pub async fn g_02<F: InboxFactory>(f: &F) {
                 Act::Gate(gate.clone())
             }],
         );
-        let pol = if variant { OnFailure::Rewind } else { OnFailure::Record };
+        let pol = if variant {
+            OnFailure::Rewind
+        } else {
+            OnFailure::Record
+        };
         let w1 = c.runner().on_failure(pol).build().unwrap();
         let w2 = c.runner().on_failure(pol).worker_id("w2").build().unwrap();
         let done2 = AtomicBool::new(false);
@@ -73,7 +80,10 @@ pub async fn g_02<F: InboxFactory>(f: &F) {
         let control = async {
             gate.reached(1).await;
             tokio::time::sleep(Duration::from_millis(200)).await;
-            assert!(!done2.load(Ordering::SeqCst), "w2 waits for w1's transaction");
+            assert!(
+                !done2.load(Ordering::SeqCst),
+                "w2 waits for w1's transaction"
+            );
             gate.open();
         };
         let (a, b, ()) = tokio::join!(first, second, control);
@@ -251,14 +261,20 @@ pub async fn g_09<F: InboxFactory>(f: &F) {
         let control = async {
             gate.reached(1).await;
             tokio::time::sleep(Duration::from_millis(200)).await;
-            assert!(c.row("m2").await.is_none(), "w2 has landed nothing while w1 holds k");
+            assert!(
+                c.row("m2").await.is_none(),
+                "w2 has landed nothing while w1 holds k"
+            );
             gate.open();
         };
         let (a, b, ()) = tokio::join!(first, second, control);
         if variant {
             assert_eq!(a.outcome, O::Recorded);
             let r = c.row_of("m1").await;
-            assert_eq!((r.status, r.attempts_made, r.last_error.as_deref()), (Status::Pending, 1, Some("boom")));
+            assert_eq!(
+                (r.status, r.attempts_made, r.last_error.as_deref()),
+                (Status::Pending, 1, Some("boom"))
+            );
             assert_eq!((b.outcome, b.committed), (O::Landed, true));
             assert_eq!(c.handler.runs_of("m2"), 0);
             assert!(c.effects().await.is_empty());

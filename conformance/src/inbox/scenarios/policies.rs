@@ -11,7 +11,10 @@ use crate::inbox::ctx::{Ictx, assert_within};
 use crate::inbox::harness::{InboxFactory, InboxHarness as _, InboxPatch};
 use crate::inbox::script::Act;
 
-async fn rewind_trial<F: InboxFactory>(f: &F, act: Act) -> (Ictx<F::Harness>, outbox_core::inbox::DeliveryResult) {
+async fn rewind_trial<F: InboxFactory>(
+    f: &F,
+    act: Act,
+) -> (Ictx<F::Harness>, outbox_core::inbox::DeliveryResult) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
     c.script("m1", vec![act]);
@@ -53,7 +56,10 @@ pub async fn n_02<F: InboxFactory>(f: &F) {
     assert_eq!((r.outcome, r.committed), (O::Rewound, false));
     rewound_in(&c.sub.acks(0), 5.0, 10.0);
     assert!(c.row("m1").await.is_none(), "nothing stored");
-    assert!(c.effects().await.is_empty(), "the failed run's write is undone");
+    assert!(
+        c.effects().await.is_empty(),
+        "the failed run's write is undone"
+    );
 }
 
 /// N-03: retry("later") is rewound 5 to 10 s (R118, R127).
@@ -86,7 +92,11 @@ pub async fn n_04<F: InboxFactory>(f: &F) {
 pub async fn n_05<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
-    let r = c.bare_runner().on_failure(OnFailure::Rewind).build().unwrap();
+    let r = c
+        .bare_runner()
+        .on_failure(OnFailure::Rewind)
+        .build()
+        .unwrap();
     let res = c.handle(&r).await;
     assert_eq!((res.outcome, res.committed), (O::Landed, true));
     assert_eq!(c.sub.acks(0), vec![AckOp::Commit]);
@@ -99,7 +109,12 @@ async fn record_trial<F: InboxFactory>(
     f: &F,
     act: Act,
     policy: Option<OnFailure>,
-) -> (Ictx<F::Harness>, outbox_core::inbox::DeliveryResult, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) {
+) -> (
+    Ictx<F::Harness>,
+    outbox_core::inbox::DeliveryResult,
+    chrono::DateTime<chrono::Utc>,
+    chrono::DateTime<chrono::Utc>,
+) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
     c.script("m1", vec![act]);
@@ -200,7 +215,12 @@ pub async fn n_12<F: InboxFactory>(f: &F) {
     assert_eq!(c.sub.acks(0), vec![AckOp::Commit]);
     let row = c.row_of("m1").await;
     assert_eq!(
-        (row.status, row.attempts_made, row.last_error.as_deref(), row.max_attempts),
+        (
+            row.status,
+            row.attempts_made,
+            row.last_error.as_deref(),
+            row.max_attempts
+        ),
         (Status::Failed, 1, Some("boom"), 1)
     );
     assert!(c.effects().await.is_empty());
@@ -273,17 +293,14 @@ pub async fn n_17<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
     let rg = c.runner().build().unwrap();
-    let rg2 = outbox_core::inbox::Runner::builder(
-        c.backend(),
-        std::sync::Arc::new(c.sub.clone()),
-        "g2",
-    )
-    .handler(c.handler.clone())
-    .worker_id("w2")
-    .concurrency(1)
-    .process_stored(false)
-    .build()
-    .unwrap();
+    let rg2 =
+        outbox_core::inbox::Runner::builder(c.backend(), std::sync::Arc::new(c.sub.clone()), "g2")
+            .handler(c.handler.clone())
+            .worker_id("w2")
+            .concurrency(1)
+            .process_stored(false)
+            .build()
+            .unwrap();
     let a = c.handle(&rg).await;
     c.duplicate("m1");
     let b = c.handle(&rg2).await;
@@ -292,7 +309,13 @@ pub async fn n_17<F: InboxFactory>(f: &F) {
     assert_ne!(a.row_id, b.row_id);
     let g2 = outbox_core::inbox::ConsumerGroup::new("g2").unwrap();
     use outbox_core::inbox::InboxRepository;
-    assert!(c.backend().get_by_message_id("m1", &g2).await.unwrap().is_some());
+    assert!(
+        c.backend()
+            .get_by_message_id("m1", &g2)
+            .await
+            .unwrap()
+            .is_some()
+    );
     assert!(c.row("m1").await.is_some());
     assert_eq!(c.effects().await, vec!["m1", "m1"]);
 }
@@ -318,9 +341,16 @@ pub async fn n_18<F: InboxFactory>(f: &F) {
         if policy == "at_most_once" {
             assert_eq!(c.sub.acks(0), vec![AckOp::Commit], "{policy}");
             c.advance(Duration::from_secs(60)).await;
-            assert!(r.handle_next().await.unwrap().is_none(), "not delivered again");
+            assert!(
+                r.handle_next().await.unwrap().is_none(),
+                "not delivered again"
+            );
         } else {
-            assert_eq!(c.sub.acks(0), vec![AckOp::Rewind(Duration::from_secs(1))], "{policy}");
+            assert_eq!(
+                c.sub.acks(0),
+                vec![AckOp::Rewind(Duration::from_secs(1))],
+                "{policy}"
+            );
         }
         assert!(c.row("m1").await.is_none(), "{policy}: no row");
         assert!(c.effects().await.is_empty());

@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::CancellationToken;
 use outbox_core::event::Status;
 use outbox_core::event::WorkerId;
 use outbox_core::inbox::repository::{InboxFetchRequest, InboxRepository};
 use outbox_core::inbox::{DeliveryOutcome as O, RowReport};
-use outbox_core::CancellationToken;
 
 use crate::inbox::ctx::{Ictx, assert_within, g};
 use crate::inbox::harness::{InboxFactory, InboxHarness as _, InboxPatch};
@@ -31,7 +31,12 @@ pub async fn p_01<F: InboxFactory>(f: &F) {
     let p = c.processor().build().unwrap();
     let rep = c.cycle(&p).await;
     for id in [a.id, b.id] {
-        assert_eq!(rep.of(id), Some(&RowReport::Skipped { reason: "Explicitly skipped".into() }));
+        assert_eq!(
+            rep.of(id),
+            Some(&RowReport::Skipped {
+                reason: "Explicitly skipped".into()
+            })
+        );
     }
     for m in ["m1", "m2"] {
         let r = c.row_of(m).await;
@@ -41,7 +46,16 @@ pub async fn p_01<F: InboxFactory>(f: &F) {
     assert!(c.cycle(&p).await.fetched.is_empty());
 }
 
-async fn one_row<F: InboxFactory>(f: &F, act: Act, timeout: Duration) -> (Ictx<F::Harness>, RowReport, chrono::DateTime<chrono::Utc>, chrono::DateTime<chrono::Utc>) {
+async fn one_row<F: InboxFactory>(
+    f: &F,
+    act: Act,
+    timeout: Duration,
+) -> (
+    Ictx<F::Harness>,
+    RowReport,
+    chrono::DateTime<chrono::Utc>,
+    chrono::DateTime<chrono::Utc>,
+) {
     let c = Ictx::new(f).await;
     let row = c.land("m1", None).await;
     c.script("m1", vec![act]);
@@ -56,9 +70,21 @@ async fn one_row<F: InboxFactory>(f: &F, act: Act, timeout: Duration) -> (Ictx<F
 /// B-09: a handler timeout is counted with backoff (R118, R154, R165).
 pub async fn b_09<F: InboxFactory>(f: &F) {
     let (c, rep, before, after) = one_row(f, Act::Hang, Duration::from_millis(50)).await;
-    assert!(matches!(rep, RowReport::Counted { terminal: false, .. }), "{rep:?}");
+    assert!(
+        matches!(
+            rep,
+            RowReport::Counted {
+                terminal: false,
+                ..
+            }
+        ),
+        "{rep:?}"
+    );
     let r = c.row_of("m1").await;
-    assert_eq!((r.attempts_made, r.last_error.as_deref()), (1, Some("Handler execution timed out after 0.05s")));
+    assert_eq!(
+        (r.attempts_made, r.last_error.as_deref()),
+        (1, Some("Handler execution timed out after 0.05s"))
+    );
     assert_within(r.scheduled_at, before, after, 5.0, 10.0, "B-09");
 }
 
@@ -66,14 +92,30 @@ pub async fn b_09<F: InboxFactory>(f: &F) {
 pub async fn b_11<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let row = c.land("m1", None).await;
-    c.set(row.id, InboxPatch { attempts_made: Some(2), last_error: Some(Some("x".into())), ..Default::default() }).await;
+    c.set(
+        row.id,
+        InboxPatch {
+            attempts_made: Some(2),
+            last_error: Some(Some("x".into())),
+            ..Default::default()
+        },
+    )
+    .await;
     let before = c.row_of("m1").await;
     c.script("m1", vec![Act::Skip("stale".into())]);
     let p = c.processor().build().unwrap();
     let rep = c.cycle(&p).await;
-    assert_eq!(rep.of(row.id), Some(&RowReport::Skipped { reason: "stale".into() }));
+    assert_eq!(
+        rep.of(row.id),
+        Some(&RowReport::Skipped {
+            reason: "stale".into()
+        })
+    );
     let r = c.row_of("m1").await;
-    assert_eq!((r.status, r.attempts_made, r.last_error.as_deref()), (Status::Completed, 2, Some("x")));
+    assert_eq!(
+        (r.status, r.attempts_made, r.last_error.as_deref()),
+        (Status::Completed, 2, Some("x"))
+    );
     assert_eq!(r.scheduled_at, before.scheduled_at);
 }
 
@@ -88,7 +130,10 @@ pub async fn t_09<F: InboxFactory>(f: &F) {
     let rep = c.cycle(&p).await;
     let after = c.now().await;
     let r1 = c.row_of("m1").await;
-    assert_eq!((r1.attempts_made, r1.last_error.as_deref()), (0, Some("svc down")));
+    assert_eq!(
+        (r1.attempts_made, r1.last_error.as_deref()),
+        (0, Some("svc down"))
+    );
     assert_within(r1.scheduled_at, before, after, 1.0, 1.0, "T-09");
     assert!(matches!(rep.of(m1.id), Some(RowReport::NotCounted { .. })));
     assert_eq!(rep.of(m2.id), Some(&RowReport::Completed { status: None }));
@@ -98,21 +143,36 @@ pub async fn t_09<F: InboxFactory>(f: &F) {
 /// H-02: a status text is reported (R118, R157).
 pub async fn h_02<F: InboxFactory>(f: &F) {
     let (c, rep, _, _) = one_row(f, Act::Ok(Some("ok".into())), Duration::from_secs(30)).await;
-    assert_eq!(rep, RowReport::Completed { status: Some("ok".into()) });
+    assert_eq!(
+        rep,
+        RowReport::Completed {
+            status: Some("ok".into())
+        }
+    );
     assert_eq!(c.row_of("m1").await.status, Status::Completed);
 }
 
 /// H-03: a skip with a reason (R118, R155).
 pub async fn h_03<F: InboxFactory>(f: &F) {
     let (c, rep, _, _) = one_row(f, Act::Skip("not for me".into()), Duration::from_secs(30)).await;
-    assert_eq!(rep, RowReport::Skipped { reason: "not for me".into() });
+    assert_eq!(
+        rep,
+        RowReport::Skipped {
+            reason: "not for me".into()
+        }
+    );
     assert_eq!(c.row_of("m1").await.status, Status::Completed);
 }
 
 /// H-04: a skip without a reason (R118).
 pub async fn h_04<F: InboxFactory>(f: &F) {
     let (c, rep, _, _) = one_row(f, Act::Skip(String::new()), Duration::from_secs(30)).await;
-    assert_eq!(rep, RowReport::Skipped { reason: "Explicitly skipped".into() });
+    assert_eq!(
+        rep,
+        RowReport::Skipped {
+            reason: "Explicitly skipped".into()
+        }
+    );
     assert_eq!(c.row_of("m1").await.status, Status::Completed);
 }
 
@@ -120,7 +180,10 @@ pub async fn h_04<F: InboxFactory>(f: &F) {
 pub async fn h_07<F: InboxFactory>(f: &F) {
     let (c, rep, _, _) = one_row(f, Act::Hang, Duration::from_millis(10)).await;
     assert!(matches!(rep, RowReport::Counted { .. }));
-    assert_eq!(c.row_of("m1").await.last_error.as_deref(), Some("Handler execution timed out after 0.01s"));
+    assert_eq!(
+        c.row_of("m1").await.last_error.as_deref(),
+        Some("Handler execution timed out after 0.01s")
+    );
 }
 
 /// Y-01: a processor serves one group, and its sources (R148).
@@ -137,11 +200,21 @@ pub async fn y_01<F: InboxFactory>(f: &F) {
         let rep = c.cycle(&b.build().unwrap()).await;
         let mut done = rep.completed();
         done.sort();
-        let mut want = if sources.is_some() { vec![m3.id] } else { vec![m1.id, m3.id] };
+        let mut want = if sources.is_some() {
+            vec![m3.id]
+        } else {
+            vec![m1.id, m3.id]
+        };
         want.sort();
         assert_eq!(done, want, "sources {sources:?}");
-        assert!(!rep.fetched.contains(&m2.id), "another group's row is never fetched");
-        assert_eq!(c.backend().get(m2.id).await.unwrap().unwrap().status, Status::Pending);
+        assert!(
+            !rep.fetched.contains(&m2.id),
+            "another group's row is never fetched"
+        );
+        assert_eq!(
+            c.backend().get(m2.id).await.unwrap().unwrap().status,
+            Status::Pending
+        );
     }
 }
 
@@ -153,9 +226,17 @@ pub async fn y_02<F: InboxFactory>(f: &F) {
     let p = c.processor().build().unwrap();
     c.cycle(&p).await;
     let r = c.row_of("m1").await;
-    assert_eq!((r.status, r.attempts_made, r.last_error.as_deref()), (Status::Pending, 1, Some("boom")));
-    assert!(c.effects().await.is_empty(), "the failed run's write is undone");
-    let wait = (r.scheduled_at - c.now().await).to_std().unwrap_or_default();
+    assert_eq!(
+        (r.status, r.attempts_made, r.last_error.as_deref()),
+        (Status::Pending, 1, Some("boom"))
+    );
+    assert!(
+        c.effects().await.is_empty(),
+        "the failed run's write is undone"
+    );
+    let wait = (r.scheduled_at - c.now().await)
+        .to_std()
+        .unwrap_or_default();
     c.advance(wait).await;
     c.cycle(&p).await;
     assert_eq!(c.row_of("m1").await.status, Status::Completed);
@@ -186,13 +267,18 @@ async fn y_04_05<F: InboxFactory>(f: &F, resume: bool) {
     assert_eq!(c1.completed(), vec![cc.id]);
     assert!(!c1.fetched.contains(&b.id));
     let ra = c.row_of("A").await;
-    assert_eq!((ra.status, ra.attempts_made, ra.last_error.as_deref()), (Status::Pending, 1, Some("bad")));
+    assert_eq!(
+        (ra.status, ra.attempts_made, ra.last_error.as_deref()),
+        (Status::Pending, 1, Some("bad"))
+    );
     assert!(ra.locked_at.is_none());
     assert_within(ra.scheduled_at, before, after, 5.0, 10.0, "Y-04");
     assert_eq!(c.row_of("B").await, b);
     assert!(c.cycle(&p).await.fetched.is_empty());
     if resume {
-        let wait = (ra.scheduled_at - c.now().await).to_std().unwrap_or_default();
+        let wait = (ra.scheduled_at - c.now().await)
+            .to_std()
+            .unwrap_or_default();
         c.advance(wait).await;
         assert_eq!(c.cycle(&p).await.completed(), vec![a.id]);
         assert_eq!(c.cycle(&p).await.completed(), vec![b.id]);
@@ -205,7 +291,14 @@ pub async fn y_06<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let a = c.land("A", Some("k")).await;
     let b = c.land("B", Some("k")).await;
-    c.set(a.id, InboxPatch { max_attempts: Some(1), ..Default::default() }).await;
+    c.set(
+        a.id,
+        InboxPatch {
+            max_attempts: Some(1),
+            ..Default::default()
+        },
+    )
+    .await;
     c.script("A", vec![Act::Fail("bad".into())]);
     let p = c.processor().build().unwrap();
     c.cycle(&p).await;
@@ -232,16 +325,33 @@ pub async fn y_08<F: InboxFactory>(f: &F) {
         rows.push(c.land(&format!("e{i}"), Some("k")).await);
     }
     c.script("e3", vec![Act::Fail("bad".into())]);
-    let rep = c.cycle(&c.processor().max_per_key(5).build().unwrap()).await;
+    let rep = c
+        .cycle(&c.processor().max_per_key(5).build().unwrap())
+        .await;
     assert_eq!(rep.completed(), vec![rows[0].id, rows[1].id]);
-    assert!(matches!(rep.of(rows[2].id), Some(RowReport::Counted { .. })));
+    assert!(matches!(
+        rep.of(rows[2].id),
+        Some(RowReport::Counted { .. })
+    ));
     assert_eq!(rep.released(), vec![rows[3].id, rows[4].id]);
     for i in [3, 4] {
         let now = c.row_of(&format!("e{}", i + 1)).await;
         let was = &rows[i];
         assert_eq!(
-            (now.status, now.attempts_made, &now.last_error, now.scheduled_at, now.locked_at),
-            (was.status, was.attempts_made, &was.last_error, was.scheduled_at, None),
+            (
+                now.status,
+                now.attempts_made,
+                &now.last_error,
+                now.scheduled_at,
+                now.locked_at
+            ),
+            (
+                was.status,
+                was.attempts_made,
+                &was.last_error,
+                was.scheduled_at,
+                None
+            ),
             "released untouched"
         );
     }
@@ -260,7 +370,12 @@ pub async fn y_09<F: InboxFactory>(f: &F) {
         }
     }
     c.handler.always(Act::Delay(Duration::from_millis(2)));
-    let p = c.processor().max_per_key(5).handler_concurrency(4).build().unwrap();
+    let p = c
+        .processor()
+        .max_per_key(5)
+        .handler_concurrency(4)
+        .build()
+        .unwrap();
     for _ in 0..100 {
         if c.cycle(&p).await.fetched.is_empty() {
             break;
@@ -269,7 +384,10 @@ pub async fn y_09<F: InboxFactory>(f: &F) {
     let runs = c.handler.runs();
     assert_eq!(runs.len(), 50);
     for (k, ids) in &order {
-        let mine: Vec<_> = runs.iter().filter(|r| r.message_id.starts_with(&format!("{k}-"))).collect();
+        let mine: Vec<_> = runs
+            .iter()
+            .filter(|r| r.message_id.starts_with(&format!("{k}-")))
+            .collect();
         let started: Vec<_> = mine.iter().map(|r| r.message_id.clone()).collect();
         assert_eq!(&started, ids, "key {k} runs in write order");
         for w in mine.windows(2) {
@@ -280,7 +398,10 @@ pub async fn y_09<F: InboxFactory>(f: &F) {
     let mut peak2 = false;
     for r in &runs {
         let at = r.start;
-        let n = runs.iter().filter(|x| x.start <= at && x.end.unwrap() > at).count();
+        let n = runs
+            .iter()
+            .filter(|x| x.start <= at && x.end.unwrap() > at)
+            .count();
         max = max.max(n);
         peak2 |= n >= 2;
     }
@@ -295,9 +416,15 @@ pub async fn y_11<F: InboxFactory>(f: &F) {
     c.h.fail_next_row_commit();
     let p = c.processor().build().unwrap();
     let rep = c.cycle(&p).await;
-    assert!(matches!(rep.of(row.id), Some(RowReport::CommitFailed { .. })), "{rep:?}");
+    assert!(
+        matches!(rep.of(row.id), Some(RowReport::CommitFailed { .. })),
+        "{rep:?}"
+    );
     let r = c.row_of("m1").await;
-    assert_eq!((r.status, r.attempts_made, r.locked_by.as_deref()), (Status::Pending, 0, Some("p1")));
+    assert_eq!(
+        (r.status, r.attempts_made, r.locked_by.as_deref()),
+        (Status::Pending, 0, Some("p1"))
+    );
     assert!(c.effects().await.is_empty());
     c.advance(Duration::from_secs(301)).await;
     assert_eq!(c.cycle(&p).await.completed(), vec![row.id]);
@@ -310,12 +437,29 @@ pub async fn y_12<F: InboxFactory>(f: &F) {
     let row = c.land("m1", None).await;
     let w1 = c.processor().worker_id("W1").build().unwrap();
     let w2 = c.processor().worker_id("W2").build().unwrap();
-    assert_eq!(c.backend().fetch_and_lock(&fetch_req("W1", 10)).await.unwrap().len(), 1);
+    assert_eq!(
+        c.backend()
+            .fetch_and_lock(&fetch_req("W1", 10))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
     c.advance(Duration::from_secs(301)).await;
-    assert_eq!(c.backend().fetch_and_lock(&fetch_req("W2", 10)).await.unwrap().len(), 1);
+    assert_eq!(
+        c.backend()
+            .fetch_and_lock(&fetch_req("W2", 10))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
     assert_eq!(w1.run_row(row.id).await, RowReport::LeaseLost);
     assert_eq!(c.handler.runs_of("m1"), 0);
-    assert_eq!(w2.run_row(row.id).await, RowReport::Completed { status: None });
+    assert_eq!(
+        w2.run_row(row.id).await,
+        RowReport::Completed { status: None }
+    );
     assert_eq!(c.effects().await, vec!["m1"]);
 }
 
@@ -333,7 +477,12 @@ pub async fn y_13<F: InboxFactory>(f: &F) {
             self.0.cancel();
         }
     }
-    let w1 = c.processor().worker_id("w1").hooks(Arc::new(Cancel(t2))).build().unwrap();
+    let w1 = c
+        .processor()
+        .worker_id("w1")
+        .hooks(Arc::new(Cancel(t2)))
+        .build()
+        .unwrap();
     let rep = w1.cycle(&token).await.unwrap();
     assert_eq!(rep.completed().len(), 1);
     assert_eq!(rep.released().len(), 2);
@@ -343,7 +492,10 @@ pub async fn y_13<F: InboxFactory>(f: &F) {
     let mut b = rep.released();
     a.sort();
     b.sort();
-    assert_eq!(a, b, "w2 runs the released rows without waiting for a lease");
+    assert_eq!(
+        a, b,
+        "w2 runs the released rows without waiting for a lease"
+    );
 }
 
 /// Y-14: a requeued row re-enters its key's line (R32, R162).
@@ -352,7 +504,14 @@ pub async fn y_14<F: InboxFactory>(f: &F) {
     let a = c.land("A", Some("k")).await;
     let b = c.land("B", Some("k")).await;
     let cc = c.land("C", Some("k")).await;
-    c.set(a.id, InboxPatch { max_attempts: Some(1), ..Default::default() }).await;
+    c.set(
+        a.id,
+        InboxPatch {
+            max_attempts: Some(1),
+            ..Default::default()
+        },
+    )
+    .await;
     c.script("A", vec![Act::Fail("bad".into()), Act::Write]);
     let p = c.processor().build().unwrap();
     c.cycle(&p).await;
@@ -370,21 +529,44 @@ pub async fn y_15<F: InboxFactory>(f: &F) {
         let c = Ictx::new(f).await;
         let d1 = c.land("d1", Some("k1")).await;
         c.land("d2", Some("k2")).await;
-        c.set(d1.id, InboxPatch { attempts_made: Some(1), max_attempts: Some(2), ..Default::default() }).await;
+        c.set(
+            d1.id,
+            InboxPatch {
+                attempts_made: Some(1),
+                max_attempts: Some(2),
+                ..Default::default()
+            },
+        )
+        .await;
         let d2 = c.row_of("d2").await;
-        c.set(d2.id, InboxPatch { max_attempts: Some(2), ..Default::default() }).await;
+        c.set(
+            d2.id,
+            InboxPatch {
+                max_attempts: Some(2),
+                ..Default::default()
+            },
+        )
+        .await;
         c.handler.always(Act::Fail("x".into()));
         if fail_commit {
             c.h.fail_next_row_commit();
         }
-        let p = c.processor().backoff(Ictx::<F::Harness>::backoff(0.0)).build().unwrap();
+        let p = c
+            .processor()
+            .backoff(Ictx::<F::Harness>::backoff(0.0))
+            .build()
+            .unwrap();
         c.cycle(&p).await;
         let t = c.rec.terminal.lock().unwrap().clone();
         if fail_commit {
             assert!(t.is_empty(), "no hook after a failed commit: {t:?}");
         } else {
             assert_eq!(t.len(), 1);
-            assert_eq!((t[0].0.as_str(), t[0].2, t[0].3.as_str()), ("d1", 1, "x"), "the row as before the failure");
+            assert_eq!(
+                (t[0].0.as_str(), t[0].2, t[0].3.as_str()),
+                ("d1", 1, "x"),
+                "the row as before the failure"
+            );
             let r = c.row_of("d1").await;
             assert_eq!((r.status, r.attempts_made), (Status::Failed, 2));
             let r2 = c.row_of("d2").await;
@@ -399,17 +581,26 @@ pub async fn y_17<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
     c.script("m1", vec![Act::Fail("boom".into()), Act::Write]);
-    let r = c.runner().process_stored(true).processor_poll_interval(Duration::from_millis(100)).build().unwrap();
+    let r = c
+        .runner()
+        .process_stored(true)
+        .processor_poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
     let p = r.embedded_processor().expect("process_stored builds one");
     assert_eq!(p.config().worker().as_str(), "w1/p");
     assert_eq!(c.handle(&r).await.outcome, O::Recorded);
     let row = c.row_of("m1").await;
-    let wait = (row.scheduled_at - c.now().await).to_std().unwrap_or_default();
+    let wait = (row.scheduled_at - c.now().await)
+        .to_std()
+        .unwrap_or_default();
     c.advance(wait).await;
     r.start();
     let control = async {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-        while c.row_of("m1").await.status != Status::Completed && tokio::time::Instant::now() < deadline {
+        while c.row_of("m1").await.status != Status::Completed
+            && tokio::time::Instant::now() < deadline
+        {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         r.stop();
@@ -435,17 +626,33 @@ pub async fn y_18<F: InboxFactory>(f: &F) {
     let p = c.processor().build().unwrap();
     let mut waits = 0.0;
     for attempt in 1..=5 {
-        let bk = c.backend().blocked_keys(&g(), Duration::from_secs(300), 10).await.unwrap();
+        let bk = c
+            .backend()
+            .blocked_keys(&g(), Duration::from_secs(300), 10)
+            .await
+            .unwrap();
         assert_eq!(bk.len(), 1, "only k is blocked");
-        assert_eq!((bk[0].message_id.as_str(), bk[0].attempts_made, bk[0].waiting), ("m1", attempt, 1));
+        assert_eq!(
+            (
+                bk[0].message_id.as_str(),
+                bk[0].attempts_made,
+                bk[0].waiting
+            ),
+            ("m1", attempt, 1)
+        );
         let row = c.row_of("m1").await;
-        let wait = (row.scheduled_at - c.now().await).to_std().unwrap_or_default();
+        let wait = (row.scheduled_at - c.now().await)
+            .to_std()
+            .unwrap_or_default();
         waits += wait.as_secs_f64();
         c.advance(wait).await;
         c.cycle(&p).await;
     }
     let row = c.row_of("m1").await;
-    assert_eq!((row.status, row.attempts_made, row.last_error.as_deref()), (Status::Failed, 6, Some("poison")));
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Failed, 6, Some("poison"))
+    );
     assert_eq!(c.rec.terminal_ids(), vec!["m1"]);
     let m2 = c.row_of("m2").await;
     assert_eq!(c.cycle(&p).await.completed(), vec![m2.id]);

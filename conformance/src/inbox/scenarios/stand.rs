@@ -24,7 +24,7 @@ struct Plan {
 }
 
 fn plan(rng: &mut StdRng) -> Plan {
-    let mut next = vec![0usize; KEYS];
+    let mut next = [0usize; KEYS];
     let mut order = Vec::new();
     while order.len() < KEYS * PER_KEY {
         let k = rng.random_range(0..KEYS);
@@ -43,7 +43,10 @@ fn key(k: usize) -> String {
 }
 
 async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
-    let seed: u64 = std::env::var("INBOX_STAND_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(20_261_201);
+    let seed: u64 = std::env::var("INBOX_STAND_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20_261_201);
     println!("SI-0{} seed {seed}", if rewind { 2 } else { 1 });
     let mut rng = StdRng::seed_from_u64(seed);
     let c = Ictx::new(f).await;
@@ -68,7 +71,8 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
         }
     })));
     if !rewind {
-        c.sub.partitioned(Arc::new(|k: &str| k[5..].parse::<usize>().unwrap_or(0) % 3));
+        c.sub
+            .partitioned(Arc::new(|k: &str| k[5..].parse::<usize>().unwrap_or(0) % 3));
     }
     let build = |i: usize| -> Runner<_> {
         let b = Runner::builder(c.backend(), Arc::new(c.sub.view(i)), "g")
@@ -76,8 +80,14 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
             .worker_id(format!("w{}", i + 1))
             .concurrency(4)
             .process_stored(false)
-            .random_source(Box::new(outbox_core::backoff::SeededRng::new(seed + i as u64)))
-            .on_failure(if rewind { OnFailure::Rewind } else { OnFailure::Record });
+            .random_source(Box::new(outbox_core::backoff::SeededRng::new(
+                seed + i as u64,
+            )))
+            .on_failure(if rewind {
+                OnFailure::Rewind
+            } else {
+                OnFailure::Record
+            });
         b.build().unwrap()
     };
     let mut runners: Vec<Option<Runner<_>>> = (0..3).map(|i| Some(build(i))).collect();
@@ -88,13 +98,19 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
         done_rounds = round;
         if rewind && round == 50 {
             // kill(w2): it dies holding a delivery it read and never ended.
-            let _held = outbox_core::inbox::Subscription::next(&c.sub.view(1), 1, Duration::ZERO).await.unwrap();
+            let _held = outbox_core::inbox::Subscription::next(&c.sub.view(1), 1, Duration::ZERO)
+                .await
+                .unwrap();
             runners[1] = None;
         }
         if rewind && round == 51 {
             runners[1] = Some(build(1));
         }
-        let due: Vec<usize> = later.iter().filter(|(r, _)| *r <= round).map(|(_, i)| *i).collect();
+        let due: Vec<usize> = later
+            .iter()
+            .filter(|(r, _)| *r <= round)
+            .map(|(_, i)| *i)
+            .collect();
         later.retain(|(r, _)| *r > round);
         for i in due {
             c.sub.duplicate(i);
@@ -110,7 +126,9 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
                         c.sub.fail_commit(m);
                     }
                 }
-                let Some(res) = r.handle_next().await.unwrap() else { break };
+                let Some(res) = r.handle_next().await.unwrap() else {
+                    break;
+                };
                 active = true;
                 if res.outcome == outbox_core::inbox::DeliveryOutcome::Recorded {
                     recorded += 1;
@@ -134,18 +152,36 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
             for w in ["p1", "p2"] {
                 let (batch, mpk) = {
                     let mut g = shared_rng.lock().unwrap();
-                    ([1, 5, 20][g.random_range(0..3usize)], [1, 5][g.random_range(0..2usize)])
+                    (
+                        [1, 5, 20][g.random_range(0..3usize)],
+                        [1, 5][g.random_range(0..2usize)],
+                    )
                 };
-                let proc = c.processor().worker_id(w).batch_size(batch).max_per_key(mpk).handler_concurrency(2).build().unwrap();
+                let proc = c
+                    .processor()
+                    .worker_id(w)
+                    .batch_size(batch)
+                    .max_per_key(mpk)
+                    .handler_concurrency(2)
+                    .build()
+                    .unwrap();
                 let rep = c.cycle(&proc).await;
                 active |= !rep.fetched.is_empty();
-                row_commit_failures += rep.outcomes.iter().filter(|(_, o)| matches!(o, outbox_core::inbox::RowReport::CommitFailed { .. })).count();
+                row_commit_failures += rep
+                    .outcomes
+                    .iter()
+                    .filter(|(_, o)| {
+                        matches!(o, outbox_core::inbox::RowReport::CommitFailed { .. })
+                    })
+                    .count();
             }
         }
         if c.sub.is_drained() && later.is_empty() {
             let counts = c.backend().counts(&g()).await.unwrap();
             let total: i64 = counts.iter().map(|s| s.count).sum();
-            if total == (KEYS * PER_KEY) as i64 && counts.iter().all(|s| s.status != Status::Pending) {
+            if total == (KEYS * PER_KEY) as i64
+                && counts.iter().all(|s| s.status != Status::Pending)
+            {
                 break;
             }
         }
@@ -153,21 +189,34 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
             c.advance(Duration::from_secs(1)).await;
         }
     }
-    assert!(done_rounds < 19_999, "the stand did not finish within 20,000 rounds");
+    assert!(
+        done_rounds < 19_999,
+        "the stand did not finish within 20,000 rounds"
+    );
     let counts = c.backend().counts(&g()).await.unwrap();
     assert_eq!(counts.len(), 1, "{counts:?}");
-    assert_eq!((counts[0].status, counts[0].count), (Status::Completed, (KEYS * PER_KEY) as i64));
+    assert_eq!(
+        (counts[0].status, counts[0].count),
+        (Status::Completed, (KEYS * PER_KEY) as i64)
+    );
     let effects = c.effects().await;
     let mut uniq = effects.clone();
     uniq.sort();
     uniq.dedup();
-    assert_eq!((effects.len(), uniq.len()), (KEYS * PER_KEY, KEYS * PER_KEY), "each message's effect exactly once");
+    assert_eq!(
+        (effects.len(), uniq.len()),
+        (KEYS * PER_KEY, KEYS * PER_KEY),
+        "each message's effect exactly once"
+    );
     let mut per_key: Vec<Vec<usize>> = vec![Vec::new(); KEYS];
     for e in &effects {
         let (k, n) = by_id[e];
         per_key[k].push(n);
     }
-    let out_of_order = per_key.iter().filter(|ns| ns.windows(2).any(|w| w[0] > w[1])).count();
+    let out_of_order = per_key
+        .iter()
+        .filter(|ns| ns.windows(2).any(|w| w[0] > w[1]))
+        .count();
     println!(
         "SI-0{}: {done_rounds} rounds; recorded failures {recorded}, duplicates {dups}, commit failures {commit_failures}, row commit failures {row_commit_failures}, keys out of n order {out_of_order}",
         if rewind { 2 } else { 1 }
