@@ -41,15 +41,17 @@ pub struct Ictx<H: InboxHarness> {
 pub struct Recorder {
     /// Delivery results, in order.
     pub deliveries: Mutex<Vec<DeliveryResult>>,
+    /// When each delivery result and each processor fetch was reported (tokio's clock).
+    pub times: Mutex<Vec<(String, tokio::time::Instant)>>,
     /// Terminal failures: (message_id, status of the row as before, error).
     pub terminal: Mutex<Vec<(String, outbox_core::event::Status, i32, String)>>,
     changed: tokio::sync::Notify,
 }
 
 impl Recorder {
-    /// Waits until at least `n` delivery results were recorded (bounded by 10 s).
+    /// Waits until at least `n` delivery results were recorded (bounded by 120 s of tokio time).
     pub async fn wait_deliveries(&self, n: usize) {
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
         loop {
             let notified = self.changed.notified();
             if self.deliveries.lock().expect("poisoned").len() >= n {
@@ -76,7 +78,17 @@ impl Recorder {
 }
 
 impl outbox_core::inbox::InboxHooks for Recorder {
+    fn on_fetch(&self, _rows: usize) {
+        self.times
+            .lock()
+            .expect("poisoned")
+            .push(("fetch".into(), tokio::time::Instant::now()));
+    }
     fn on_delivery(&self, r: &DeliveryResult) {
+        self.times.lock().expect("poisoned").push((
+            r.message_id.clone().unwrap_or_default(),
+            tokio::time::Instant::now(),
+        ));
         self.deliveries.lock().expect("poisoned").push(r.clone());
         self.changed.notify_waiters();
     }

@@ -144,6 +144,7 @@ pub struct RunnerConfig {
     pub(crate) require_message_id: bool,
     pub(crate) sources: Vec<String>,
     pub(crate) process_stored: bool,
+    pub(crate) breaker: Option<(u32, Duration)>,
 }
 
 impl RunnerConfig {
@@ -193,9 +194,27 @@ pub struct RunnerBuilder<B: InboxBackend> {
     processor_poll: Duration,
     hooks: Vec<Arc<dyn InboxHooks>>,
     rng: Option<Box<dyn RandomSource>>,
+    breaker: Option<(u32, Duration)>,
 }
 
 impl<B: InboxBackend> RunnerBuilder<B> {
+    /// Enables the circuit breaker of R62 for handler runs (R120): it opens after
+    /// `failure_threshold` consecutive failed runs of any class and half-opens after
+    /// `recovery_timeout_seconds`. The values are checked as the relay's
+    /// ([`crate::relay::BreakerConfig::new`]).
+    pub fn breaker(
+        mut self,
+        failure_threshold: i64,
+        recovery_timeout_seconds: f64,
+    ) -> Result<Self, ConfigError> {
+        crate::relay::BreakerConfig::new(failure_threshold, recovery_timeout_seconds)?;
+        self.breaker = Some((
+            failure_threshold as u32,
+            Duration::from_secs_f64(recovery_timeout_seconds),
+        ));
+        Ok(self)
+    }
+
     /// The handler; without one every delivery is landed for a processor (R121, R125).
     pub fn handler(mut self, h: Arc<dyn Handler<HandlerTx<B>>>) -> Self {
         self.handler = Some(h);
@@ -365,6 +384,7 @@ impl<B: InboxBackend> RunnerBuilder<B> {
                 require_message_id: self.require_message_id,
                 sources,
                 process_stored,
+                breaker: self.breaker,
             },
             embedded: embedded.map(Arc::new),
             hooks: self.hooks,
@@ -440,6 +460,7 @@ impl<B: InboxBackend> Runner<B> {
             processor_poll: DEFAULT_INBOX_POLL,
             hooks: Vec::new(),
             rng: None,
+            breaker: None,
         }
     }
 

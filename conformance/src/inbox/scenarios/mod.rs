@@ -4,6 +4,7 @@ pub mod decoding;
 pub mod dedup;
 pub mod failures;
 pub mod groups;
+pub mod paced;
 pub mod policies;
 pub mod processor;
 pub mod stand;

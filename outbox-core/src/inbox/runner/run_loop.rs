@@ -78,9 +78,29 @@ impl<B: InboxBackend> Runner<B> {
         let mut waiting: HashMap<InboxKey, VecDeque<InboxDelivery>> = HashMap::new();
         let mut failures = 0u32;
         let mut pause_until: Option<tokio::time::Instant> = None;
+        // The breaker (R62, R120): consecutive failed handler runs, and when it opened.
+        let mut run_failures = 0u32;
+        let mut open_until: Option<tokio::time::Instant> = None;
         loop {
             if self.stop.is_cancelled() {
                 break;
+            }
+            if let Some(t) = open_until {
+                if tokio::time::Instant::now() >= t {
+                    // Half-open: the next run goes ahead.
+                    open_until = None;
+                } else {
+                    // Open: no read, no run; runs in flight finish.
+                    tokio::select! {
+                        biased;
+                        _ = self.stop.cancelled() => break,
+                        Some((key, res)) = inflight.next(), if !inflight.is_empty() => {
+                            self.on_done(key, &res, &mut waiting, &mut busy, &mut inflight).await;
+                        }
+                        _ = tokio::time::sleep_until(t) => {}
+                    }
+                    continue;
+                }
             }
             let held = inflight.len() + waiting.values().map(VecDeque::len).sum::<usize>();
             let free = self.config.concurrency.saturating_sub(held);
@@ -98,29 +118,24 @@ impl<B: InboxBackend> Runner<B> {
                     if res.outcome == DeliveryOutcome::PersistFailed {
                         failures += 1;
                         pause_until = Some(tokio::time::Instant::now() + loop_wait(failures));
-                        // R132: the deliveries of its key that wait go back with it.
-                        if let (Some(k), Some(delay)) = (&key, res.rewind_delay)
-                            && let Some(q) = waiting.remove(k)
-                        {
-                            for d in q {
-                                if let Err(e) = d.ack.rewind(delay).await {
-                                    tracing::warn!(error = %e, "rewinding a waiting delivery failed");
-                                }
-                            }
-                        }
                     } else if res.committed {
                         failures = 0;
                         pause_until = None;
                     }
-                    if let Some(k) = key {
-                        match waiting.get_mut(&k).and_then(VecDeque::pop_front) {
-                            Some(d) => inflight.push(self.start_one(Some(k), d)),
-                            None => {
-                                waiting.remove(&k);
-                                busy.remove(&k);
+                    if let Some((threshold, recovery)) = self.config.breaker
+                        && res.handler_duration.is_some()
+                    {
+                        let failed = !matches!(res.outcome, DeliveryOutcome::Completed | DeliveryOutcome::Skipped);
+                        if failed {
+                            run_failures = run_failures.saturating_add(1);
+                            if run_failures >= threshold {
+                                open_until = Some(tokio::time::Instant::now() + recovery);
                             }
+                        } else {
+                            run_failures = 0;
                         }
                     }
+                    self.on_done(key, &res, &mut waiting, &mut busy, &mut inflight).await;
                 }
                 got = read, if free > 0 => {
                     match got {
@@ -149,6 +164,45 @@ impl<B: InboxBackend> Runner<B> {
                 }
             }
         }
+        self.shutdown(waiting, inflight).await;
+    }
+
+    /// After a delivery ended: a persistence error takes the deliveries of its key that wait
+    /// back with it (R132); otherwise the next delivery of its key starts.
+    async fn on_done<'a>(
+        &'a self,
+        key: Option<InboxKey>,
+        res: &DeliveryResult,
+        waiting: &mut HashMap<InboxKey, VecDeque<InboxDelivery>>,
+        busy: &mut HashSet<InboxKey>,
+        inflight: &mut FuturesUnordered<Running<'a>>,
+    ) {
+        if res.outcome == DeliveryOutcome::PersistFailed
+            && let (Some(k), Some(delay)) = (&key, res.rewind_delay)
+            && let Some(q) = waiting.remove(k)
+        {
+            for d in q {
+                if let Err(e) = d.ack.rewind(delay).await {
+                    tracing::warn!(error = %e, "rewinding a waiting delivery failed");
+                }
+            }
+        }
+        if let Some(k) = key {
+            match waiting.get_mut(&k).and_then(VecDeque::pop_front) {
+                Some(d) => inflight.push(self.start_one(Some(k), d)),
+                None => {
+                    waiting.remove(&k);
+                    busy.remove(&k);
+                }
+            }
+        }
+    }
+
+    async fn shutdown<'a>(
+        &'a self,
+        mut waiting: HashMap<InboxKey, VecDeque<InboxDelivery>>,
+        mut inflight: FuturesUnordered<Running<'a>>,
+    ) {
         // R167: deliveries not started go back at once; a last delivery is landed instead
         // (R182), once the earlier deliveries of its key have ended.
         let mut lasts = Vec::new();

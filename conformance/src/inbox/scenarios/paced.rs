@@ -1,0 +1,191 @@
+//! The `[mem]` scenarios on paused time: the runner loop's pacing (N-19) and breaker (F-20),
+//! the processor's lease margin (Y-10) and loop waits (Y-19). The backend clock is moved with
+//! tokio's paused clock where a scenario needs rows to come due.
+
+use std::time::Duration;
+
+use outbox_core::CancellationToken;
+use outbox_core::inbox::{DeliveryOutcome as O, OnFailure, RowReport};
+
+use crate::inbox::ctx::Ictx;
+use crate::inbox::harness::{InboxFactory, InboxHarness};
+use crate::inbox::script::Act;
+
+fn offsets<H: InboxHarness>(c: &Ictx<H>, t0: tokio::time::Instant, what: Option<&str>) -> Vec<f64> {
+    c.rec
+        .times
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(w, _)| what.is_none_or(|x| w == x) && (what.is_some() || w != "fetch"))
+        .map(|(_, t)| ((t.duration_since(t0).as_secs_f64()) * 1000.0).round() / 1000.0)
+        .collect()
+}
+
+/// N-19: the loop waits 0.1 s doubling after persistence errors, never after a rewind, and
+/// does not run before `start` (R120).
+pub async fn n_19<F: InboxFactory>(f: &F) {
+    // (a) persistence errors.
+    let c = Ictx::new(f).await;
+    for i in 1..=5 {
+        c.deliver(&format!("m{i}"), None);
+    }
+    let r = c.runner().build().unwrap();
+    c.h.set_db_down(true);
+    r.start();
+    let t0 = tokio::time::Instant::now();
+    let control = async {
+        tokio::time::sleep(Duration::from_millis(650)).await;
+        c.h.set_db_down(false);
+        c.rec.wait_deliveries(5).await;
+        r.stop();
+    };
+    let (done, ()) = tokio::join!(r.run(), control);
+    done.unwrap();
+    let res = c.rec.results();
+    let t = offsets(&c, t0, None);
+    assert_eq!(&t[..4], &[0.0, 0.1, 0.3, 0.7], "{t:?}");
+    assert_eq!(res[3].outcome, O::Completed);
+    assert!(res[..3].iter().all(|x| x.outcome == O::PersistFailed));
+    // (b) rewinds make the loop wait for nothing.
+    let c = Ictx::new(f).await;
+    for i in 1..=5 {
+        c.deliver(&format!("m{i}"), None);
+    }
+    c.handler.always(Act::Fail("x".into()));
+    let r = c.runner().on_failure(OnFailure::Rewind).build().unwrap();
+    r.start();
+    let t0 = tokio::time::Instant::now();
+    let control = async {
+        c.rec.wait_deliveries(5).await;
+        r.stop();
+    };
+    let (done, ()) = tokio::join!(r.run(), control);
+    done.unwrap();
+    assert!(c.rec.results().iter().all(|x| x.outcome == O::Rewound));
+    assert_eq!(offsets(&c, t0, None), vec![0.0; 5]);
+    // (c) run before start.
+    let c = Ictx::new(f).await;
+    let r = c.runner().build().unwrap();
+    assert_eq!(
+        r.run().await.unwrap_err().to_string(),
+        "Runner is not started."
+    );
+}
+
+/// F-20: the runner's circuit breaker (R62, R120).
+pub async fn f_20<F: InboxFactory>(f: &F) {
+    for variant in [false, true] {
+        let c = Ictx::new(f).await;
+        for i in 1..=5 {
+            c.deliver(&format!("m{i}"), Some(&format!("k{i}")));
+        }
+        for i in 1..=3 {
+            c.script(&format!("m{i}"), vec![Act::Transient("down".into())]);
+        }
+        if variant {
+            c.script("m4", vec![Act::Transient("down".into())]);
+        }
+        let r = c.runner().breaker(3, 10.0).unwrap().build().unwrap();
+        r.start();
+        let t0 = tokio::time::Instant::now();
+        let control = async {
+            c.rec.wait_deliveries(5).await;
+            r.stop();
+        };
+        let (done, ()) = tokio::join!(r.run(), control);
+        done.unwrap();
+        let t = offsets(&c, t0, None);
+        let res = c.rec.results();
+        assert!(
+            res[..3]
+                .iter()
+                .all(|x| x.outcome == O::Recorded && x.committed)
+        );
+        if variant {
+            assert_eq!(t, vec![0.0, 0.0, 0.0, 10.0, 20.0], "{t:?}");
+            assert_eq!(res[3].outcome, O::Recorded);
+        } else {
+            assert_eq!(t, vec![0.0, 0.0, 0.0, 10.0, 10.0], "{t:?}");
+            assert_eq!(res[3].outcome, O::Completed);
+        }
+        assert_eq!(res[4].outcome, O::Completed);
+    }
+}
+
+/// Y-10: a run starts only with the handler timeout left on the lease; a lease not above
+/// the handler timeout is rejected (R153).
+pub async fn y_10<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let rows = [
+        c.land("r1", Some("k")).await,
+        c.land("r2", Some("k")).await,
+        c.land("r3", Some("k")).await,
+    ];
+    c.handler.always(Act::Delay(Duration::from_millis(800)));
+    let p = c
+        .processor()
+        .lease_ttl(Duration::from_secs(2))
+        .handler_timeout(Duration::from_secs(1))
+        .max_per_key(3)
+        .build()
+        .unwrap();
+    let rep = c.cycle(&p).await;
+    assert_eq!(rep.completed(), vec![rows[0].id, rows[1].id]);
+    assert_eq!(rep.of(rows[2].id), Some(&RowReport::Released));
+    assert_eq!(c.handler.runs_of("r3"), 0);
+    assert!(
+        c.processor()
+            .lease_ttl(Duration::from_secs(1))
+            .handler_timeout(Duration::from_secs(1))
+            .build()
+            .is_err()
+    );
+}
+
+/// Y-19: the processor loop waits its poll interval after a cycle whose runs all failed
+/// transient or not counted (R154, R159).
+pub async fn y_19<F: InboxFactory>(f: &F) {
+    for variant in [false, true] {
+        let c = Ictx::new(f).await;
+        c.land("m1", Some("k1")).await;
+        c.land("m2", Some("k2")).await;
+        c.handler.always(Act::Transient("down".into()));
+        if variant {
+            c.script("m2", vec![Act::Write]);
+        } else {
+            c.script(
+                "m2",
+                (0..10)
+                    .map(|_| Act::Retry {
+                        text: "x".into(),
+                        counted: false,
+                        at: None,
+                    })
+                    .collect(),
+            );
+        }
+        let p = c
+            .processor()
+            .poll_interval(Duration::from_secs(5))
+            .build()
+            .unwrap();
+        let token = CancellationToken::new();
+        let t0 = tokio::time::Instant::now();
+        let control = async {
+            // The backend clock moves with tokio's paused clock, in 0.5 s steps.
+            for _ in 0..24 {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                c.advance(Duration::from_millis(500)).await;
+            }
+            token.cancel();
+        };
+        tokio::join!(p.run(token.clone()), control);
+        let t = offsets(&c, t0, Some("fetch"));
+        if variant {
+            assert_eq!(&t[..3], &[0.0, 0.0, 5.0], "{t:?}");
+        } else {
+            assert_eq!(&t[..3], &[0.0, 5.0, 10.0], "{t:?}");
+        }
+    }
+}
