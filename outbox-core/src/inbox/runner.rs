@@ -577,9 +577,12 @@ impl<B: InboxBackend> Runner<B> {
                         return r;
                     }
                     if d.is_last() && !self.stop.is_cancelled() {
-                        // R182: never give a last delivery back without a row; try again.
-                        tokio::time::sleep(PERSIST_REWIND).await;
-                        continue;
+                        // R182: never give a last delivery back without a row; try again in
+                        // place, each failed try counted.
+                        if self.pause_unless_stopped(PERSIST_REWIND).await {
+                            self.after(&r);
+                            continue;
+                        }
                     }
                     if d.is_last() {
                         tracing::error!(message_id = event.message_id(), position = %d.message.position(), error = %e,
@@ -591,6 +594,14 @@ impl<B: InboxBackend> Runner<B> {
                     return r;
                 }
             }
+        }
+    }
+
+    /// Waits `d` unless the runner stops first; true when the wait ran out.
+    async fn pause_unless_stopped(&self, d: Duration) -> bool {
+        tokio::select! {
+            _ = self.stop.cancelled() => false,
+            _ = tokio::time::sleep(d) => true,
         }
     }
 
@@ -613,7 +624,10 @@ impl<B: InboxBackend> Runner<B> {
                 }
                 Err(e) if d.is_last() && !self.stop.is_cancelled() => {
                     tracing::warn!(error = %e, "dead-letter copy failed on a last delivery; trying again in 1 s");
-                    tokio::time::sleep(PERSIST_REWIND).await;
+                    if !self.pause_unless_stopped(PERSIST_REWIND).await {
+                        tracing::error!(position = %d.message.position(), "a last invalid delivery has no dead-letter copy and is left unended at shutdown");
+                        return r;
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "dead-letter copy failed; rewinding the delivery");

@@ -189,3 +189,78 @@ pub async fn y_19<F: InboxFactory>(f: &F) {
         }
     }
 }
+
+/// F-23: a last delivery is never given back without a row: persistence errors and a failed
+/// dead-letter copy are tried again in place every 1.0 s; a stop ends the retries and leaves
+/// the delivery unended (R132, R140, R167, R182). Run on paused time.
+pub async fn f_23<F: InboxFactory>(f: &F) {
+    use outbox_core::inbox::scripted::AckOp;
+    // (a) the database comes back 2.5 s after the first try.
+    let c = Ictx::new(f).await;
+    let i = c.deliver("m1", None);
+    c.sub.last_at(i, 1);
+    let r = c.runner().build().unwrap();
+    c.h.set_db_down(true);
+    let t0 = tokio::time::Instant::now();
+    let control = async {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        c.h.set_db_down(false);
+    };
+    let (res, ()) = tokio::join!(c.handle(&r), control);
+    assert_eq!((res.outcome, res.committed), (O::Completed, true));
+    assert_eq!(
+        t0.elapsed(),
+        Duration::from_secs(3),
+        "tries at 0, 1, 2 and 3 s"
+    );
+    let fails = c
+        .rec
+        .results()
+        .iter()
+        .filter(|x| x.outcome == O::PersistFailed)
+        .count();
+    assert_eq!(fails, 3, "each failed try is counted");
+    assert_eq!(c.sub.acks(i), vec![AckOp::Commit]);
+    assert_eq!(c.effects().await, vec!["m1"]);
+    // (b) a failed dead-letter copy is tried again 1.0 s later.
+    let c = Ictx::new(f).await;
+    let i = c.sub.push(c.msgs.nats(&[], "not json"));
+    c.sub.last_at(i, 1);
+    c.sub.fail_dead_letter();
+    let r = c.runner().build().unwrap();
+    let t0 = tokio::time::Instant::now();
+    let res = c.handle(&r).await;
+    assert_eq!(res.outcome, O::Invalid);
+    assert_eq!(t0.elapsed(), Duration::from_secs(1));
+    assert_eq!(
+        c.sub.acks(i),
+        vec![AckOp::Term("invalid message: body is not JSON".into())]
+    );
+    assert_eq!(c.sub.dead_letters().len(), 1);
+    // (c) the database stays down; a stop 1.5 s after the first try ends the retries.
+    let c = Ictx::new(f).await;
+    let i = c.deliver("m3", None);
+    c.sub.last_at(i, 1);
+    let r = c
+        .runner()
+        .handler_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    c.h.set_db_down(true);
+    r.start();
+    let control = async {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        let stopped = tokio::time::Instant::now();
+        r.stop();
+        stopped
+    };
+    let (done, stopped) = tokio::join!(r.run(), control);
+    done.unwrap();
+    assert!(
+        stopped.elapsed() <= Duration::from_millis(500),
+        "the stop ends within 0.5 s"
+    );
+    assert!(c.sub.acks(i).is_empty(), "no ack");
+    c.h.set_db_down(false);
+    assert!(c.row("m3").await.is_none());
+}
