@@ -180,3 +180,158 @@ impl InboxHooks for InboxMetrics {
         }
     }
 }
+
+/// Conformance scenario A-03 on the in-memory inbox (the suite's harness cannot install a
+/// recorder for one trial): the counters of R168 per outcome, with a prefix.
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+
+    use async_trait::async_trait;
+    use serde_json::json;
+
+    use super::*;
+    use crate::CancellationToken;
+    use crate::clock::ManualClock;
+    use crate::inbox::memory::{InMemoryInbox, MemInboxTx};
+    use crate::inbox::scripted::{MessageFactory, ScriptedSubscription};
+    use crate::inbox::{
+        Handler, HandlerError, HandlerOutcome, InboxEvent, NewInboxEvent, OnFailure, Processor,
+        Runner,
+    };
+    use crate::metrics::tests::Rec;
+
+    struct H;
+
+    #[async_trait]
+    impl Handler<MemInboxTx> for H {
+        async fn handle(
+            &self,
+            row: &InboxEvent,
+            tx: &mut MemInboxTx,
+        ) -> Result<HandlerOutcome, HandlerError> {
+            tx.record(json!({ "message_id": row.message_id }));
+            match row.message_id.as_str() {
+                "m2" => Err(HandlerError::new("x")),
+                "m3" => Ok(HandlerOutcome::skipped("")),
+                _ => Ok(HandlerOutcome::completed()),
+            }
+        }
+    }
+
+    #[test]
+    fn a_03_counters_per_outcome() {
+        let rec = Rec::default();
+        metrics::with_local_recorder(&rec, || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async {
+                    let clock = ManualClock::starting_now();
+                    let inbox = InMemoryInbox::new(Arc::new(clock.clone()));
+                    let sub = ScriptedSubscription::new(Arc::new(clock.clone()));
+                    let f = MessageFactory::new();
+                    let m = |id: &str| {
+                        f.nats(
+                            &[("event_id", id), ("topic", "src"), ("event_type", "e")],
+                            "{\"n\": 1}",
+                        )
+                    };
+                    let hooks = Arc::new(InboxMetrics::with_prefix("svc").unwrap());
+                    let runner = Runner::builder(inbox.clone(), Arc::new(sub.clone()), "g")
+                        .handler(Arc::new(H))
+                        .worker_id("w1")
+                        .process_stored(false)
+                        .on_failure(OnFailure::Rewind)
+                        .hooks(hooks.clone())
+                        .build()
+                        .unwrap();
+                    let m1 = sub.push(m("m1"));
+                    runner.handle_next().await.unwrap();
+                    sub.duplicate(m1);
+                    runner.handle_next().await.unwrap();
+                    sub.push(m("m2"));
+                    runner.handle_next().await.unwrap();
+                    sub.push(m("m3"));
+                    runner.handle_next().await.unwrap();
+                    sub.push(f.nats(&[], "not json"));
+                    runner.handle_next().await.unwrap();
+                    let m4 = sub.push(m("m4"));
+                    sub.fail_commit(m4);
+                    runner.handle_next().await.unwrap();
+                    sub.push(m("m5"));
+                    inbox.set_down(true);
+                    runner.handle_next().await.unwrap();
+                    inbox.set_down(false);
+                    let snapshot = |id: &str| rec.get(id).counter.load(Ordering::SeqCst);
+                    assert_eq!(snapshot("svc_inbox_messages_consumed_total{}"), 7);
+                    assert_eq!(snapshot("svc_inbox_messages_committed_total{}"), 3);
+                    assert_eq!(snapshot("svc_inbox_commit_failures_total{}"), 1);
+                    assert_eq!(snapshot("svc_inbox_messages_duplicate_total{}"), 1);
+                    assert_eq!(snapshot("svc_inbox_messages_processed_total{}"), 2);
+                    assert_eq!(snapshot("svc_inbox_messages_failed_total{}"), 1);
+                    assert_eq!(snapshot("svc_inbox_messages_rewound_total{}"), 2);
+                    assert_eq!(
+                        snapshot("svc_inbox_messages_invalid_total{reason=not_json}"),
+                        1
+                    );
+                    assert_eq!(snapshot("svc_inbox_persist_failures_total{}"), 1);
+                    let ev = |s: &str| {
+                        snapshot(&format!(
+                            "svc_inbox_events_processed_total{{event_type=e,status={s}}}"
+                        ))
+                    };
+                    assert_eq!((ev("success"), ev("failure"), ev("skipped")), (2, 1, 2));
+                    let obs = || {
+                        rec.get("svc_inbox_handler_duration_seconds{event_type=e}")
+                            .observations
+                            .lock()
+                            .unwrap()
+                            .len()
+                    };
+                    assert_eq!(obs(), 4);
+                    // A processor cycle over three landed rows, then one over none.
+                    let mut tx = crate::inbox::repository::InboxBackend::begin(&inbox)
+                        .await
+                        .unwrap();
+                    for id in ["p1", "p2", "p3"] {
+                        let e = NewInboxEvent::builder()
+                            .message_id(id)
+                            .consumer_group("g")
+                            .source("src")
+                            .event_type("e")
+                            .payload_json(json!({"n": 1}))
+                            .build()
+                            .unwrap();
+                        crate::inbox::repository::InboxTransaction::land(&mut tx, vec![e])
+                            .await
+                            .unwrap();
+                    }
+                    crate::inbox::repository::InboxTransaction::commit(tx)
+                        .await
+                        .unwrap();
+                    let p = Processor::builder(inbox.clone(), "g", Arc::new(H))
+                        .worker_id("p1")
+                        .hooks(hooks.clone())
+                        .build()
+                        .unwrap();
+                    p.cycle(&CancellationToken::new()).await.unwrap();
+                    let gauge = || {
+                        *rec.get("svc_inbox_locked_batch_size{}")
+                            .gauge
+                            .lock()
+                            .unwrap()
+                    };
+                    assert_eq!(gauge(), 3.0);
+                    assert_eq!(snapshot("svc_inbox_messages_processed_total{}"), 5);
+                    assert_eq!(ev("success"), 5);
+                    assert_eq!(obs(), 7);
+                    p.cycle(&CancellationToken::new()).await.unwrap();
+                    assert_eq!(gauge(), 0.0);
+                });
+        });
+        assert!(InboxMetrics::with_prefix("1x").is_err());
+    }
+}
