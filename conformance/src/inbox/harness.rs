@@ -9,43 +9,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
 use outbox_core::clock::Clock;
-use outbox_core::event::Status;
 use outbox_core::inbox::HandlerError;
 use outbox_core::inbox::repository::{HandlerTx, InboxBackend};
 use uuid::Uuid;
 
 use crate::harness::BackendKind;
 
-/// A direct change to a stored inbox row (the suite's `set`). `None` leaves a column alone.
-#[derive(Debug, Clone, Default)]
-pub struct InboxPatch {
-    /// status.
-    pub status: Option<Status>,
-    /// attempts_made.
-    pub attempts_made: Option<i32>,
-    /// max_attempts.
-    pub max_attempts: Option<i32>,
-    /// last_error.
-    pub last_error: Option<Option<String>>,
-    /// scheduled_at.
-    pub scheduled_at: Option<DateTime<Utc>>,
-    /// completed_at.
-    pub completed_at: Option<Option<DateTime<Utc>>>,
-    /// The lock: Some(Some((worker, at))) holds, Some(None) releases.
-    pub lock: Option<Option<(String, DateTime<Utc>)>>,
-}
-
-impl InboxPatch {
-    /// Held by `worker` since `at`.
-    pub fn held(worker: &str, at: DateTime<Utc>) -> Self {
-        Self {
-            lock: Some(Some((worker.to_owned(), at))),
-            ..Self::default()
-        }
-    }
-}
+/// A direct change to a stored inbox row (the suite's `set`): the outbox's [`RowPatch`](crate::harness::RowPatch), whose
+/// columns the inbox row has too.
+pub use crate::harness::RowPatch as InboxPatch;
 
 /// One fresh, isolated inbox store under test.
 #[async_trait]
