@@ -567,6 +567,18 @@ impl<B: InboxBackend> Runner<B> {
                     }
                     return r;
                 }
+                Err(Persist(RepositoryError::Constraint { message })) => {
+                    // R132: the database refuses this message (SQLSTATE class 22 or 23);
+                    // trying again changes nothing, so it is dead-lettered.
+                    let inv = InvalidMessage::new(
+                        crate::inbox::model::InvalidLabel::DbRefused,
+                        format!("database refused the message: {message}"),
+                    );
+                    let mut r = self.invalid_copy(d, inv, !at_most_once).await;
+                    r.message_id = Some(event.message_id().to_owned());
+                    r.committed = at_most_once;
+                    return r;
+                }
                 Err(Persist(e)) => {
                     let mut r = DeliveryResult::new(DeliveryOutcome::PersistFailed);
                     r.message_id = Some(event.message_id().to_owned());
@@ -610,12 +622,24 @@ impl<B: InboxBackend> Runner<B> {
     }
 
     async fn invalid(&self, d: &InboxDelivery, inv: InvalidMessage) -> DeliveryResult {
+        self.invalid_copy(d, inv, true).await
+    }
+
+    /// R140: the dead-letter copy, then (with `terminate`) the term; a failed copy rewinds the
+    /// delivery 1.0 s, or is tried again in place on a last delivery (R182).
+    async fn invalid_copy(
+        &self,
+        d: &InboxDelivery,
+        inv: InvalidMessage,
+        terminate: bool,
+    ) -> DeliveryResult {
         let reason = inv.to_string();
         let mut r = DeliveryResult::new(DeliveryOutcome::Invalid);
         r.invalid_label = Some(inv.label.as_str());
         r.error = Some(reason.clone());
         loop {
             match d.ack.dead_letter(&reason, self.config.group.as_str()).await {
+                Ok(()) if !terminate => return r,
                 Ok(()) => {
                     if let Err(e) = d.ack.term(&reason).await {
                         tracing::warn!(error = %e, "terminating an invalid delivery failed");
@@ -631,7 +655,7 @@ impl<B: InboxBackend> Runner<B> {
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "dead-letter copy failed; rewinding the delivery");
-                    if !self.config.policy.at_most_once || !d.is_last() {
+                    if terminate {
                         self.rewind(d, PERSIST_REWIND, &mut r).await;
                     }
                     return r;

@@ -85,6 +85,7 @@ struct Inner {
     clock: Arc<dyn Clock>,
     ack_wait: Duration,
     changed: Notify,
+    renew_every: Mutex<Option<Duration>>,
 }
 
 /// The scripted subscription. Cloning shares it.
@@ -131,6 +132,7 @@ impl ScriptedSubscription {
                 clock,
                 ack_wait,
                 changed: Notify::new(),
+                renew_every: Mutex::new(None),
             }),
             view: None,
         }
@@ -138,6 +140,11 @@ impl ScriptedSubscription {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.inner.state.lock().expect("subscription poisoned")
+    }
+
+    /// Has runners renew their held deliveries every `d` of tokio's clock (default never).
+    pub fn renew_every(&self, d: Duration) {
+        *self.inner.renew_every.lock().expect("poisoned") = Some(d);
     }
 
     /// The view of runner `i` (for a partitioned subscription; a shared one ignores it).
@@ -278,7 +285,7 @@ impl ScriptedSubscription {
                 message: m.message.clone(),
                 delivery_number: m.n,
                 redelivered_later: m.last_at != Some(m.n),
-                ack: Box::new(ScriptedAck {
+                ack: Arc::new(ScriptedAck {
                     inner: self.inner.clone(),
                     idx: d.idx,
                     token,
@@ -296,6 +303,7 @@ impl Subscription for ScriptedSubscription {
             name: "scripted",
             rewind: true,
             last_delivery: true,
+            renew_every: *self.inner.renew_every.lock().expect("poisoned"),
         }
     }
 

@@ -75,8 +75,8 @@ pub struct InboxDelivery {
     pub delivery_number: u32,
     /// False only on the broker's last delivery (R113, R182).
     pub redelivered_later: bool,
-    /// Its operations.
-    pub ack: Box<dyn AckHandle>,
+    /// Its operations (shared, so the runner can renew a delivery while it is handled).
+    pub ack: std::sync::Arc<dyn AckHandle>,
 }
 
 impl std::fmt::Debug for InboxDelivery {
@@ -106,6 +106,9 @@ pub struct SubscriptionCapabilities {
     pub rewind: bool,
     /// Whether the broker has a last delivery (NATS with max_deliver, RabbitMQ; R182).
     pub last_delivery: bool,
+    /// How often the runner renews every delivery it holds, handled or waiting for its key
+    /// (NATS: ack_wait / 2, R134; Redis: claim_idle / 2, R136); none: never.
+    pub renew_every: Option<Duration>,
 }
 
 /// A source of deliveries for one consumer group (R113).

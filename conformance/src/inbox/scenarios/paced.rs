@@ -264,3 +264,39 @@ pub async fn f_23<F: InboxFactory>(f: &F) {
     c.h.set_db_down(false);
     assert!(c.row("m3").await.is_none());
 }
+
+/// F-26 (added by the suite): the runner renews every delivery it holds, the one being handled
+/// and the one waiting for its key, at the subscription's renewal interval, until it ends it
+/// (R134, R136, R166). Run on paused time.
+pub async fn f_26<F: InboxFactory>(f: &F) {
+    use crate::inbox::script::Gate;
+    use outbox_core::inbox::scripted::AckOp;
+    let c = Ictx::new(f).await;
+    c.sub.renew_every(Duration::from_secs(1));
+    let gate = Gate::new();
+    let i1 = c.deliver("m1", Some("k"));
+    let i2 = c.deliver("m2", Some("k"));
+    c.script("m1", vec![Act::Gate(gate.clone())]);
+    let r = c.runner().concurrency(2).build().unwrap();
+    r.start();
+    let control = async {
+        gate.reached(1).await;
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        assert_eq!(c.sub.acks(i1), vec![AckOp::Renew, AckOp::Renew]);
+        assert_eq!(c.sub.acks(i2), vec![AckOp::Renew, AckOp::Renew]);
+        gate.open();
+        c.rec.wait_deliveries(2).await;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        r.stop();
+    };
+    let (done, ()) = tokio::join!(r.run(), control);
+    done.unwrap();
+    assert_eq!(
+        c.sub.acks(i1),
+        vec![AckOp::Renew, AckOp::Renew, AckOp::Commit]
+    );
+    assert_eq!(
+        c.sub.acks(i2),
+        vec![AckOp::Renew, AckOp::Renew, AckOp::Commit]
+    );
+}

@@ -5,6 +5,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -13,7 +14,7 @@ use futures::stream::FuturesUnordered;
 use super::{DeliveryOutcome, DeliveryResult, Runner};
 use crate::inbox::model::InboxKey;
 use crate::inbox::repository::InboxBackend;
-use crate::inbox::subscription::InboxDelivery;
+use crate::inbox::subscription::{AckHandle, InboxDelivery};
 
 /// First wait after a failed read or a persistence error (R120).
 pub const LOOP_WAIT_FIRST: Duration = Duration::from_millis(100);
@@ -39,7 +40,8 @@ pub fn loop_wait(n: u32) -> Duration {
         .min(LOOP_WAIT_MAX)
 }
 
-type Running<'a> = Pin<Box<dyn Future<Output = (Option<InboxKey>, DeliveryResult)> + Send + 'a>>;
+type Running<'a> =
+    Pin<Box<dyn Future<Output = (u64, Option<InboxKey>, DeliveryResult)> + Send + 'a>>;
 
 impl<B: InboxBackend> Runner<B> {
     fn key_of(&self, d: &InboxDelivery) -> Option<InboxKey> {
@@ -49,10 +51,10 @@ impl<B: InboxBackend> Runner<B> {
         self.decode(d).ok().and_then(|e| e.key())
     }
 
-    fn start_one(&self, key: Option<InboxKey>, d: InboxDelivery) -> Running<'_> {
+    fn start_one(&self, id: u64, key: Option<InboxKey>, d: InboxDelivery) -> Running<'_> {
         Box::pin(async move {
             let r = self.handle_delivery(d).await;
-            (key, r)
+            (id, key, r)
         })
     }
 
@@ -75,7 +77,13 @@ impl<B: InboxBackend> Runner<B> {
     async fn delivery_loop(&self) {
         let mut inflight: FuturesUnordered<Running<'_>> = FuturesUnordered::new();
         let mut busy: HashSet<InboxKey> = HashSet::new();
-        let mut waiting: HashMap<InboxKey, VecDeque<InboxDelivery>> = HashMap::new();
+        // Every delivery held, handled or waiting for its key, for the renewals (R134, R136).
+        let mut held: HashMap<u64, Arc<dyn AckHandle>> = HashMap::new();
+        let mut next_id = 0u64;
+        let renew_every = self.subscription.capabilities().renew_every;
+        let mut renew =
+            renew_every.map(|d| tokio::time::interval_at(tokio::time::Instant::now() + d, d));
+        let mut waiting: HashMap<InboxKey, VecDeque<(u64, InboxDelivery)>> = HashMap::new();
         let mut failures = 0u32;
         let mut pause_until: Option<tokio::time::Instant> = None;
         // The breaker (R62, R120): consecutive failed handler runs, and when it opened.
@@ -94,16 +102,18 @@ impl<B: InboxBackend> Runner<B> {
                     tokio::select! {
                         biased;
                         _ = self.stop.cancelled() => break,
-                        Some((key, res)) = inflight.next(), if !inflight.is_empty() => {
-                            self.on_done(key, &res, &mut waiting, &mut busy, &mut inflight).await;
+                        Some((id, key, res)) = inflight.next(), if !inflight.is_empty() => {
+                            held.remove(&id);
+                            self.on_done(key, &res, &mut waiting, &mut busy, &mut held, &mut inflight).await;
                         }
+                        _ = tick(&mut renew) => renew_all(&held).await,
                         _ = tokio::time::sleep_until(t) => {}
                     }
                     continue;
                 }
             }
-            let held = inflight.len() + waiting.values().map(VecDeque::len).sum::<usize>();
-            let free = self.config.concurrency.saturating_sub(held);
+            let taken = inflight.len() + waiting.values().map(VecDeque::len).sum::<usize>();
+            let free = self.config.concurrency.saturating_sub(taken);
             let pause = pause_until;
             let read = async move {
                 if let Some(t) = pause {
@@ -114,7 +124,9 @@ impl<B: InboxBackend> Runner<B> {
             tokio::select! {
                 biased;
                 _ = self.stop.cancelled() => break,
-                Some((key, res)) = inflight.next(), if !inflight.is_empty() => {
+                _ = tick(&mut renew) => renew_all(&held).await,
+                Some((id, key, res)) = inflight.next(), if !inflight.is_empty() => {
+                    held.remove(&id);
                     if res.outcome == DeliveryOutcome::PersistFailed {
                         failures += 1;
                         pause_until = Some(tokio::time::Instant::now() + loop_wait(failures));
@@ -135,7 +147,7 @@ impl<B: InboxBackend> Runner<B> {
                             run_failures = 0;
                         }
                     }
-                    self.on_done(key, &res, &mut waiting, &mut busy, &mut inflight).await;
+                    self.on_done(key, &res, &mut waiting, &mut busy, &mut held, &mut inflight).await;
                 }
                 got = read, if free > 0 => {
                     match got {
@@ -147,16 +159,19 @@ impl<B: InboxBackend> Runner<B> {
                         Ok(ds) => {
                             pause_until = None;
                             for d in ds {
+                                let id = next_id;
+                                next_id += 1;
+                                held.insert(id, d.ack.clone());
                                 let key = self.key_of(&d);
                                 match key {
                                     Some(k) if busy.contains(&k) => {
-                                        waiting.entry(k).or_default().push_back(d);
+                                        waiting.entry(k).or_default().push_back((id, d));
                                     }
                                     Some(k) => {
                                         busy.insert(k.clone());
-                                        inflight.push(self.start_one(Some(k), d));
+                                        inflight.push(self.start_one(id, Some(k), d));
                                     }
-                                    None => inflight.push(self.start_one(None, d)),
+                                    None => inflight.push(self.start_one(id, None, d)),
                                 }
                             }
                         }
@@ -173,15 +188,17 @@ impl<B: InboxBackend> Runner<B> {
         &'a self,
         key: Option<InboxKey>,
         res: &DeliveryResult,
-        waiting: &mut HashMap<InboxKey, VecDeque<InboxDelivery>>,
+        waiting: &mut HashMap<InboxKey, VecDeque<(u64, InboxDelivery)>>,
         busy: &mut HashSet<InboxKey>,
+        held: &mut HashMap<u64, Arc<dyn AckHandle>>,
         inflight: &mut FuturesUnordered<Running<'a>>,
     ) {
         if res.outcome == DeliveryOutcome::PersistFailed
             && let (Some(k), Some(delay)) = (&key, res.rewind_delay)
             && let Some(q) = waiting.remove(k)
         {
-            for d in q {
+            for (id, d) in q {
+                held.remove(&id);
                 if let Err(e) = d.ack.rewind(delay).await {
                     tracing::warn!(error = %e, "rewinding a waiting delivery failed");
                 }
@@ -189,7 +206,7 @@ impl<B: InboxBackend> Runner<B> {
         }
         if let Some(k) = key {
             match waiting.get_mut(&k).and_then(VecDeque::pop_front) {
-                Some(d) => inflight.push(self.start_one(Some(k), d)),
+                Some((id, d)) => inflight.push(self.start_one(id, Some(k), d)),
                 None => {
                     waiting.remove(&k);
                     busy.remove(&k);
@@ -200,14 +217,14 @@ impl<B: InboxBackend> Runner<B> {
 
     async fn shutdown<'a>(
         &'a self,
-        mut waiting: HashMap<InboxKey, VecDeque<InboxDelivery>>,
+        mut waiting: HashMap<InboxKey, VecDeque<(u64, InboxDelivery)>>,
         mut inflight: FuturesUnordered<Running<'a>>,
     ) {
         // R167: deliveries not started go back at once; a last delivery is landed instead
         // (R182), once the earlier deliveries of its key have ended.
         let mut lasts = Vec::new();
         for (_, q) in waiting.drain() {
-            for d in q {
+            for (_, d) in q {
                 if d.is_last() {
                     lasts.push(d);
                 } else if let Err(e) = d.ack.rewind(Duration::ZERO).await {
@@ -221,6 +238,25 @@ impl<B: InboxBackend> Runner<B> {
             self.after(&r);
         }
         self.subscription.close().await;
+    }
+}
+
+/// The next renewal tick, or never.
+async fn tick(renew: &mut Option<tokio::time::Interval>) {
+    match renew {
+        Some(i) => {
+            i.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Renews every held delivery (R134, R136).
+async fn renew_all(held: &HashMap<u64, Arc<dyn AckHandle>>) {
+    for ack in held.values() {
+        if let Err(e) = ack.renew().await {
+            tracing::warn!(error = %e, "renewing a held delivery failed");
+        }
     }
 }
 
