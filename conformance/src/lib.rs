@@ -125,7 +125,7 @@ macro_rules! suite {
 macro_rules! inbox_suite {
     (memory: $f:expr) => {
         $crate::inbox_suite!(@all $f);
-        $crate::inbox_suite!(@paused $f; paced::n_19, paced::f_20, paced::f_23, paced::f_26, paced::y_10,
+        $crate::inbox_suite!(@paused $f; paced::n_19, paced::f_20, paced::f_23, paced::f_26, paced::y_10, paced::y_20,
             paced::y_19);
     };
     (@all $f:expr) => {

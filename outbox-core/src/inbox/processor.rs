@@ -166,6 +166,7 @@ pub struct ProcessorConfig {
     pub(crate) handler_timeout: Duration,
     pub(crate) backoff: Backoff,
     pub(crate) key_order: bool,
+    pub(crate) breaker: Option<(u32, Duration)>,
 }
 
 impl ProcessorConfig {
@@ -215,9 +216,26 @@ pub struct ProcessorBuilder<B: InboxBackend> {
     hooks: Vec<Arc<dyn InboxHooks>>,
     rng: Option<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
+    breaker: Option<(u32, Duration)>,
 }
 
 impl<B: InboxBackend> ProcessorBuilder<B> {
+    /// Enables the circuit breaker of R62 (R158): it opens after `failure_threshold`
+    /// consecutive failed handler runs, counted or not, and keeps cycles from fetching until
+    /// `recovery_timeout_seconds` passed; values are checked as the relay's.
+    pub fn breaker(
+        mut self,
+        failure_threshold: i64,
+        recovery_timeout_seconds: f64,
+    ) -> Result<Self, ConfigError> {
+        crate::relay::BreakerConfig::new(failure_threshold, recovery_timeout_seconds)?;
+        self.breaker = Some((
+            failure_threshold as u32,
+            Duration::from_secs_f64(recovery_timeout_seconds),
+        ));
+        Ok(self)
+    }
+
     /// The worker id (R10; default generated, R25).
     pub fn worker_id(mut self, w: impl Into<String>) -> Self {
         self.worker = Some(w.into());
@@ -316,6 +334,7 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
                 handler_timeout: self.handler_timeout,
                 backoff: self.backoff,
                 key_order: self.key_order,
+                breaker: self.breaker,
             },
             hooks: self.hooks,
             rng: Mutex::new(
@@ -323,6 +342,7 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
                     .unwrap_or_else(|| Box::new(SeededRng::from_entropy())),
             ),
             clock: self.clock,
+            breaker: Mutex::new((0, None)),
         })
     }
 }
@@ -335,6 +355,8 @@ pub struct Processor<B: InboxBackend> {
     hooks: Vec<Arc<dyn InboxHooks>>,
     rng: Mutex<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
+    /// Consecutive failed runs, and when the breaker opened.
+    breaker: Mutex<(u32, Option<tokio::time::Instant>)>,
 }
 
 impl<B: InboxBackend> std::fmt::Debug for Processor<B> {
@@ -369,6 +391,33 @@ impl<B: InboxBackend> Processor<B> {
             hooks: Vec::new(),
             rng: None,
             clock: Arc::new(TokioClock),
+            breaker: None,
+        }
+    }
+
+    fn breaker_allows(&self) -> bool {
+        let Some((_, recovery)) = self.config.breaker else {
+            return true;
+        };
+        let st = self.breaker.lock().expect("breaker poisoned");
+        st.1.is_none_or(|at| self.clock.now().saturating_duration_since(at) >= recovery)
+    }
+
+    fn breaker_record(&self, report: &RowReport) {
+        let Some((threshold, _)) = self.config.breaker else {
+            return;
+        };
+        let mut st = self.breaker.lock().expect("breaker poisoned");
+        if report.is_failure() {
+            st.0 = st.0.saturating_add(1);
+            if st.0 >= threshold {
+                st.1 = Some(self.clock.now());
+            }
+        } else if matches!(
+            report,
+            RowReport::Completed { .. } | RowReport::Skipped { .. }
+        ) {
+            *st = (0, None);
         }
     }
 
@@ -395,7 +444,7 @@ impl<B: InboxBackend> Processor<B> {
         shutdown: &CancellationToken,
     ) -> Result<InboxCycleReport, RepositoryError> {
         let mut report = InboxCycleReport::default();
-        if shutdown.is_cancelled() {
+        if shutdown.is_cancelled() || !self.breaker_allows() {
             return Ok(report);
         }
         let rows = self.backend.fetch_and_lock(&self.request()).await?;
@@ -456,11 +505,16 @@ impl<B: InboxBackend> Processor<B> {
                 .config
                 .lease_ttl
                 .saturating_sub(self.clock.now().saturating_duration_since(fetched_at));
-            if stop || shutdown.is_cancelled() || left < self.config.handler_timeout {
+            if stop
+                || shutdown.is_cancelled()
+                || !self.breaker_allows()
+                || left < self.config.handler_timeout
+            {
                 out.push((row.id, RowReport::Released));
                 continue;
             }
             let r = self.run_row(row.id).await;
+            self.breaker_record(&r);
             stop = !matches!(
                 r,
                 RowReport::Completed { .. }

@@ -300,3 +300,29 @@ pub async fn f_26<F: InboxFactory>(f: &F) {
         vec![AckOp::Renew, AckOp::Renew, AckOp::Commit]
     );
 }
+
+/// Y-20 (added by the suite): the processor's circuit breaker opens after `failure_threshold`
+/// consecutive failed runs, counted or not; the rest of the cycle is released and no cycle
+/// fetches until recovery_timeout passed; then one more failure opens it again (R62, R158).
+/// Run on paused time.
+pub async fn y_20<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let rows = [
+        c.land("a", Some("k1")).await,
+        c.land("b", Some("k2")).await,
+        c.land("d", Some("k3")).await,
+    ];
+    c.handler.always(Act::Transient("down".into()));
+    let p = c.processor().breaker(2, 10.0).unwrap().build().unwrap();
+    let rep = c.cycle(&p).await;
+    let failed = rep.outcomes.iter().filter(|(_, r)| r.is_failure()).count();
+    assert_eq!((failed, rep.released().len()), (2, 1), "{rep:?}");
+    assert!(c.cycle(&p).await.fetched.is_empty(), "open: no fetch");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    c.advance(Duration::from_secs(10)).await;
+    let rep = c.cycle(&p).await;
+    assert!(!rep.fetched.is_empty(), "half-open: the cycle fetches");
+    let ran = rep.outcomes.iter().filter(|(_, r)| r.is_failure()).count();
+    assert_eq!(ran, 1, "one more failure opens it again: {rep:?}");
+    let _ = rows;
+}
