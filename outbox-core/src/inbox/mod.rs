@@ -46,7 +46,7 @@ pub use hooks::InboxHooks;
 pub use memory::{InMemoryInbox, MemInboxTx};
 pub use model::{ConsumerGroup, InboxEvent, InboxKey, InvalidMessage, NewInboxEvent};
 pub use policy::{AckStrategy, AncestorAckSettings, CommitOffsetPolicy, FailurePolicy, OnFailure};
-pub use processor::{InboxCycleReport, Processor, ProcessorBuilder, RowReport};
+pub use processor::{InboxCycleReport, Processor, ProcessorBuilder, ProcessorError, RowReport};
 pub use repository::{
     HandlerTx, InboxBackend, InboxCapabilities, InboxFetchRequest, InboxRepository,
     InboxTransaction,

@@ -722,31 +722,61 @@ impl<B: InboxBackend> Processor<B> {
     }
 
     /// Runs cycles until `shutdown` is set (R159): at once after a cycle with a run that did
-    /// not fail transient or not counted, else after the poll interval.
-    pub async fn run(&self, shutdown: CancellationToken) {
+    /// not fail transient or not counted, else after the poll interval. A fetch that fails
+    /// transiently is retried after the poll interval; one that fails in a way retrying cannot
+    /// fix, five times in a row, ends the loop with [`ProcessorError::Repository`].
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<(), ProcessorError> {
+        let mut permanent = 0u32;
         loop {
             if shutdown.is_cancelled() {
-                return;
+                return Ok(());
             }
             let wait = match self.cycle(&shutdown).await {
                 Ok(r) => {
+                    permanent = 0;
                     let runs: Vec<_> = r.outcomes.iter().filter(|(_, o)| o.was_run()).collect();
                     runs.is_empty() && r.fetched.is_empty()
                         || (!runs.is_empty() && runs.iter().all(|(_, o)| o.failed_uncounted()))
                 }
                 Err(e) => {
+                    if !e.is_transient() {
+                        permanent += 1;
+                        if permanent >= crate::relay::DEFAULT_MAX_PERMANENT_FAILURES {
+                            return Err(ProcessorError::Repository {
+                                tries: permanent,
+                                source: e,
+                            });
+                        }
+                    }
                     tracing::warn!(error = %e, "inbox fetch failed; retrying after the poll interval");
                     true
                 }
             };
             if wait {
                 tokio::select! {
-                    _ = shutdown.cancelled() => return,
+                    _ = shutdown.cancelled() => return Ok(()),
                     _ = tokio::time::sleep(self.config.poll_interval) => {}
                 }
             }
         }
     }
+}
+
+/// Why [`Processor::run`] stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessorError {
+    /// The fetch failed in a way retrying cannot fix, `tries` times in a row.
+    #[error(
+        "the inbox processor stopped after {tries} failed fetches in a row: {source}; retrying cannot fix this: check that the inbox table exists (run the migrations) and that the database user may read and update it"
+    )]
+    Repository {
+        /// Consecutive failed fetches.
+        tries: u32,
+        /// The last error.
+        #[source]
+        source: RepositoryError,
+    },
 }
 
 async fn commit<T: InboxTransaction>(tx: T, report: RowReport) -> RowReport {

@@ -180,7 +180,8 @@ pub async fn y_19<F: InboxFactory>(f: &F) {
             }
             token.cancel();
         };
-        tokio::join!(p.run(token.clone()), control);
+        let (done, ()) = tokio::join!(p.run(token.clone()), control);
+        done.unwrap();
         let t = offsets(&c, t0, Some("fetch"));
         if variant {
             assert_eq!(&t[..3], &[0.0, 0.0, 5.0], "{t:?}");

@@ -66,8 +66,10 @@ impl<B: InboxBackend> Runner<B> {
             return Err(RunnerError::NotStarted);
         }
         let processor = async {
-            if let Some(p) = &self.embedded {
-                p.run(self.stop.child_token()).await;
+            if let Some(p) = &self.embedded
+                && let Err(e) = p.run(self.stop.child_token()).await
+            {
+                tracing::error!(error = %e, "the embedded inbox processor stopped");
             }
         };
         futures::join!(self.delivery_loop(), processor);
