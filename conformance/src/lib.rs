@@ -4,6 +4,7 @@
 pub mod broker;
 pub mod ctx;
 pub mod harness;
+pub mod inbox;
 pub mod memory;
 pub mod net;
 pub mod scenarios;
@@ -111,6 +112,59 @@ macro_rules! suite {
             #[tokio::test(start_paused = true)]
             async fn $name() {
                 $crate::scenarios::$m::$name(&$f).await;
+            }
+        )*
+    };
+}
+
+/// Generates one `#[tokio::test]` per inbox scenario, named after its ID (`n_14` is N-14).
+///
+/// `inbox_suite!(memory: FACTORY)` runs the `[all]` and `[mem]` scenarios of the inbox; FACTORY
+/// is an expression evaluated per test whose value implements [`inbox::InboxFactory`].
+#[macro_export]
+macro_rules! inbox_suite {
+    (memory: $f:expr) => {
+        $crate::inbox_suite!(@all $f);
+        $crate::inbox_suite!(@paused $f; paced::n_19, paced::f_20, paced::f_23, paced::f_26, paced::y_10, paced::y_20,
+            paced::y_19);
+    };
+    (@all $f:expr) => {
+        $crate::inbox_suite!(@tests $f;
+            policies::n_01, policies::n_02, policies::n_03, policies::n_04, policies::n_05,
+            policies::n_06, policies::n_07, policies::n_08, policies::n_09, policies::n_10,
+            policies::n_11, policies::n_12, policies::n_13, policies::n_14, policies::n_15,
+            policies::n_16, policies::n_17, policies::n_18,
+            failures::f_01, failures::f_02, failures::f_03, failures::f_04, failures::f_05,
+            failures::f_06, failures::f_07, failures::f_08, failures::f_09, failures::f_10,
+            failures::f_11, failures::f_12, failures::f_14, failures::f_15, failures::f_16,
+            failures::f_17, failures::f_18, failures::f_19, failures::f_22, failures::f_24,
+            failures::f_25,
+            processor::p_01, processor::b_09, processor::b_11, processor::t_09, processor::h_02,
+            processor::h_03, processor::h_04, processor::h_07, processor::y_01, processor::y_02,
+            processor::y_04, processor::y_05, processor::y_06, processor::y_07, processor::y_08,
+            processor::y_09, processor::y_11, processor::y_12, processor::y_13, processor::y_14,
+            processor::y_15, processor::y_17, processor::y_18,
+            groups::g_01, groups::g_02, groups::g_03, groups::g_04, groups::g_05, groups::g_06,
+            groups::g_07, groups::g_08, groups::g_09,
+            dedup::i_06, dedup::d_01, dedup::d_02, dedup::d_07, dedup::d_08,
+            decoding::e_01, decoding::e_02, decoding::e_03, decoding::e_04, decoding::e_05,
+            decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
+            visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02
+        );
+    };
+    (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $crate::inbox::scenarios::$m::$name(&$f).await;
+            }
+        )*
+    };
+    (@paused $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(start_paused = true)]
+            async fn $name() {
+                $crate::inbox::scenarios::$m::$name(&$f).await;
             }
         )*
     };

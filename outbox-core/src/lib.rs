@@ -8,6 +8,7 @@ pub mod error;
 pub mod event;
 mod finite;
 pub mod ids;
+pub mod inbox;
 pub mod memory;
 #[cfg(feature = "metrics")]
 pub mod metrics;

@@ -221,7 +221,7 @@ impl PipelineStep for MetricsStep {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::collections::BTreeMap;
     use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -240,13 +240,13 @@ mod tests {
     /// Every series as `name{label=value,...}` → counter total, last gauge value, or histogram
     /// observations.
     #[derive(Default)]
-    struct Rec(Mutex<BTreeMap<String, Arc<Cell>>>);
+    pub(crate) struct Rec(Mutex<BTreeMap<String, Arc<Cell>>>);
 
     #[derive(Default)]
-    struct Cell {
-        counter: AtomicU64,
-        gauge: Mutex<f64>,
-        observations: Mutex<Vec<f64>>,
+    pub(crate) struct Cell {
+        pub(crate) counter: AtomicU64,
+        pub(crate) gauge: Mutex<f64>,
+        pub(crate) observations: Mutex<Vec<f64>>,
     }
 
     impl CounterFn for Cell {
@@ -283,7 +283,7 @@ mod tests {
             let id = format!("{}{{{}}}", key.name(), labels.join(","));
             self.0.lock().unwrap().entry(id).or_default().clone()
         }
-        fn get(&self, id: &str) -> Arc<Cell> {
+        pub(crate) fn get(&self, id: &str) -> Arc<Cell> {
             self.0
                 .lock()
                 .unwrap()

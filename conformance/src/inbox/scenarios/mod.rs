@@ -1,0 +1,11 @@
+//! The inbox scenarios, one async function per ID, grouped by letter.
+
+pub mod decoding;
+pub mod dedup;
+pub mod failures;
+pub mod groups;
+pub mod paced;
+pub mod policies;
+pub mod processor;
+pub mod stand;
+pub mod visibility;

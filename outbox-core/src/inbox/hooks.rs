@@ -1,0 +1,46 @@
+//! Hooks of the runner and the processor (contract R158, R171): called after the transaction
+//! committed, never when it failed; a hook that panics is logged and changes nothing.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::inbox::model::InboxEvent;
+use crate::inbox::processor::RowReport;
+use crate::inbox::runner::DeliveryResult;
+
+/// Observers of the inbox. Every method has an empty default.
+pub trait InboxHooks: Send + Sync {
+    /// A runner finished a delivery (R171): after T committed, or for an invalid delivery
+    /// after its dead-letter copy. Not called when T failed (see
+    /// [`on_persist_failure`](Self::on_persist_failure)).
+    fn on_delivery(&self, _result: &DeliveryResult) {}
+    /// A delivery's transaction failed (R132); nothing of it was stored.
+    fn on_persist_failure(&self, _result: &DeliveryResult) {}
+    /// A processor fetched `rows` rows (0 included).
+    fn on_fetch(&self, _rows: usize) {}
+    /// A processor finished a row (R157, R158), after T_row committed (or failed): its event
+    /// type when the row was read, and the handler run's duration when the handler ran.
+    fn on_row(
+        &self,
+        _id: Uuid,
+        _event_type: Option<&str>,
+        _report: &RowReport,
+        _handler_duration: Option<Duration>,
+    ) {
+    }
+    /// A row became `failed` (R128, R129, R158): `row` as it was before the failure, and the
+    /// failure text. Called after the commit that wrote it.
+    fn on_terminal_failure(&self, _row: &InboxEvent, _error: &str) {}
+}
+
+/// Calls every hook, catching panics (R68, R83).
+pub(crate) fn each(hooks: &[Arc<dyn InboxHooks>], f: impl Fn(&dyn InboxHooks)) {
+    for h in hooks {
+        if std::panic::catch_unwind(AssertUnwindSafe(|| f(h.as_ref()))).is_err() {
+            tracing::error!("an inbox hook panicked; its panic is ignored");
+        }
+    }
+}

@@ -1,0 +1,789 @@
+//! The inbox processor (contract R148 to R159): fetches stored pending rows of one group and
+//! runs the handler on them, one transaction per row.
+//!
+//! One [`Processor::cycle`]:
+//!
+//! 1. reads the shutdown signal; a set signal stops the cycle before it fetches (R159);
+//! 2. fetch-and-lock of the group's heads and runs (R149, R150) in its own committed
+//!    transaction;
+//! 3. runs the keys, up to `handler_concurrency` at once, each key's rows one after the other in
+//!    write order (R151). Before each run it reads the shutdown signal and the lease margin
+//!    (R153); each run is [`Processor::run_row`]: T_row row-locks the row, checks it is pending
+//!    and held by this worker (else lease lost, R156), completes a row whose sibling completed
+//!    (R164), runs the handler after a savepoint (R181), writes the outcome (R154) and commits.
+//!    A failed run releases the rows behind it untouched (R151);
+//! 4. releases the rows it did not run (R77); hooks run after each commit (R158).
+//!
+//! [`Processor::run`] loops cycles: at once after a cycle that fetched rows and had a run that
+//! did not fail transient or not counted, else after the poll interval (R159, D39).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::backoff::{Backoff, RandomSource, SeededRng};
+use crate::clock::{RelayClock, TokioClock};
+use crate::error::{ConfigError, RepositoryError};
+use crate::event::{Status, WorkerId};
+use crate::inbox::handler::{FailureClass, Handler, RunResult, run_handler};
+use crate::inbox::hooks::{self, InboxHooks};
+use crate::inbox::model::{ConsumerGroup, InboxEvent};
+use crate::inbox::policy;
+use crate::inbox::repository::{
+    DEFAULT_INBOX_MAX_PER_KEY, Guard, HandlerTx, InboxBackend, InboxFetchRequest, InboxTransaction,
+    RowWrite,
+};
+use crate::repository::DEFAULT_LEASE_TTL;
+
+/// Default processor batch size (R159).
+pub const DEFAULT_INBOX_BATCH: usize = 50;
+/// Default poll interval (R159).
+pub const DEFAULT_INBOX_POLL: Duration = Duration::from_secs(5);
+/// Default handler concurrency (R151).
+pub const DEFAULT_HANDLER_CONCURRENCY: usize = 16;
+/// Default handler timeout (R165).
+pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What happened to one fetched row (R157).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RowReport {
+    /// Completed by a handler run.
+    Completed {
+        /// The handler's status text.
+        status: Option<String>,
+    },
+    /// Skipped by the handler; the row is completed (R155).
+    Skipped {
+        /// The reason.
+        reason: String,
+    },
+    /// Completed without a run: a sibling completed it (R164).
+    Duplicate {
+        /// `duplicate_sibling`.
+        reason: String,
+    },
+    /// A counted failure.
+    Counted {
+        /// The error.
+        error: String,
+        /// The next try as written.
+        next_try: DateTime<Utc>,
+        /// Whether the row became `failed`.
+        terminal: bool,
+    },
+    /// A transient or not-counted failure.
+    NotCounted {
+        /// The error.
+        error: String,
+        /// The next try as written.
+        next_try: DateTime<Utc>,
+    },
+    /// Released untouched (shutdown, lease margin, or behind a failure of its key).
+    Released,
+    /// The guard failed: not run, not written (R156).
+    LeaseLost,
+    /// T_row failed to commit: nothing of it applies (R156).
+    CommitFailed {
+        /// The error.
+        error: String,
+    },
+}
+
+impl RowReport {
+    fn failed_uncounted(&self) -> bool {
+        matches!(self, RowReport::NotCounted { .. })
+    }
+    fn was_run(&self) -> bool {
+        !matches!(
+            self,
+            RowReport::Released | RowReport::LeaseLost | RowReport::Duplicate { .. }
+        )
+    }
+    /// Whether the row's run failed, of any class.
+    pub fn is_failure(&self) -> bool {
+        matches!(
+            self,
+            RowReport::Counted { .. } | RowReport::NotCounted { .. }
+        )
+    }
+}
+
+/// What one cycle did (R157).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct InboxCycleReport {
+    /// Rows fetched, in fetch order.
+    pub fetched: Vec<Uuid>,
+    /// Per row, in fetch order.
+    pub outcomes: Vec<(Uuid, RowReport)>,
+}
+
+impl InboxCycleReport {
+    /// The report of one row.
+    pub fn of(&self, id: Uuid) -> Option<&RowReport> {
+        self.outcomes.iter().find(|(i, _)| *i == id).map(|(_, r)| r)
+    }
+    /// Rows completed by a run, a skip or as duplicates.
+    pub fn completed(&self) -> Vec<Uuid> {
+        self.outcomes
+            .iter()
+            .filter(|(_, r)| {
+                matches!(
+                    r,
+                    RowReport::Completed { .. }
+                        | RowReport::Skipped { .. }
+                        | RowReport::Duplicate { .. }
+                )
+            })
+            .map(|(i, _)| *i)
+            .collect()
+    }
+    /// Rows released untouched.
+    pub fn released(&self) -> Vec<Uuid> {
+        self.outcomes
+            .iter()
+            .filter(|(_, r)| *r == RowReport::Released)
+            .map(|(i, _)| *i)
+            .collect()
+    }
+}
+
+/// A validated processor configuration (defaults of section 27).
+#[derive(Debug, Clone)]
+pub struct ProcessorConfig {
+    pub(crate) group: ConsumerGroup,
+    pub(crate) worker: WorkerId,
+    pub(crate) sources: Option<Vec<String>>,
+    pub(crate) batch_size: usize,
+    pub(crate) poll_interval: Duration,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) max_per_key: usize,
+    pub(crate) handler_concurrency: usize,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) backoff: Backoff,
+    pub(crate) key_order: bool,
+    pub(crate) breaker: Option<(u32, Duration)>,
+}
+
+impl ProcessorConfig {
+    /// The group.
+    pub fn group(&self) -> &ConsumerGroup {
+        &self.group
+    }
+    /// The worker id.
+    pub fn worker(&self) -> &WorkerId {
+        &self.worker
+    }
+}
+
+/// Checks the handler timeout and the lease margin (R153, R165).
+pub(crate) fn check_timeouts(
+    handler_timeout: Duration,
+    lease_ttl: Duration,
+) -> Result<(), ConfigError> {
+    if handler_timeout.is_zero() {
+        return Err(ConfigError::new("handler_timeout must be positive"));
+    }
+    if lease_ttl <= handler_timeout {
+        return Err(ConfigError::new(format!(
+            "lease_ttl ({} s) must exceed handler_timeout ({} s), so that a run can finish within its lease (R153)",
+            lease_ttl.as_secs_f64(),
+            handler_timeout.as_secs_f64()
+        )));
+    }
+    Ok(())
+}
+
+/// Builds a [`Processor`].
+pub struct ProcessorBuilder<B: InboxBackend> {
+    backend: B,
+    handler: Arc<dyn Handler<HandlerTx<B>>>,
+    group: String,
+    worker: Option<String>,
+    sources: Option<Vec<String>>,
+    batch_size: usize,
+    poll_interval: Duration,
+    lease_ttl: Duration,
+    max_per_key: usize,
+    handler_concurrency: usize,
+    handler_timeout: Duration,
+    backoff: Backoff,
+    key_order: bool,
+    hooks: Vec<Arc<dyn InboxHooks>>,
+    rng: Option<Box<dyn RandomSource>>,
+    clock: Arc<dyn RelayClock>,
+    breaker: Option<(u32, Duration)>,
+}
+
+impl<B: InboxBackend> ProcessorBuilder<B> {
+    /// Enables the circuit breaker of R62 (R158): it opens after `failure_threshold`
+    /// consecutive failed handler runs, counted or not, and keeps cycles from fetching until
+    /// `recovery_timeout_seconds` passed; values are checked as the relay's.
+    pub fn breaker(
+        mut self,
+        failure_threshold: i64,
+        recovery_timeout_seconds: f64,
+    ) -> Result<Self, ConfigError> {
+        crate::relay::BreakerConfig::new(failure_threshold, recovery_timeout_seconds)?;
+        self.breaker = Some((
+            failure_threshold as u32,
+            Duration::from_secs_f64(recovery_timeout_seconds),
+        ));
+        Ok(self)
+    }
+
+    /// The worker id (R10; default generated, R25).
+    pub fn worker_id(mut self, w: impl Into<String>) -> Self {
+        self.worker = Some(w.into());
+        self
+    }
+    /// Only rows of these sources (the ancestor's `filter_sources`, R148).
+    pub fn sources<S: Into<String>>(mut self, s: impl IntoIterator<Item = S>) -> Self {
+        self.sources = Some(s.into_iter().map(Into::into).collect());
+        self
+    }
+    /// Batch size (≥ 1, default 50).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+    /// Poll interval (default 5 s).
+    pub fn poll_interval(mut self, d: Duration) -> Self {
+        self.poll_interval = d;
+        self
+    }
+    /// The group's lease TTL (default 300 s, > handler timeout).
+    pub fn lease_ttl(mut self, d: Duration) -> Self {
+        self.lease_ttl = d;
+        self
+    }
+    /// Rows per key per fetch (≥ 1, default 16).
+    pub fn max_per_key(mut self, n: usize) -> Self {
+        self.max_per_key = n;
+        self
+    }
+    /// Handler runs at once (≥ 1, default 16).
+    pub fn handler_concurrency(mut self, n: usize) -> Self {
+        self.handler_concurrency = n;
+        self
+    }
+    /// Handler timeout (> 0, default 30 s).
+    pub fn handler_timeout(mut self, d: Duration) -> Self {
+        self.handler_timeout = d;
+        self
+    }
+    /// Backoff of counted failures (R39).
+    pub fn backoff(mut self, b: Backoff) -> Self {
+        self.backoff = b;
+        self
+    }
+    /// Per-key order (default true, R147).
+    pub fn key_order(mut self, on: bool) -> Self {
+        self.key_order = on;
+        self
+    }
+    /// Adds hooks.
+    pub fn hooks(mut self, h: Arc<dyn InboxHooks>) -> Self {
+        self.hooks.push(h);
+        self
+    }
+    /// The random source of the backoff.
+    pub fn random_source(mut self, r: Box<dyn RandomSource>) -> Self {
+        self.rng = Some(r);
+        self
+    }
+    /// The monotonic clock of the lease margin (R153).
+    pub fn clock(mut self, c: Arc<dyn RelayClock>) -> Self {
+        self.clock = c;
+        self
+    }
+
+    /// Validates and builds.
+    pub fn build(self) -> Result<Processor<B>, ConfigError> {
+        let group = ConsumerGroup::new(&self.group)?;
+        let worker = match self.worker {
+            Some(w) => WorkerId::new(w).map_err(|e| ConfigError::new(e.to_string()))?,
+            None => WorkerId::generate(),
+        };
+        if self.batch_size == 0 {
+            return Err(ConfigError::new("batch_size must be at least 1"));
+        }
+        if self.max_per_key == 0 {
+            return Err(ConfigError::new("max_per_key must be at least 1"));
+        }
+        if self.handler_concurrency == 0 {
+            return Err(ConfigError::new("handler_concurrency must be at least 1"));
+        }
+        check_timeouts(self.handler_timeout, self.lease_ttl)?;
+        Ok(Processor {
+            backend: self.backend,
+            handler: self.handler,
+            config: ProcessorConfig {
+                group,
+                worker,
+                sources: self.sources,
+                batch_size: self.batch_size,
+                poll_interval: self.poll_interval,
+                lease_ttl: self.lease_ttl,
+                max_per_key: self.max_per_key,
+                handler_concurrency: self.handler_concurrency,
+                handler_timeout: self.handler_timeout,
+                backoff: self.backoff,
+                key_order: self.key_order,
+                breaker: self.breaker,
+            },
+            hooks: self.hooks,
+            rng: Mutex::new(
+                self.rng
+                    .unwrap_or_else(|| Box::new(SeededRng::from_entropy())),
+            ),
+            clock: self.clock,
+            breaker: Mutex::new((0, None)),
+        })
+    }
+}
+
+/// The inbox processor of one group.
+pub struct Processor<B: InboxBackend> {
+    backend: B,
+    handler: Arc<dyn Handler<HandlerTx<B>>>,
+    config: ProcessorConfig,
+    hooks: Vec<Arc<dyn InboxHooks>>,
+    rng: Mutex<Box<dyn RandomSource>>,
+    clock: Arc<dyn RelayClock>,
+    /// Consecutive failed runs, and when the breaker opened.
+    breaker: Mutex<(u32, Option<tokio::time::Instant>)>,
+}
+
+impl<B: InboxBackend> std::fmt::Debug for Processor<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Processor")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: InboxBackend> Processor<B> {
+    /// A builder with the defaults of section 27.
+    pub fn builder(
+        backend: B,
+        group: impl Into<String>,
+        handler: Arc<dyn Handler<HandlerTx<B>>>,
+    ) -> ProcessorBuilder<B> {
+        ProcessorBuilder {
+            backend,
+            handler,
+            group: group.into(),
+            worker: None,
+            sources: None,
+            batch_size: DEFAULT_INBOX_BATCH,
+            poll_interval: DEFAULT_INBOX_POLL,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            max_per_key: DEFAULT_INBOX_MAX_PER_KEY,
+            handler_concurrency: DEFAULT_HANDLER_CONCURRENCY,
+            handler_timeout: DEFAULT_HANDLER_TIMEOUT,
+            backoff: Backoff::default(),
+            key_order: true,
+            hooks: Vec::new(),
+            rng: None,
+            clock: Arc::new(TokioClock),
+            breaker: None,
+        }
+    }
+
+    fn breaker_allows(&self) -> bool {
+        let Some((_, recovery)) = self.config.breaker else {
+            return true;
+        };
+        let st = self.breaker.lock().expect("breaker poisoned");
+        st.1.is_none_or(|at| self.clock.now().saturating_duration_since(at) >= recovery)
+    }
+
+    fn breaker_record(&self, report: &RowReport) {
+        let Some((threshold, _)) = self.config.breaker else {
+            return;
+        };
+        let mut st = self.breaker.lock().expect("breaker poisoned");
+        if report.is_failure() {
+            st.0 = st.0.saturating_add(1);
+            if st.0 >= threshold {
+                st.1 = Some(self.clock.now());
+            }
+        } else if matches!(
+            report,
+            RowReport::Completed { .. } | RowReport::Skipped { .. }
+        ) {
+            *st = (0, None);
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ProcessorConfig {
+        &self.config
+    }
+
+    fn request(&self) -> InboxFetchRequest {
+        InboxFetchRequest {
+            worker: self.config.worker.clone(),
+            group: self.config.group.clone(),
+            sources: self.config.sources.clone(),
+            limit: self.config.batch_size,
+            lease_ttl: self.config.lease_ttl,
+            max_per_key: self.config.max_per_key,
+            key_order: self.config.key_order,
+        }
+    }
+
+    /// Runs one cycle (see the module docs). An error means the fetch failed; nothing is held.
+    pub async fn cycle(
+        &self,
+        shutdown: &CancellationToken,
+    ) -> Result<InboxCycleReport, RepositoryError> {
+        let mut report = InboxCycleReport::default();
+        if shutdown.is_cancelled() || !self.breaker_allows() {
+            return Ok(report);
+        }
+        let rows = self.backend.fetch_and_lock(&self.request()).await?;
+        let fetched_at = self.clock.now();
+        report.fetched = rows.iter().map(|r| r.id).collect();
+        hooks::each(&self.hooks, |h| h.on_fetch(rows.len()));
+        // Runs of one key, in fetch order (rows come grouped by key).
+        let mut runs: Vec<Vec<InboxEvent>> = Vec::new();
+        let mut index: HashMap<String, usize> = HashMap::new();
+        for r in rows {
+            let k = crate::inbox::ordering::view(&r, self.config.key_order).partition_key;
+            let k = format!("{}\u{0}{k}", r.source);
+            match index.get(&k) {
+                Some(&i) => runs[i].push(r),
+                None => {
+                    index.insert(k, runs.len());
+                    runs.push(vec![r]);
+                }
+            }
+        }
+        let results: Vec<Vec<(Uuid, RowReport)>> = futures::stream::iter(runs)
+            .map(|run| self.run_key(run, shutdown, fetched_at))
+            .buffer_unordered(self.config.handler_concurrency)
+            .collect()
+            .await;
+        let mut by_id: HashMap<Uuid, RowReport> = results.into_iter().flatten().collect();
+        let released: Vec<Uuid> = by_id
+            .iter()
+            .filter(|(_, r)| **r == RowReport::Released)
+            .map(|(i, _)| *i)
+            .collect();
+        if !released.is_empty()
+            && let Err(e) = self
+                .backend
+                .release_locks(&released, &self.config.worker)
+                .await
+        {
+            tracing::warn!(error = %e, "releasing untouched inbox rows failed; they wait out their lease");
+        }
+        report.outcomes = report
+            .fetched
+            .iter()
+            .map(|id| (*id, by_id.remove(id).unwrap_or(RowReport::Released)))
+            .collect();
+        Ok(report)
+    }
+
+    async fn run_key(
+        &self,
+        run: Vec<InboxEvent>,
+        shutdown: &CancellationToken,
+        fetched_at: tokio::time::Instant,
+    ) -> Vec<(Uuid, RowReport)> {
+        let mut out = Vec::with_capacity(run.len());
+        let mut stop = false;
+        for row in run {
+            let left = self
+                .config
+                .lease_ttl
+                .saturating_sub(self.clock.now().saturating_duration_since(fetched_at));
+            if stop
+                || shutdown.is_cancelled()
+                || !self.breaker_allows()
+                || left < self.config.handler_timeout
+            {
+                out.push((row.id, RowReport::Released));
+                continue;
+            }
+            let r = self.run_row(row.id).await;
+            self.breaker_record(&r);
+            stop = !matches!(
+                r,
+                RowReport::Completed { .. }
+                    | RowReport::Skipped { .. }
+                    | RowReport::Duplicate { .. }
+            );
+            out.push((row.id, r));
+        }
+        out
+    }
+
+    /// Runs one row this worker holds in its own transaction T_row (R152): the guard, the
+    /// sibling check (R164), the handler run (R181), the outcome write (R154), the commit, then
+    /// the hooks (R158). Checked by Y-02, Y-11, Y-12, Y-15, G-06.
+    pub async fn run_row(&self, id: Uuid) -> RowReport {
+        let report = self.run_row_inner(id).await;
+        let event_type = report.1.as_ref().map(|r| r.event_type.as_str());
+        hooks::each(&self.hooks, |h| {
+            h.on_row(id, event_type, &report.0, report.2)
+        });
+        if let (
+            RowReport::Counted {
+                terminal: true,
+                error,
+                ..
+            },
+            Some(before),
+        ) = (&report.0, &report.1)
+        {
+            hooks::each(&self.hooks, |h| h.on_terminal_failure(before, error));
+        }
+        report.0
+    }
+
+    async fn run_row_inner(&self, id: Uuid) -> (RowReport, Option<InboxEvent>, Option<Duration>) {
+        let guard = Guard::HeldBy {
+            id,
+            worker: self.config.worker.clone(),
+        };
+        let mut tx = match self.backend.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                return (
+                    RowReport::CommitFailed {
+                        error: e.to_string(),
+                    },
+                    None,
+                    None,
+                );
+            }
+        };
+        let row = match tx.guard(&guard).await {
+            Ok(Some(r)) => r,
+            Ok(None) => {
+                tx.rollback().await;
+                return (RowReport::LeaseLost, None, None);
+            }
+            Err(e) => {
+                tx.rollback().await;
+                return (
+                    RowReport::CommitFailed {
+                        error: e.to_string(),
+                    },
+                    None,
+                    None,
+                );
+            }
+        };
+        if self.backend.capabilities().siblings {
+            match tx.completed_sibling(&row).await {
+                Ok(true) => {
+                    let r = match tx.write(id, RowWrite::Complete).await {
+                        Ok(_) => {
+                            commit(
+                                tx,
+                                RowReport::Duplicate {
+                                    reason: "duplicate_sibling".into(),
+                                },
+                            )
+                            .await
+                        }
+                        Err(e) => RowReport::CommitFailed {
+                            error: e.to_string(),
+                        },
+                    };
+                    return (r, Some(row), None);
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    tx.rollback().await;
+                    return (
+                        RowReport::CommitFailed {
+                            error: e.to_string(),
+                        },
+                        Some(row),
+                        None,
+                    );
+                }
+            }
+        }
+        let span = crate::inbox::spans::handler_span(&row, &self.config.worker);
+        let run = {
+            let _enter = span.enter();
+            drop(_enter);
+            match tracing::Instrument::instrument(
+                run_handler(
+                    &mut tx,
+                    self.handler.as_ref(),
+                    &row,
+                    self.config.handler_timeout,
+                ),
+                span.clone(),
+            )
+            .await
+            {
+                Ok(run) => run,
+                Err(e) => {
+                    tx.rollback().await;
+                    return (
+                        RowReport::CommitFailed {
+                            error: e.to_string(),
+                        },
+                        Some(row),
+                        None,
+                    );
+                }
+            }
+        };
+        crate::inbox::spans::record_result(&span, &run.result);
+        let write = match &run.result {
+            RunResult::Completed { .. } | RunResult::Skipped { .. } => RowWrite::Complete,
+            RunResult::Failed(f) => {
+                let mut rng = self.rng.lock().expect("rng poisoned");
+                policy::record_write(
+                    f,
+                    row.attempts_made,
+                    row.created_at,
+                    &self.config.backoff,
+                    rng.as_mut(),
+                    false,
+                )
+            }
+        };
+        if !run.usable {
+            tx.rollback().await;
+            tx = match self.backend.begin().await {
+                Ok(tx) => tx,
+                Err(e) => {
+                    return (
+                        RowReport::CommitFailed {
+                            error: e.to_string(),
+                        },
+                        Some(row),
+                        Some(run.duration),
+                    );
+                }
+            };
+            match tx.guard(&guard).await {
+                Ok(Some(_)) => {}
+                Ok(None) => {
+                    tx.rollback().await;
+                    return (RowReport::LeaseLost, Some(row), Some(run.duration));
+                }
+                Err(e) => {
+                    tx.rollback().await;
+                    return (
+                        RowReport::CommitFailed {
+                            error: e.to_string(),
+                        },
+                        Some(row),
+                        Some(run.duration),
+                    );
+                }
+            }
+        }
+        let written = match tx.write(id, write).await {
+            Ok(w) => w,
+            Err(e) => {
+                tx.rollback().await;
+                return (
+                    RowReport::CommitFailed {
+                        error: e.to_string(),
+                    },
+                    Some(row),
+                    Some(run.duration),
+                );
+            }
+        };
+        let report = match run.result {
+            RunResult::Completed { status } => RowReport::Completed { status },
+            RunResult::Skipped { reason, .. } => RowReport::Skipped { reason },
+            RunResult::Failed(f) => match f.class {
+                FailureClass::Counted { .. } => RowReport::Counted {
+                    error: written.last_error.clone().unwrap_or_default(),
+                    next_try: written.scheduled_at,
+                    terminal: written.status == Status::Failed,
+                },
+                _ => RowReport::NotCounted {
+                    error: written.last_error.clone().unwrap_or_default(),
+                    next_try: written.scheduled_at,
+                },
+            },
+        };
+        (commit(tx, report).await, Some(row), Some(run.duration))
+    }
+
+    /// Runs cycles until `shutdown` is set (R159): at once after a cycle with a run that did
+    /// not fail transient or not counted, else after the poll interval. A fetch that fails
+    /// transiently is retried after the poll interval; one that fails in a way retrying cannot
+    /// fix, five times in a row, ends the loop with [`ProcessorError::Repository`].
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<(), ProcessorError> {
+        let mut permanent = 0u32;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let wait = match self.cycle(&shutdown).await {
+                Ok(r) => {
+                    permanent = 0;
+                    let runs: Vec<_> = r.outcomes.iter().filter(|(_, o)| o.was_run()).collect();
+                    runs.is_empty() && r.fetched.is_empty()
+                        || (!runs.is_empty() && runs.iter().all(|(_, o)| o.failed_uncounted()))
+                }
+                Err(e) => {
+                    if !e.is_transient() {
+                        permanent += 1;
+                        if permanent >= crate::relay::DEFAULT_MAX_PERMANENT_FAILURES {
+                            return Err(ProcessorError::Repository {
+                                tries: permanent,
+                                source: e,
+                            });
+                        }
+                    }
+                    tracing::warn!(error = %e, "inbox fetch failed; retrying after the poll interval");
+                    true
+                }
+            };
+            if wait {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(self.config.poll_interval) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Why [`Processor::run`] stopped.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProcessorError {
+    /// The fetch failed in a way retrying cannot fix, `tries` times in a row.
+    #[error(
+        "the inbox processor stopped after {tries} failed fetches in a row: {source}; retrying cannot fix this: check that the inbox table exists (run the migrations) and that the database user may read and update it"
+    )]
+    Repository {
+        /// Consecutive failed fetches.
+        tries: u32,
+        /// The last error.
+        #[source]
+        source: RepositoryError,
+    },
+}
+
+async fn commit<T: InboxTransaction>(tx: T, report: RowReport) -> RowReport {
+    match tx.commit().await {
+        Ok(()) => report,
+        Err(e) => RowReport::CommitFailed {
+            error: e.to_string(),
+        },
+    }
+}

@@ -1,0 +1,907 @@
+//! The consumer runner (contract R113 to R132, R166, R167, R182): reads a subscription and
+//! handles each delivery in one transaction with the handler's own writes.
+//!
+//! For each delivery ([`Runner::handle_delivery`]):
+//!
+//! 1. decode and validate (R114, R137 to R141); an invalid delivery is dead-lettered and
+//!    terminated before any commit (R140); under at_most_once a valid one is committed first
+//!    (R129);
+//! 2. in one transaction T (R115, R116): the key lock of its inbox key, the landing (R107 to
+//!    R111), the row's lock without waiting; a `completed` or `failed` row makes a `duplicate`,
+//!    a row a fetch could not take now makes `landed` (R130), an expired lease is taken over;
+//! 3. the handler run after a savepoint (R181), and the outcome by the policy (R125 to R129,
+//!    [`crate::inbox::policy`]); T commits, then the delivery is committed (R131) or rewound
+//!    (R127, R132);
+//! 4. hooks after the commit (R171).
+//!
+//! [`Runner::run`] is the loop: at most `concurrency` deliveries held, one at a time per inbox
+//! key in delivery order (R166), pacing after read and persistence errors (R120), and the
+//! shutdown of R167. Its submodule `run_loop` holds it.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::backoff::{Backoff, RandomSource, SeededRng};
+use crate::error::{ConfigError, RepositoryError};
+use crate::event::{Status, WorkerId, limits};
+use crate::inbox::decode::{DecodeOptions, decode};
+use crate::inbox::handler::{Failure, Handler, HandlerRun, RunResult, run_handler};
+use crate::inbox::hooks::{self, InboxHooks};
+use crate::inbox::model::{ConsumerGroup, InboxEvent, InvalidMessage, NewInboxEvent};
+use crate::inbox::ordering as inbox_order;
+use crate::inbox::policy::{self, AncestorAckSettings, FailurePolicy, OnFailure, RewindDecision};
+use crate::inbox::processor::{
+    DEFAULT_HANDLER_TIMEOUT, DEFAULT_INBOX_POLL, Processor, check_timeouts,
+};
+use crate::inbox::repository::{
+    Guard, HandlerTx, InboxBackend, InboxTransaction, RowLock, RowWrite,
+};
+use crate::inbox::subscription::{InboxDelivery, Subscription};
+use crate::repository::DEFAULT_LEASE_TTL;
+
+pub mod run_loop;
+
+/// Default runner concurrency (R166).
+pub const DEFAULT_RUNNER_CONCURRENCY: usize = 16;
+/// Default commit timeout (R131).
+pub const DEFAULT_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The delay of a persistence or dead-letter rewind (R132, R140).
+pub const PERSIST_REWIND: Duration = Duration::from_secs(1);
+
+/// The outcome of one delivery (R122).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeliveryOutcome {
+    /// A handler run completed the row.
+    Completed,
+    /// A handler run skipped it; the row is completed.
+    Skipped,
+    /// The row is stored or found pending and the handler did not run.
+    Landed,
+    /// A failure was written to the row (R126).
+    Recorded,
+    /// Nothing stored; the delivery goes back to the broker (R127).
+    Rewound,
+    /// The row was completed or failed (R109).
+    Duplicate,
+    /// Invalid (R139, R140).
+    Invalid,
+    /// The transaction failed (R132).
+    PersistFailed,
+}
+
+/// What one delivery did (R122).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeliveryResult {
+    /// The message id, once decoded.
+    pub message_id: Option<String>,
+    /// The row, when one is stored.
+    pub row_id: Option<Uuid>,
+    /// The outcome.
+    pub outcome: DeliveryOutcome,
+    /// Whether the delivery was committed (and the broker confirmed it).
+    pub committed: bool,
+    /// Whether the commit failed or was not confirmed in time (R131).
+    pub commit_failed: bool,
+    /// The handler's status text.
+    pub handler_status: Option<String>,
+    /// The error text (failure, invalid reason, persistence cause).
+    pub error: Option<String>,
+    /// The next try written to the row.
+    pub next_try: Option<DateTime<Utc>>,
+    /// The rewind delay, when rewound.
+    pub rewind_delay: Option<Duration>,
+    /// A failure that R126's fresh transaction did not write because the row had changed.
+    pub guard_failed: bool,
+    /// Whether the row became `failed`.
+    pub terminal: bool,
+    /// The handler run's duration, when the handler ran.
+    pub handler_duration: Option<Duration>,
+    /// The row's event type, once decoded.
+    pub event_type: Option<String>,
+    /// The metric label of an invalid delivery (R139).
+    pub invalid_label: Option<&'static str>,
+}
+
+impl DeliveryResult {
+    fn new(outcome: DeliveryOutcome) -> Self {
+        Self {
+            message_id: None,
+            row_id: None,
+            outcome,
+            committed: false,
+            commit_failed: false,
+            handler_status: None,
+            error: None,
+            next_try: None,
+            rewind_delay: None,
+            guard_failed: false,
+            terminal: false,
+            handler_duration: None,
+            event_type: None,
+            invalid_label: None,
+        }
+    }
+}
+
+/// A validated runner configuration (defaults of section 27).
+#[derive(Debug, Clone)]
+pub struct RunnerConfig {
+    pub(crate) group: ConsumerGroup,
+    pub(crate) worker: WorkerId,
+    pub(crate) policy: FailurePolicy,
+    pub(crate) max_attempts: u32,
+    pub(crate) handler_timeout: Duration,
+    pub(crate) backoff: Backoff,
+    pub(crate) key_order: bool,
+    pub(crate) concurrency: usize,
+    pub(crate) lease_ttl: Duration,
+    pub(crate) commit_timeout: Duration,
+    pub(crate) require_message_id: bool,
+    pub(crate) sources: Vec<String>,
+    pub(crate) process_stored: bool,
+    pub(crate) breaker: Option<(u32, Duration)>,
+}
+
+impl RunnerConfig {
+    /// The group.
+    pub fn group(&self) -> &ConsumerGroup {
+        &self.group
+    }
+    /// The worker id.
+    pub fn worker(&self) -> &WorkerId {
+        &self.worker
+    }
+    /// The resolved policy.
+    pub fn policy(&self) -> FailurePolicy {
+        self.policy
+    }
+    /// max_attempts rows are landed with (R103).
+    pub fn landing_max_attempts(&self) -> u32 {
+        if self.policy.at_most_once {
+            1
+        } else {
+            self.max_attempts
+        }
+    }
+}
+
+/// Builds a [`Runner`].
+pub struct RunnerBuilder<B: InboxBackend> {
+    backend: B,
+    subscription: Arc<dyn Subscription>,
+    handler: Option<Arc<dyn Handler<HandlerTx<B>>>>,
+    group: String,
+    worker: Option<String>,
+    on_failure: Option<OnFailure>,
+    at_most_once: Option<bool>,
+    ancestor: AncestorAckSettings,
+    max_attempts: u32,
+    handler_timeout: Duration,
+    backoff: Backoff,
+    key_order: bool,
+    concurrency: usize,
+    lease_ttl: Duration,
+    commit_timeout: Duration,
+    require_message_id: bool,
+    sources: Option<Vec<String>>,
+    topics: Vec<String>,
+    process_stored: Option<bool>,
+    processor_poll: Duration,
+    hooks: Vec<Arc<dyn InboxHooks>>,
+    rng: Option<Box<dyn RandomSource>>,
+    breaker: Option<(u32, Duration)>,
+}
+
+impl<B: InboxBackend> RunnerBuilder<B> {
+    /// Enables the circuit breaker of R62 for handler runs (R120): it opens after
+    /// `failure_threshold` consecutive failed runs of any class and half-opens after
+    /// `recovery_timeout_seconds`. The values are checked as the relay's
+    /// ([`crate::relay::BreakerConfig::new`]).
+    pub fn breaker(
+        mut self,
+        failure_threshold: i64,
+        recovery_timeout_seconds: f64,
+    ) -> Result<Self, ConfigError> {
+        crate::relay::BreakerConfig::new(failure_threshold, recovery_timeout_seconds)?;
+        self.breaker = Some((
+            failure_threshold as u32,
+            Duration::from_secs_f64(recovery_timeout_seconds),
+        ));
+        Ok(self)
+    }
+
+    /// The handler; without one every delivery is landed for a processor (R121, R125).
+    pub fn handler(mut self, h: Arc<dyn Handler<HandlerTx<B>>>) -> Self {
+        self.handler = Some(h);
+        self
+    }
+    /// The worker id (R10; at most 253 characters with process_stored, R121).
+    pub fn worker_id(mut self, w: impl Into<String>) -> Self {
+        self.worker = Some(w.into());
+        self
+    }
+    /// Who retries a failed run (R123; default record).
+    pub fn on_failure(mut self, p: OnFailure) -> Self {
+        self.on_failure = Some(p);
+        self
+    }
+    /// Commit before handling (R129).
+    pub fn at_most_once(mut self, on: bool) -> Self {
+        self.at_most_once = Some(on);
+        self
+    }
+    /// The ancestor's ack settings, as aliases (R123).
+    pub fn ancestor_ack_settings(mut self, a: AncestorAckSettings) -> Self {
+        self.ancestor = a;
+        self
+    }
+    /// max_attempts of landed rows (0 means 6, R103).
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+    /// Handler timeout (> 0, default 30 s, R165).
+    pub fn handler_timeout(mut self, d: Duration) -> Self {
+        self.handler_timeout = d;
+        self
+    }
+    /// Backoff (R39, R127).
+    pub fn backoff(mut self, b: Backoff) -> Self {
+        self.backoff = b;
+        self
+    }
+    /// Per-key order (default true, R147).
+    pub fn key_order(mut self, on: bool) -> Self {
+        self.key_order = on;
+        self
+    }
+    /// Deliveries held at once (≥ 1, default 16, R166).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n;
+        self
+    }
+    /// The group's lease TTL (default 300 s, R116).
+    pub fn lease_ttl(mut self, d: Duration) -> Self {
+        self.lease_ttl = d;
+        self
+    }
+    /// Commit timeout (> 0, default 5 s, R131).
+    pub fn commit_timeout(mut self, d: Duration) -> Self {
+        self.commit_timeout = d;
+        self
+    }
+    /// Messages without an id are invalid (R138).
+    pub fn require_message_id(mut self, on: bool) -> Self {
+        self.require_message_id = on;
+        self
+    }
+    /// The topics the runner reads (they are the default sources, R121).
+    pub fn topics<S: Into<String>>(mut self, t: impl IntoIterator<Item = S>) -> Self {
+        self.topics = t.into_iter().map(Into::into).collect();
+        self
+    }
+    /// The embedded processor's sources (R121; default the topics).
+    pub fn sources<S: Into<String>>(mut self, s: impl IntoIterator<Item = S>) -> Self {
+        self.sources = Some(s.into_iter().map(Into::into).collect());
+        self
+    }
+    /// Run an embedded processor (default true with a handler, R121).
+    pub fn process_stored(mut self, on: bool) -> Self {
+        self.process_stored = Some(on);
+        self
+    }
+    /// The embedded processor's poll interval (default 5 s).
+    pub fn processor_poll_interval(mut self, d: Duration) -> Self {
+        self.processor_poll = d;
+        self
+    }
+    /// Adds hooks (R171); the embedded processor gets them too.
+    pub fn hooks(mut self, h: Arc<dyn InboxHooks>) -> Self {
+        self.hooks.push(h);
+        self
+    }
+    /// The random source of the backoff.
+    pub fn random_source(mut self, r: Box<dyn RandomSource>) -> Self {
+        self.rng = Some(r);
+        self
+    }
+
+    /// Validates and builds (F-18).
+    pub fn build(self) -> Result<Runner<B>, ConfigError> {
+        let policy = policy::resolve(self.on_failure, self.at_most_once, self.ancestor)?;
+        let caps = self.subscription.capabilities();
+        if policy.on_failure == OnFailure::Rewind && !policy.at_most_once && !caps.rewind {
+            return Err(ConfigError::new(format!(
+                "on_failure = rewind is not possible on {}: it cannot rewind one message (use record)",
+                caps.name
+            )));
+        }
+        let group = ConsumerGroup::new(&self.group)?;
+        let worker = match self.worker {
+            Some(w) => WorkerId::new(w).map_err(|e| ConfigError::new(e.to_string()))?,
+            None => WorkerId::generate(),
+        };
+        if self.concurrency == 0 {
+            return Err(ConfigError::new("concurrency must be at least 1"));
+        }
+        if self.commit_timeout.is_zero() {
+            return Err(ConfigError::new("commit_timeout must be positive"));
+        }
+        if self.handler_timeout.is_zero() {
+            return Err(ConfigError::new("handler_timeout must be positive"));
+        }
+        let process_stored = self.process_stored.unwrap_or(true) && self.handler.is_some();
+        let sources = self.sources.unwrap_or(self.topics);
+        let mut embedded = None;
+        if process_stored {
+            check_timeouts(self.handler_timeout, self.lease_ttl)?;
+            if sources.is_empty() {
+                return Err(ConfigError::new(
+                    "sources must be set for the embedded processor",
+                ));
+            }
+            let pw = format!("{worker}/p");
+            WorkerId::new(&pw).map_err(|e| ConfigError::new(e.to_string()))?;
+            let mut b = Processor::builder(
+                self.backend.clone(),
+                group.as_str(),
+                self.handler
+                    .clone()
+                    .expect("process_stored needs a handler"),
+            )
+            .worker_id(pw)
+            .sources(sources.clone())
+            .lease_ttl(self.lease_ttl)
+            .handler_timeout(self.handler_timeout)
+            .backoff(self.backoff)
+            .key_order(self.key_order)
+            .poll_interval(self.processor_poll);
+            for h in &self.hooks {
+                b = b.hooks(h.clone());
+            }
+            embedded = Some(b.build()?);
+        }
+        Ok(Runner {
+            backend: self.backend,
+            subscription: self.subscription,
+            handler: self.handler,
+            config: RunnerConfig {
+                group,
+                worker,
+                policy,
+                max_attempts: self.max_attempts,
+                handler_timeout: self.handler_timeout,
+                backoff: self.backoff,
+                key_order: self.key_order,
+                concurrency: self.concurrency,
+                lease_ttl: self.lease_ttl,
+                commit_timeout: self.commit_timeout,
+                require_message_id: self.require_message_id,
+                sources,
+                process_stored,
+                breaker: self.breaker,
+            },
+            embedded: embedded.map(Arc::new),
+            hooks: self.hooks,
+            rng: Mutex::new(
+                self.rng
+                    .unwrap_or_else(|| Box::new(SeededRng::from_entropy())),
+            ),
+            started: AtomicBool::new(false),
+            stop: CancellationToken::new(),
+            warned_sources: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+/// The consumer runner of one group.
+pub struct Runner<B: InboxBackend> {
+    backend: B,
+    subscription: Arc<dyn Subscription>,
+    handler: Option<Arc<dyn Handler<HandlerTx<B>>>>,
+    config: RunnerConfig,
+    embedded: Option<Arc<Processor<B>>>,
+    hooks: Vec<Arc<dyn InboxHooks>>,
+    rng: Mutex<Box<dyn RandomSource>>,
+    started: AtomicBool,
+    stop: CancellationToken,
+    warned_sources: Mutex<Vec<String>>,
+}
+
+impl<B: InboxBackend> std::fmt::Debug for Runner<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A failure of T before its outcome committed (R132).
+struct Persist(RepositoryError);
+
+impl From<RepositoryError> for Persist {
+    fn from(e: RepositoryError) -> Self {
+        Self(e)
+    }
+}
+
+impl<B: InboxBackend> Runner<B> {
+    /// A builder with the defaults of section 27.
+    pub fn builder(
+        backend: B,
+        subscription: Arc<dyn Subscription>,
+        group: impl Into<String>,
+    ) -> RunnerBuilder<B> {
+        RunnerBuilder {
+            backend,
+            subscription,
+            handler: None,
+            group: group.into(),
+            worker: None,
+            on_failure: None,
+            at_most_once: None,
+            ancestor: AncestorAckSettings::default(),
+            max_attempts: limits::DEFAULT_MAX_ATTEMPTS as u32,
+            handler_timeout: DEFAULT_HANDLER_TIMEOUT,
+            backoff: Backoff::default(),
+            key_order: true,
+            concurrency: DEFAULT_RUNNER_CONCURRENCY,
+            lease_ttl: DEFAULT_LEASE_TTL,
+            commit_timeout: DEFAULT_COMMIT_TIMEOUT,
+            require_message_id: false,
+            sources: None,
+            topics: Vec::new(),
+            process_stored: None,
+            processor_poll: DEFAULT_INBOX_POLL,
+            hooks: Vec::new(),
+            rng: None,
+            breaker: None,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RunnerConfig {
+        &self.config
+    }
+
+    /// The embedded processor (R121), when process_stored is on.
+    pub fn embedded_processor(&self) -> Option<&Processor<B>> {
+        self.embedded.as_deref()
+    }
+
+    /// Reads at most one delivery without waiting and handles it; none when the subscription
+    /// had nothing to give.
+    pub async fn handle_next(
+        &self,
+    ) -> Result<Option<DeliveryResult>, crate::inbox::subscription::SubscriptionError> {
+        let mut d = self.subscription.next(1, Duration::ZERO).await?;
+        match d.pop() {
+            Some(d) => Ok(Some(self.handle_delivery(d).await)),
+            None => Ok(None),
+        }
+    }
+
+    /// Decodes a delivery (R114, R137 to R139).
+    pub fn decode(&self, d: &InboxDelivery) -> Result<NewInboxEvent, InvalidMessage> {
+        decode(
+            &d.message,
+            &self.config.group,
+            DecodeOptions {
+                require_message_id: self.config.require_message_id,
+                max_attempts: self.config.landing_max_attempts(),
+            },
+        )
+    }
+
+    /// Handles one delivery to its end (see the module docs), then runs the hooks.
+    pub async fn handle_delivery(&self, d: InboxDelivery) -> DeliveryResult {
+        let result = self.handle_inner(&d).await;
+        self.after(&result);
+        result
+    }
+
+    fn after(&self, result: &DeliveryResult) {
+        if result.outcome == DeliveryOutcome::PersistFailed {
+            hooks::each(&self.hooks, |h| h.on_persist_failure(result));
+        } else {
+            hooks::each(&self.hooks, |h| h.on_delivery(result));
+        }
+    }
+
+    async fn commit_delivery(&self, d: &InboxDelivery, r: &mut DeliveryResult) {
+        match tokio::time::timeout(self.config.commit_timeout, d.ack.commit()).await {
+            Ok(Ok(())) => r.committed = true,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "inbox commit failed; the broker delivers the message again");
+                r.commit_failed = true;
+            }
+            Err(_) => {
+                tracing::warn!("inbox commit was not confirmed within commit_timeout");
+                r.commit_failed = true;
+            }
+        }
+    }
+
+    async fn rewind(&self, d: &InboxDelivery, delay: Duration, r: &mut DeliveryResult) {
+        r.rewind_delay = Some(delay);
+        if let Err(e) = d.ack.rewind(delay).await {
+            tracing::warn!(error = %e, "inbox rewind failed; the broker redelivers by its own rules");
+        }
+    }
+
+    async fn handle_inner(&self, d: &InboxDelivery) -> DeliveryResult {
+        let event = match self.decode(d) {
+            Ok(e) => e,
+            Err(inv) => return self.invalid(d, inv).await,
+        };
+        let at_most_once = self.config.policy.at_most_once;
+        let mut pre_committed = DeliveryResult::new(DeliveryOutcome::Landed);
+        if at_most_once {
+            self.commit_delivery(d, &mut pre_committed).await;
+            if !pre_committed.committed {
+                let mut r = pre_committed;
+                r.message_id = Some(event.message_id().to_owned());
+                r.outcome = DeliveryOutcome::Rewound;
+                r.error = Some(
+                    "the commit before handling failed (at_most_once); the message was not handled"
+                        .into(),
+                );
+                return r;
+            }
+        }
+        loop {
+            match self.transact(d, &event).await {
+                Ok(mut r) => {
+                    r.message_id = Some(event.message_id().to_owned());
+                    r.event_type
+                        .get_or_insert_with(|| event.event_type().to_owned());
+                    if at_most_once {
+                        r.committed = true;
+                    } else if !matches!(r.outcome, DeliveryOutcome::Rewound) {
+                        self.commit_delivery(d, &mut r).await;
+                    }
+                    return r;
+                }
+                Err(Persist(RepositoryError::Constraint { message })) => {
+                    // R132: the database refuses this message (SQLSTATE class 22 or 23);
+                    // trying again changes nothing, so it is dead-lettered.
+                    let inv = InvalidMessage::new(
+                        crate::inbox::model::InvalidLabel::DbRefused,
+                        format!("database refused the message: {message}"),
+                    );
+                    let mut r = self.invalid_copy(d, inv, !at_most_once).await;
+                    r.message_id = Some(event.message_id().to_owned());
+                    r.committed = at_most_once;
+                    return r;
+                }
+                Err(Persist(e)) => {
+                    let mut r = DeliveryResult::new(DeliveryOutcome::PersistFailed);
+                    r.message_id = Some(event.message_id().to_owned());
+                    r.event_type = Some(event.event_type().to_owned());
+                    r.error = Some(e.to_string());
+                    if at_most_once {
+                        r.committed = true;
+                        return r;
+                    }
+                    if d.is_last() && !self.stop.is_cancelled() {
+                        // R182: never give a last delivery back without a row; try again in
+                        // place, each failed try counted.
+                        if self.pause_unless_stopped(PERSIST_REWIND).await {
+                            self.after(&r);
+                            continue;
+                        }
+                    }
+                    if d.is_last() {
+                        tracing::error!(message_id = event.message_id(), position = %d.message.position(), error = %e,
+                            "a last delivery has no row and is left unended at shutdown");
+                        return r;
+                    }
+                    let delay = self.capped(PERSIST_REWIND);
+                    self.rewind(d, delay, &mut r).await;
+                    return r;
+                }
+            }
+        }
+    }
+
+    /// Waits `d` unless the runner stops first; true when the wait ran out.
+    async fn pause_unless_stopped(&self, d: Duration) -> bool {
+        tokio::select! {
+            _ = self.stop.cancelled() => false,
+            _ = tokio::time::sleep(d) => true,
+        }
+    }
+
+    fn capped(&self, d: Duration) -> Duration {
+        d.min(Duration::from_secs_f64(self.config.backoff.cap_seconds()))
+    }
+
+    async fn invalid(&self, d: &InboxDelivery, inv: InvalidMessage) -> DeliveryResult {
+        self.invalid_copy(d, inv, true).await
+    }
+
+    /// R140: the dead-letter copy, then (with `terminate`) the term; a failed copy rewinds the
+    /// delivery 1.0 s, or is tried again in place on a last delivery (R182).
+    async fn invalid_copy(
+        &self,
+        d: &InboxDelivery,
+        inv: InvalidMessage,
+        terminate: bool,
+    ) -> DeliveryResult {
+        let reason = inv.to_string();
+        let mut r = DeliveryResult::new(DeliveryOutcome::Invalid);
+        r.invalid_label = Some(inv.label.as_str());
+        r.error = Some(reason.clone());
+        loop {
+            match d.ack.dead_letter(&reason, self.config.group.as_str()).await {
+                Ok(()) if !terminate => return r,
+                Ok(()) => {
+                    if let Err(e) = d.ack.term(&reason).await {
+                        tracing::warn!(error = %e, "terminating an invalid delivery failed");
+                    }
+                    return r;
+                }
+                Err(e) if d.is_last() && !self.stop.is_cancelled() => {
+                    tracing::warn!(error = %e, "dead-letter copy failed on a last delivery; trying again in 1 s");
+                    if !self.pause_unless_stopped(PERSIST_REWIND).await {
+                        tracing::error!(position = %d.message.position(), "a last invalid delivery has no dead-letter copy and is left unended at shutdown");
+                        return r;
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "dead-letter copy failed; rewinding the delivery");
+                    if terminate {
+                        self.rewind(d, PERSIST_REWIND, &mut r).await;
+                    }
+                    return r;
+                }
+            }
+        }
+    }
+
+    /// T: key lock, landing, row lock, the run and its outcome, commit (R115, R116).
+    async fn transact(
+        &self,
+        d: &InboxDelivery,
+        event: &NewInboxEvent,
+    ) -> Result<DeliveryResult, Persist> {
+        let mut tx = self.backend.begin().await?;
+        let key = event.key().filter(|_| self.config.key_order);
+        if let Some(k) = &key {
+            tx.lock_key(k).await?;
+        }
+        let landed = tx.land(vec![event.clone()]).await?.remove(0);
+        let inserted = landed.inserted;
+        let mut r = DeliveryResult::new(DeliveryOutcome::Landed);
+        r.row_id = Some(landed.row.id);
+        r.event_type = Some(landed.row.event_type.clone());
+        let row = match tx.lock_row(landed.row.id).await? {
+            RowLock::Locked(row) => row,
+            RowLock::Busy | RowLock::Missing => {
+                tx.commit().await?;
+                return Ok(r);
+            }
+        };
+        if matches!(row.status, Status::Completed | Status::Failed) {
+            tx.commit().await?;
+            r.outcome = DeliveryOutcome::Duplicate;
+            return Ok(r);
+        }
+        let Some(handler) = self.handler.clone() else {
+            tx.commit().await?;
+            self.warn_unserved(&row);
+            return Ok(r);
+        };
+        let now = self.backend.now().await?;
+        let runnable = inbox_order::fetchable(&row, now, self.config.lease_ttl)
+            && !(key.is_some() && tx.earlier_in_line(&row).await?);
+        if !runnable {
+            tx.commit().await?;
+            return Ok(r);
+        }
+        let mut row = row;
+        if row.locked_at.is_some() {
+            // An expired lease: taken over (R116, D17).
+            row = tx.write(row.id, RowWrite::ClearLease).await?;
+        }
+        let span = crate::inbox::spans::handler_span(&row, &self.config.worker);
+        let run: HandlerRun = tracing::Instrument::instrument(
+            run_handler(&mut tx, handler.as_ref(), &row, self.config.handler_timeout),
+            span.clone(),
+        )
+        .await?;
+        crate::inbox::spans::record_result(&span, &run.result);
+        r.handler_duration = Some(run.duration);
+        r.handler_status = run.result.status().map(str::to_owned);
+        let failure = match &run.result {
+            RunResult::Completed { .. } | RunResult::Skipped { .. } => {
+                tx.write(row.id, RowWrite::Complete).await?;
+                tx.commit().await?;
+                r.outcome = if matches!(run.result, RunResult::Completed { .. }) {
+                    DeliveryOutcome::Completed
+                } else {
+                    DeliveryOutcome::Skipped
+                };
+                return Ok(r);
+            }
+            RunResult::Failed(f) => f.clone(),
+        };
+        r.error = Some(failure.error.clone());
+        let write = if self.config.policy.at_most_once {
+            self.record_write(&failure, &row, true)
+        } else {
+            match self.config.policy.on_failure {
+                OnFailure::Record => self.record_write(&failure, &row, false),
+                OnFailure::Rewind => {
+                    let decision = {
+                        let mut rng = self.rng.lock().expect("rng poisoned");
+                        policy::rewind_decision(
+                            &failure,
+                            d.delivery_number,
+                            row.max_attempts,
+                            d.is_last(),
+                            inserted,
+                            now,
+                            &self.config.backoff,
+                            rng.as_mut(),
+                        )
+                    };
+                    match decision {
+                        RewindDecision::Rewind(delay) => {
+                            tx.rollback().await;
+                            r.outcome = DeliveryOutcome::Rewound;
+                            r.row_id = None;
+                            self.rewind(d, delay, &mut r).await;
+                            return Ok(r);
+                        }
+                        RewindDecision::Record => self.record_write(&failure, &row, false),
+                        RewindDecision::Terminal => RowWrite::Terminal {
+                            error: failure.error.clone(),
+                        },
+                    }
+                }
+            }
+        };
+        r.outcome = DeliveryOutcome::Recorded;
+        let written = if run.usable {
+            let w = tx.write(row.id, write).await?;
+            tx.commit().await?;
+            Some(w)
+        } else {
+            tx.rollback().await;
+            self.fresh_write(event, &row, inserted, write, &failure)
+                .await?
+        };
+        match written {
+            Some(w) => {
+                r.next_try = Some(w.scheduled_at);
+                r.terminal = w.status == Status::Failed;
+                if r.terminal {
+                    hooks::each(&self.hooks, |h| h.on_terminal_failure(&row, &failure.error));
+                }
+            }
+            None => {
+                r.guard_failed = true;
+                let now_row = self
+                    .backend
+                    .get_by_message_id(event.message_id(), &self.config.group)
+                    .await
+                    .ok()
+                    .flatten();
+                r.row_id = now_row.as_ref().map(|x| x.id);
+                r.outcome = match now_row.map(|x| x.status) {
+                    Some(Status::Completed | Status::Failed) => DeliveryOutcome::Duplicate,
+                    _ => DeliveryOutcome::Landed,
+                };
+            }
+        }
+        Ok(r)
+    }
+
+    fn record_write(&self, f: &Failure, row: &InboxEvent, at_most_once: bool) -> RowWrite {
+        let mut rng = self.rng.lock().expect("rng poisoned");
+        policy::record_write(
+            f,
+            row.attempts_made,
+            row.created_at,
+            &self.config.backoff,
+            rng.as_mut(),
+            at_most_once,
+        )
+    }
+
+    /// R126's fresh transaction after T became unusable: the same locks, the guard, the write.
+    async fn fresh_write(
+        &self,
+        event: &NewInboxEvent,
+        row: &InboxEvent,
+        inserted: bool,
+        write: RowWrite,
+        _failure: &Failure,
+    ) -> Result<Option<InboxEvent>, Persist> {
+        let mut tx = self.backend.begin().await?;
+        if let Some(k) = event.key().filter(|_| self.config.key_order) {
+            tx.lock_key(&k).await?;
+        }
+        let guard = if inserted {
+            Guard::Reland(event.clone())
+        } else {
+            Guard::Unchanged {
+                id: row.id,
+                attempts_made: row.attempts_made,
+                scheduled_at: row.scheduled_at,
+                lease_ttl: self.config.lease_ttl,
+            }
+        };
+        match tx.guard(&guard).await? {
+            Some(found) => {
+                let w = tx.write(found.id, write).await?;
+                tx.commit().await?;
+                Ok(Some(w))
+            }
+            None => {
+                tx.rollback().await;
+                Ok(None)
+            }
+        }
+    }
+
+    fn warn_unserved(&self, row: &InboxEvent) {
+        if !self.config.process_stored || self.config.sources.contains(&row.source) {
+            return;
+        }
+        let mut w = self.warned_sources.lock().expect("poisoned");
+        if !w.contains(&row.source) {
+            w.push(row.source.clone());
+            tracing::warn!(source = %row.source, "a landed row's source is not among the runner's sources; another processor must run it");
+        }
+    }
+
+    /// Lands a last delivery pending without a handler run, in a transaction of its own, and
+    /// commits it (R182 at shutdown). Returns the result.
+    async fn land_only(&self, d: &InboxDelivery) -> DeliveryResult {
+        let event = match self.decode(d) {
+            Ok(e) => e,
+            Err(inv) => return self.invalid(d, inv).await,
+        };
+        let mut r = DeliveryResult::new(DeliveryOutcome::Landed);
+        r.message_id = Some(event.message_id().to_owned());
+        let res: Result<Uuid, RepositoryError> = async {
+            let mut tx = self.backend.begin().await?;
+            if let Some(k) = event.key().filter(|_| self.config.key_order) {
+                tx.lock_key(&k).await?;
+            }
+            let l = tx.land(vec![event.clone()]).await?.remove(0);
+            tx.commit().await?;
+            Ok(l.row.id)
+        }
+        .await;
+        match res {
+            Ok(id) => {
+                r.row_id = Some(id);
+                self.commit_delivery(d, &mut r).await;
+            }
+            Err(e) => {
+                r.outcome = DeliveryOutcome::PersistFailed;
+                r.error = Some(e.to_string());
+                tracing::error!(message_id = event.message_id(), position = %d.message.position(), "a last delivery has no row and is left unended at shutdown");
+            }
+        }
+        r
+    }
+
+    /// Marks the runner started (R120); idempotent.
+    pub fn start(&self) {
+        self.started.store(true, Ordering::SeqCst);
+    }
+
+    /// Asks the loop to stop (R167); idempotent.
+    pub fn stop(&self) {
+        self.stop.cancel();
+    }
+}

@@ -1,0 +1,130 @@
+//! Subscriptions, deliveries and ack handles (contract R113): what a broker adapter gives the
+//! runner.
+//!
+//! A [`Subscription`] hands out [`InboxDelivery`]s, each with its [`BrokerMessage`], its delivery
+//! number n, whether the broker will deliver it again, and an [`AckHandle`] with the four
+//! operations of R113 (commit, rewind, term, renew) plus the dead-letter copy of R140. The runner
+//! ends each delivery with exactly one of commit, rewind or term, unless it stops or crashes
+//! first. What an adapter can do is data ([`SubscriptionCapabilities`]), so that a runner can
+//! refuse a setting the broker cannot carry (Kafka refuses `rewind`, R175) when it is built.
+//!
+//! The suite's scripted subscription (`outbox_core::inbox::scripted`, feature `testing`) records
+//! every operation; the NATS, Redis, Kafka and RabbitMQ adapters live in their own crates.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::inbox::decode::BrokerMessage;
+
+/// A subscription operation failed. Its display is the adapter's text.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct SubscriptionError {
+    /// What failed.
+    pub message: String,
+    /// Whether trying again later can help (no answer, connection lost).
+    pub transient: bool,
+}
+
+impl SubscriptionError {
+    /// A transient failure (the broker could not be reached or did not answer in time).
+    pub fn transient(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            transient: true,
+        }
+    }
+
+    /// A failure that retrying will not fix.
+    pub fn permanent(message: impl Into<String>) -> Self {
+        Self {
+            message: message.into(),
+            transient: false,
+        }
+    }
+
+    /// Whether trying again later can help.
+    pub fn is_transient(&self) -> bool {
+        self.transient
+    }
+}
+
+/// The operations on one delivery (R113, R134, R136, R140).
+#[async_trait]
+pub trait AckHandle: Send + Sync {
+    /// Tells the broker the group is done with the message; returns once the broker confirmed
+    /// it (the runner bounds the wait by commit_timeout, R131).
+    async fn commit(&self) -> Result<(), SubscriptionError>;
+    /// Has the broker deliver the message again after `delay` (R127, R132).
+    async fn rewind(&self, delay: Duration) -> Result<(), SubscriptionError>;
+    /// Ends the message for the group without handling it, with a reason (R140).
+    async fn term(&self, reason: &str) -> Result<(), SubscriptionError>;
+    /// Keeps the delivery from being handed to another consumer (R134, R136).
+    async fn renew(&self) -> Result<(), SubscriptionError>;
+    /// Copies the message as received to the dead-letter destination with the reason and the
+    /// group (R140). A failure leaves the delivery to be rewound.
+    async fn dead_letter(&self, reason: &str, group: &str) -> Result<(), SubscriptionError>;
+}
+
+/// One hand-over of a broker message to one runner (R113).
+pub struct InboxDelivery {
+    /// The message as received.
+    pub message: BrokerMessage,
+    /// How often the broker delivered it to the group, this delivery included (n ≥ 1).
+    pub delivery_number: u32,
+    /// False only on the broker's last delivery (R113, R182).
+    pub redelivered_later: bool,
+    /// Its operations (shared, so the runner can renew a delivery while it is handled).
+    pub ack: std::sync::Arc<dyn AckHandle>,
+}
+
+impl std::fmt::Debug for InboxDelivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxDelivery")
+            .field("position", &self.message.position())
+            .field("delivery_number", &self.delivery_number)
+            .field("redelivered_later", &self.redelivered_later)
+            .finish_non_exhaustive()
+    }
+}
+
+impl InboxDelivery {
+    /// Whether this is the broker's last delivery of the message (R182).
+    pub fn is_last(&self) -> bool {
+        !self.redelivered_later
+    }
+}
+
+/// What a subscription can do, as data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubscriptionCapabilities {
+    /// A short name (`scripted`, `nats`, `redis`, `kafka`, `rabbitmq`).
+    pub name: &'static str,
+    /// Whether a delivery can be rewound one by one (false on Kafka: `on_failure = rewind` is
+    /// refused when the runner is built, R175).
+    pub rewind: bool,
+    /// Whether the broker has a last delivery (NATS with max_deliver, RabbitMQ; R182).
+    pub last_delivery: bool,
+    /// How often the runner renews every delivery it holds, handled or waiting for its key
+    /// (NATS: ack_wait / 2, R134; Redis: claim_idle / 2, R136); none: never.
+    pub renew_every: Option<Duration>,
+}
+
+/// A source of deliveries for one consumer group (R113).
+#[async_trait]
+pub trait Subscription: Send + Sync {
+    /// What the adapter can do.
+    fn capabilities(&self) -> SubscriptionCapabilities;
+
+    /// Up to `max` deliveries (the runner's free slots, R134, R166), waiting at most `wait` for
+    /// the first; an empty list when none came. An error is a failed read (R120).
+    async fn next(
+        &self,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<InboxDelivery>, SubscriptionError>;
+
+    /// Closes the subscription after the runner stopped (R167).
+    async fn close(&self) {}
+}
