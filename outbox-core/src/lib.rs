@@ -15,6 +15,7 @@ pub mod ordering;
 pub mod redact;
 pub mod relay;
 pub mod repository;
+mod report;
 #[cfg(any(test, feature = "testing"))]
 pub mod scripted;
 pub mod step;
