@@ -36,6 +36,10 @@
 //! observers), `relay/publish.rs` (one key's run: steps, publish, the outcome of each result),
 //! `relay/run_loop.rs` (waits, outage back-off, which fetch errors end the loop); the report
 //! types are in `report.rs`, shared with the pipeline steps' observers.
+//!
+//! [`DeliveryMode`]: crate::DeliveryMode
+//! [`DeliveryMode::Lease`]: crate::DeliveryMode::Lease
+//! [`DeliveryMode::Transaction`]: crate::DeliveryMode::Transaction
 
 use std::sync::{Arc, Mutex};
 
