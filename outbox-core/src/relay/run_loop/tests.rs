@@ -359,9 +359,9 @@ struct Outcome10s {
     first_publish_after: Duration,
 }
 
-/// 3 relays (the issue's setting) share one table of 600 rows on 200 keys; the broker is
-/// down for 10 s and then comes back; the loop runs with `options`, `poll` as the poll
-/// interval.
+/// 3 relays (the setting the ancestor was measured in) share one table of 600 rows on 200
+/// keys; the broker is down for 10 s and then comes back; the loop runs with `options`, `poll`
+/// as the poll interval.
 async fn outage_10s(broker: Arc<Outage>, poll: Duration, options: RunOptions) -> Outcome10s {
     let mem = memory();
     put(&mem, 200, 3).await;
@@ -421,7 +421,7 @@ async fn outage_10s(broker: Arc<Outage>, poll: Duration, options: RunOptions) ->
     }
 }
 
-/// Issue 14's figure: the ancestor made 46,060 row updates with 3 relays during a 10 s broker
+/// The measured figure: the ancestor made 46,060 row updates with 3 relays during a 10 s broker
 /// outage (measured from PostgreSQL's WAL); the target is at most 10 % of it.
 const ANCESTOR_ROW_UPDATES_10S: usize = 46_060;
 
