@@ -14,6 +14,19 @@ fn config(prefix: &str) -> NatsBrokerConfig {
         .timeout(Duration::from_secs(2))
 }
 
+/// Creates a memory stream with these subjects (the admin's, not the adapter's).
+async fn create_stream(admin: &jetstream::Context, name: &str, subjects: String) {
+    admin
+        .create_stream(jetstream::stream::Config {
+            name: name.to_owned(),
+            subjects: vec![subjects],
+            storage: jetstream::stream::StorageType::Memory,
+            ..Default::default()
+        })
+        .await
+        .expect("create the stream");
+}
+
 async fn admin() -> jetstream::Context {
     jetstream::new(
         async_nats::connect(url())
@@ -45,30 +58,14 @@ async fn connect_accepts_a_covering_stream() {
 
     let prefix = format!("outboxcheck.wide.{suffix}.");
     let wide = format!("OUTBOX_CHECK_WIDE_{suffix}");
-    admin
-        .create_stream(jetstream::stream::Config {
-            name: wide.clone(),
-            subjects: vec![format!("{prefix}>")],
-            storage: jetstream::stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .expect("create the covering stream");
+    create_stream(&admin, &wide, format!("{prefix}>")).await;
     NatsBroker::connect(config(&prefix))
         .await
         .expect("a stream covers prefix>");
 
     let partial_prefix = format!("outboxcheck.part.{suffix}.");
     let partial = format!("OUTBOX_CHECK_PART_{suffix}");
-    admin
-        .create_stream(jetstream::stream::Config {
-            name: partial.clone(),
-            subjects: vec![format!("{partial_prefix}orders")],
-            storage: jetstream::stream::StorageType::Memory,
-            ..Default::default()
-        })
-        .await
-        .expect("create the partial stream");
+    create_stream(&admin, &partial, format!("{partial_prefix}orders")).await;
     NatsBroker::connect(config(&partial_prefix))
         .await
         .expect("a stream covering one topic can publish that topic");

@@ -144,22 +144,16 @@ pub async fn tx_02_rollback(f: &dyn Factory) {
         before.push(c.get(*id).await);
     }
     let bound = c.relay(&Cfg::default()).config().delivery_bound();
-    let fetch = |worker: &str| FetchRequest::new(WorkerId::new(worker).unwrap(), 10).max_per_key(4);
-    let ids = |rows: &[outbox_core::Fetched]| rows.iter().map(|r| r.id()).collect::<Vec<_>>();
-    let (rows, first) = c
-        .repo()
-        .begin_delivery(&fetch("w-first"), bound)
-        .await
-        .expect("first fetch");
-    assert_eq!(ids(&rows), e, "the first delivery holds every row");
-    first.rollback().await;
-    let (rows, second) = c
-        .repo()
-        .begin_delivery(&fetch("w-second"), bound)
-        .await
-        .expect("second fetch");
-    assert_eq!(ids(&rows), e, "rolled back: the rows are free at once");
-    second.rollback().await;
+    // Each worker's delivery holds every row, in write order per key; then it rolls back.
+    for (worker, what) in [
+        ("w-first", "the first delivery holds every row"),
+        ("w-second", "rolled back: the rows are free at once"),
+    ] {
+        let req = FetchRequest::new(WorkerId::new(worker).unwrap(), 10).max_per_key(4);
+        let (rows, delivery) = c.repo().begin_delivery(&req, bound).await.expect("fetch");
+        assert_eq!(rows.iter().map(|r| r.id()).collect::<Vec<_>>(), e, "{what}");
+        delivery.rollback().await;
+    }
     for (id, b) in e.iter().zip(&before) {
         assert_eq!(
             &c.get(*id).await,
