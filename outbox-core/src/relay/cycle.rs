@@ -125,33 +125,7 @@ impl Relay {
             .await;
         let state = state.into_inner().expect("cycle state poisoned");
 
-        // Decide the rows not processed (R47, R77).
-        let mut outcomes = Vec::with_capacity(rows.len());
-        let mut durations = HashMap::new();
-        let mut deferred_keys = HashSet::new();
-        for r in &rows {
-            let id = r.id();
-            let kind = match state.decided.get(&id) {
-                Some((k, d)) => {
-                    if let Some(d) = d {
-                        durations.insert(id, *d);
-                    }
-                    k.clone()
-                }
-                None => match &state.stop {
-                    Some(Stop::Unreachable(text))
-                        if !state.failed_keys.contains(&r.key())
-                            && deferred_keys.insert(r.key()) =>
-                    {
-                        OutcomeKind::Deferred {
-                            error: text.clone(),
-                        }
-                    }
-                    _ => OutcomeKind::Released,
-                },
-            };
-            outcomes.push(Outcome { id, kind });
-        }
+        let (outcomes, durations) = decide_rest(&rows, &state);
         report.broker_unreachable = matches!(state.stop, Some(Stop::Unreachable(_)));
 
         let (written, retries) = match delivery {
@@ -181,125 +155,50 @@ impl Relay {
             }
         };
 
-        let by_id: HashMap<Uuid, &Fetched> = rows.iter().map(|r| (r.id(), r)).collect();
-        let mut order: Vec<Uuid> = state.completion_order.clone();
-        let completed_set: HashSet<Uuid> = order.iter().copied().collect();
-        order.extend(
-            rows.iter()
-                .map(Fetched::id)
-                .filter(|id| !completed_set.contains(id)),
+        let terminal = record_outcomes(
+            &mut report,
+            &rows,
+            &outcomes,
+            &written,
+            &durations,
+            &state.completion_order,
         );
-        let mut terminal: Vec<(Uuid, String)> = Vec::new();
-        let mut row_outcomes: HashMap<Uuid, RowOutcome> = HashMap::new();
-        for o in &outcomes {
-            let res = written.get(&o.id);
-            let next_try = match res {
-                Some(OutcomeResult::Applied { scheduled_at, .. }) => Some(*scheduled_at),
-                _ => None,
-            };
-            let ro = if matches!(res, Some(OutcomeResult::LeaseLost)) {
-                report.lease_lost.push(o.id);
-                RowOutcome::LeaseLost
-            } else {
-                match &o.kind {
-                    OutcomeKind::Completed => RowOutcome::Completed {
-                        duration: durations.get(&o.id).copied().unwrap_or_default(),
-                    },
-                    OutcomeKind::Counted { error, .. } => {
-                        let is_terminal = matches!(
-                            res,
-                            Some(OutcomeResult::Applied {
-                                status: Status::Failed,
-                                ..
-                            })
-                        );
-                        if is_terminal {
-                            terminal.push((o.id, error.clone()));
-                        }
-                        report.counted.push(FailureReport {
-                            id: o.id,
-                            error: error.clone(),
-                            next_try,
-                        });
-                        RowOutcome::Counted {
-                            error: error.clone(),
-                            next_try,
-                            terminal: is_terminal,
-                        }
-                    }
-                    OutcomeKind::Transient { error, .. } => {
-                        report.transient.push(FailureReport {
-                            id: o.id,
-                            error: error.clone(),
-                            next_try,
-                        });
-                        RowOutcome::Transient {
-                            error: error.clone(),
-                            next_try,
-                        }
-                    }
-                    OutcomeKind::Deferred { error } => {
-                        report.deferred.push(FailureReport {
-                            id: o.id,
-                            error: error.clone(),
-                            next_try: None,
-                        });
-                        RowOutcome::Deferred {
-                            error: error.clone(),
-                        }
-                    }
-                    OutcomeKind::Released => {
-                        report.released.push(o.id);
-                        RowOutcome::Released
-                    }
-                }
-            };
-            row_outcomes.insert(o.id, ro);
-        }
-        report.completed = order
-            .iter()
-            .filter(|id| matches!(row_outcomes.get(id), Some(RowOutcome::Completed { .. })))
-            .copied()
-            .collect();
-        report.outcomes = rows
-            .iter()
-            .map(|r| {
-                (
-                    r.id(),
-                    row_outcomes.remove(&r.id()).unwrap_or(RowOutcome::Released),
-                )
-            })
-            .collect();
         report.breaker_open = self.breaker_is_open();
 
         if !report.commit_failed {
-            for (id, ro) in &report.outcomes {
-                let Some(event) = by_id.get(id).and_then(|f| f.row()) else {
-                    continue;
-                };
-                let duration = match ro {
-                    RowOutcome::Completed { duration } => Some(*duration),
-                    _ => None,
-                };
-                let observed = ObservedOutcome {
-                    event,
-                    outcome: ro,
-                    duration,
-                };
-                for s in &self.steps {
-                    guard_hook("on_outcome", s.on_outcome(&observed)).await;
-                }
+            self.observe(&report, &rows, &terminal).await;
+        }
+        Ok(report)
+    }
+
+    /// The observers of the pipeline steps, after the outcome commit (R68, R83): each row's
+    /// outcome, then each terminal failure.
+    async fn observe(&self, report: &CycleReport, rows: &[Fetched], terminal: &[(Uuid, String)]) {
+        let by_id: HashMap<Uuid, &Fetched> = rows.iter().map(|r| (r.id(), r)).collect();
+        for (id, ro) in &report.outcomes {
+            let Some(event) = by_id.get(id).and_then(|f| f.row()) else {
+                continue;
+            };
+            let duration = match ro {
+                RowOutcome::Completed { duration } => Some(*duration),
+                _ => None,
+            };
+            let observed = ObservedOutcome {
+                event,
+                outcome: ro,
+                duration,
+            };
+            for s in &self.steps {
+                guard_hook("on_outcome", s.on_outcome(&observed)).await;
             }
-            for (id, error) in &terminal {
-                if let Some(event) = by_id.get(id).and_then(|f| f.row()) {
-                    for s in &self.steps {
-                        guard_hook("on_terminal_failure", s.on_terminal_failure(event, error))
-                            .await;
-                    }
+        }
+        for (id, error) in terminal {
+            if let Some(event) = by_id.get(id).and_then(|f| f.row()) {
+                for s in &self.steps {
+                    guard_hook("on_terminal_failure", s.on_terminal_failure(event, error)).await;
                 }
             }
         }
-        Ok(report)
     }
 
     /// Writes the outcomes (R54); a transient failure (a lost connection, a restarting
@@ -341,6 +240,140 @@ impl Relay {
             wait = (wait * 2).min(OUTCOME_RETRY_MAX_WAIT);
         }
     }
+}
+
+/// The outcome of every fetched row, in fetch order: what its run decided, else (R47, R77)
+/// deferred for the first unpublished row of each key that had no failure when the broker
+/// was found unreachable, released otherwise; and the publish durations.
+fn decide_rest(rows: &[Fetched], state: &CycleState) -> (Vec<Outcome>, HashMap<Uuid, Duration>) {
+    let mut outcomes = Vec::with_capacity(rows.len());
+    let mut durations = HashMap::new();
+    let mut deferred_keys = HashSet::new();
+    for r in rows {
+        let id = r.id();
+        let kind = match state.decided.get(&id) {
+            Some((k, d)) => {
+                if let Some(d) = d {
+                    durations.insert(id, *d);
+                }
+                k.clone()
+            }
+            None => match &state.stop {
+                Some(Stop::Unreachable(text))
+                    if !state.failed_keys.contains(&r.key()) && deferred_keys.insert(r.key()) =>
+                {
+                    OutcomeKind::Deferred {
+                        error: text.clone(),
+                    }
+                }
+                _ => OutcomeKind::Released,
+            },
+        };
+        outcomes.push(Outcome { id, kind });
+    }
+    (outcomes, durations)
+}
+
+/// Fills the report from the outcomes and what the write reported per row (R58): the lists by
+/// kind, completions in publish order, every row's outcome in fetch order. Returns the rows
+/// that became `failed`, with their error, for the terminal-failure observers.
+fn record_outcomes(
+    report: &mut CycleReport,
+    rows: &[Fetched],
+    outcomes: &[Outcome],
+    written: &HashMap<Uuid, OutcomeResult>,
+    durations: &HashMap<Uuid, Duration>,
+    completion_order: &[Uuid],
+) -> Vec<(Uuid, String)> {
+    let mut order: Vec<Uuid> = completion_order.to_vec();
+    let completed_set: HashSet<Uuid> = order.iter().copied().collect();
+    order.extend(
+        rows.iter()
+            .map(Fetched::id)
+            .filter(|id| !completed_set.contains(id)),
+    );
+    let mut terminal: Vec<(Uuid, String)> = Vec::new();
+    let mut row_outcomes: HashMap<Uuid, RowOutcome> = HashMap::new();
+    for o in outcomes {
+        let res = written.get(&o.id);
+        let next_try = match res {
+            Some(OutcomeResult::Applied { scheduled_at, .. }) => Some(*scheduled_at),
+            _ => None,
+        };
+        let ro = if matches!(res, Some(OutcomeResult::LeaseLost)) {
+            report.lease_lost.push(o.id);
+            RowOutcome::LeaseLost
+        } else {
+            match &o.kind {
+                OutcomeKind::Completed => RowOutcome::Completed {
+                    duration: durations.get(&o.id).copied().unwrap_or_default(),
+                },
+                OutcomeKind::Counted { error, .. } => {
+                    let is_terminal = matches!(
+                        res,
+                        Some(OutcomeResult::Applied {
+                            status: Status::Failed,
+                            ..
+                        })
+                    );
+                    if is_terminal {
+                        terminal.push((o.id, error.clone()));
+                    }
+                    report.counted.push(FailureReport {
+                        id: o.id,
+                        error: error.clone(),
+                        next_try,
+                    });
+                    RowOutcome::Counted {
+                        error: error.clone(),
+                        next_try,
+                        terminal: is_terminal,
+                    }
+                }
+                OutcomeKind::Transient { error, .. } => {
+                    report.transient.push(FailureReport {
+                        id: o.id,
+                        error: error.clone(),
+                        next_try,
+                    });
+                    RowOutcome::Transient {
+                        error: error.clone(),
+                        next_try,
+                    }
+                }
+                OutcomeKind::Deferred { error } => {
+                    report.deferred.push(FailureReport {
+                        id: o.id,
+                        error: error.clone(),
+                        next_try: None,
+                    });
+                    RowOutcome::Deferred {
+                        error: error.clone(),
+                    }
+                }
+                OutcomeKind::Released => {
+                    report.released.push(o.id);
+                    RowOutcome::Released
+                }
+            }
+        };
+        row_outcomes.insert(o.id, ro);
+    }
+    report.completed = order
+        .iter()
+        .filter(|id| matches!(row_outcomes.get(id), Some(RowOutcome::Completed { .. })))
+        .copied()
+        .collect();
+    report.outcomes = rows
+        .iter()
+        .map(|r| {
+            (
+                r.id(),
+                row_outcomes.remove(&r.id()).unwrap_or(RowOutcome::Released),
+            )
+        })
+        .collect();
+    terminal
 }
 
 /// The rows of a fetch as runs by key: keys in order of their first row, each key's rows in
