@@ -14,7 +14,7 @@ use uuid::Uuid;
 use crate::backoff::TRANSIENT_RETRY;
 use crate::broker::{Broker, Message};
 use crate::error::{BrokerError, StepError};
-use crate::event::limits;
+use crate::event::{OutboxEvent, limits};
 use crate::ordering::Key;
 use crate::repository::{Fetched, OutcomeKind, Retry};
 use crate::step::StepDecision;
@@ -47,6 +47,59 @@ impl Relay {
             Some(d) => Retry::After(d),
             None => Retry::Keep,
         }
+    }
+
+    /// Runs the pipeline steps before the publish, in order, until one does not continue
+    /// (R37). A step that panics fails the row as a counted failure whose last_error is the
+    /// panic message, like a step error; the cycle goes on.
+    async fn before_publish_steps(&self, row: &OutboxEvent) -> Result<StepDecision, StepError> {
+        let mut verdict = Ok(StepDecision::Continue);
+        for s in &self.steps {
+            verdict = match AssertUnwindSafe(s.before_publish(row)).catch_unwind().await {
+                Ok(v) => v,
+                Err(payload) => {
+                    let text = panic_text(payload.as_ref());
+                    tracing::error!(id = %row.id, panic = %text, "a pipeline step panicked in before_publish; the row fails as a counted failure");
+                    Err(StepError::counted(format!(
+                        "pipeline step panicked: {text}"
+                    )))
+                }
+            };
+            if !matches!(verdict, Ok(StepDecision::Continue)) {
+                break;
+            }
+        }
+        verdict
+    }
+
+    /// The span of one publish: the OpenTelemetry messaging attributes, and the trace context
+    /// stored with the row (see `crate::trace`), recorded as `messaging.traceparent`; with the
+    /// feature `opentelemetry` also a link to that context.
+    fn publish_span(&self, row: &OutboxEvent, msg: &Message) -> tracing::Span {
+        let span = tracing::info_span!(
+            "process",
+            otel.name = %format_args!("process {}", row.event_type),
+            otel.kind = "producer",
+            messaging.system = self.broker.messaging_system(),
+            messaging.destination.name = %self.broker.destination_name(msg),
+            messaging.message.id = %row.id,
+            messaging.operation.type = "send",
+            messaging.traceparent = msg.traceparent().unwrap_or(""),
+            event.id = %row.id,
+            "event.type" = %row.event_type,
+            worker.id = %self.config.worker_id,
+            event.trace_id = row.trace_id.as_deref().unwrap_or(""),
+            error = tracing::field::Empty,
+        );
+        #[cfg(feature = "opentelemetry")]
+        if let Some(tp) = msg
+            .traceparent()
+            .and_then(|t| crate::trace::TraceParent::parse(t).ok())
+        {
+            use tracing_opentelemetry::OpenTelemetrySpanExt;
+            span.add_link(crate::trace::span_context(&tp));
+        }
+        span
     }
 
     pub(super) async fn publish_run(
@@ -99,25 +152,7 @@ impl Relay {
                 }
                 Fetched::Row(e) => e,
             };
-            // Pipeline steps before the publish (R37).
-            // A step that panics fails the row as a counted failure whose last_error is the
-            // panic message, like a step error; the cycle goes on.
-            let mut verdict = Ok(StepDecision::Continue);
-            for s in &self.steps {
-                verdict = match AssertUnwindSafe(s.before_publish(row)).catch_unwind().await {
-                    Ok(v) => v,
-                    Err(payload) => {
-                        let text = panic_text(payload.as_ref());
-                        tracing::error!(id = %row.id, panic = %text, "a pipeline step panicked in before_publish; the row fails as a counted failure");
-                        Err(StepError::counted(format!(
-                            "pipeline step panicked: {text}"
-                        )))
-                    }
-                };
-                if !matches!(verdict, Ok(StepDecision::Continue)) {
-                    break;
-                }
-            }
+            let verdict = self.before_publish_steps(row).await;
             match verdict {
                 Ok(StepDecision::Continue) => {}
                 Ok(StepDecision::StopCycle) => {
@@ -173,31 +208,7 @@ impl Relay {
             }
             // The publish (R45, R36).
             let msg = Message::from_event(row);
-            // OpenTelemetry messaging attributes, and the trace context stored with the row
-            // (see `crate::trace`), recorded on the span as `messaging.traceparent`.
-            let span = tracing::info_span!(
-                "process",
-                otel.name = %format_args!("process {}", row.event_type),
-                otel.kind = "producer",
-                messaging.system = self.broker.messaging_system(),
-                messaging.destination.name = %self.broker.destination_name(&msg),
-                messaging.message.id = %row.id,
-                messaging.operation.type = "send",
-                messaging.traceparent = msg.traceparent().unwrap_or(""),
-                event.id = %row.id,
-                "event.type" = %row.event_type,
-                worker.id = %self.config.worker_id,
-                event.trace_id = row.trace_id.as_deref().unwrap_or(""),
-                error = tracing::field::Empty,
-            );
-            #[cfg(feature = "opentelemetry")]
-            if let Some(tp) = msg
-                .traceparent()
-                .and_then(|t| crate::trace::TraceParent::parse(t).ok())
-            {
-                use tracing_opentelemetry::OpenTelemetrySpanExt;
-                span.add_link(crate::trace::span_context(&tp));
-            }
+            let span = self.publish_span(row, &msg);
             let started = self.clock.now();
             // A broker client that panics is a refusal of this row (counted), not the end of
             // the cycle.
