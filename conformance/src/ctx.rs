@@ -16,7 +16,7 @@ use outbox_core::step::PipelineStep;
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
+use crate::harness::{Factory, Harness, RowPatch, WriteTx};
 
 /// Relay settings of a cycle; defaults are the suite's conventions.
 #[derive(Clone)]
@@ -152,9 +152,14 @@ impl Ctx {
         }
     }
 
-    /// The backend kind.
-    pub fn kind(&self) -> BackendKind {
-        self.h.kind()
+    /// Whether the backend's "now" is an injected clock ([`Capabilities::database_clock`]
+    /// false, R72): it stands still unless the trial advances it, so waits measured on it are
+    /// exact, and [`advance`](Self::advance) moves that clock instead of shifting the rows back.
+    /// A database clock runs on during a cycle.
+    ///
+    /// [`Capabilities::database_clock`]: outbox_core::repository::Capabilities::database_clock
+    pub fn clock_stands_still(&self) -> bool {
+        !self.repo().capabilities().database_clock
     }
 
     /// The repository under test.
@@ -240,10 +245,10 @@ impl Ctx {
     }
 
     /// Trial time: the backend's now plus everything advanced. On a backend whose advance moves
-    /// its clock (in memory) this counts advances twice, so it is only for differences taken on
-    /// a database clock.
+    /// its clock ([`clock_stands_still`](Self::clock_stands_still)) the backend's now already
+    /// holds the advances, so the time is returned as it is.
     pub fn shifted(&self, t: DateTime<Utc>) -> DateTime<Utc> {
-        if self.kind() == BackendKind::Memory {
+        if self.clock_stands_still() {
             t
         } else {
             t + chrono::Duration::from_std(self.advanced()).expect("duration")

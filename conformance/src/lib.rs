@@ -23,6 +23,13 @@ pub use harness::{BackendKind, Factory, Harness, InTransaction, RowPatch, WriteT
 /// index is not unique) and PG-10 (schema creation over an existing plain ancestor table,
 /// which the partitioned layout refuses instead of converting). The backend's own tests cover
 /// the partitioned form of both.
+///
+/// Delivery in one transaction (R84): `suite!(memory_transaction: InTransaction(FACTORY))`,
+/// `suite!(postgres_transaction: InTransaction(FACTORY))` and
+/// `suite!(postgres_partitioned_transaction: InTransaction(FACTORY))` run every relay of the
+/// suite in that mode ([`InTransaction`]): the scenarios that hold in both modes, then the TX
+/// group (TX-02's commit and rollback variants and TX-04 on every backend, the rest with SQL),
+/// and none of the lease-mode-only scenarios (the lease stamp, a transient failure's write).
 #[macro_export]
 macro_rules! suite {
     (memory: $f:expr) => {
@@ -44,19 +51,19 @@ macro_rules! suite {
     (memory_transaction: $f:expr) => {
         $crate::suite!(@both $f);
         $crate::suite!(@paused $f; outage::t_11, lease::l_09);
-        $crate::suite!(@tests $f; tx::tx_02_commit, tx::tx_04);
+        $crate::suite!(@tests $f; tx::tx_02_commit, tx::tx_02_rollback, tx::tx_04);
     };
     (postgres_transaction: $f:expr) => {
         $crate::suite!(@both $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
             pg::pg_06, pg::pg_07, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12, pg::p_08,
-            tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_03, tx::tx_04, tx::tx_05);
+            tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_02_rollback, tx::tx_03, tx::tx_04, tx::tx_05);
     };
     (postgres_partitioned_transaction: $f:expr) => {
         $crate::suite!(@both $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
             pg::pg_07, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08,
-            tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_03, tx::tx_04, tx::tx_05);
+            tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_02_rollback, tx::tx_03, tx::tx_04, tx::tx_05);
     };
     (other: $f:expr) => {
         $crate::suite!(@all $f);

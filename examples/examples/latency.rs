@@ -22,8 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outbox_core::broker::{Ack, Broker, Message};
-use outbox_core::{BrokerError, CancellationToken, NewEvent, Relay};
+use outbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
 use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
 use outbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
 use rand::RngExt;

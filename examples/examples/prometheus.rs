@@ -15,10 +15,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::backoff::Backoff;
-use outbox_core::metrics::MetricsStep;
 use outbox_core::scripted::{Action, ScriptedBroker};
-use outbox_core::{CancellationToken, InMemoryRepository, NewEvent, OutboxRepository, Relay};
+use outbox_core::{
+    Backoff, CancellationToken, InMemoryRepository, MetricsStep, NewEvent, OutboxRepository, Relay,
+};
 use serde_json::json;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;

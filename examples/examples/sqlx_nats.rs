@@ -1,5 +1,6 @@
 //! A service on sqlx that writes a business row and its event in one transaction, and a relay
-//! in the same process that publishes the events to NATS JetStream.
+//! in the same process that publishes the events to NATS JetStream; a JetStream consumer reads
+//! them back and prints every header.
 //!
 //! Run it (PostgreSQL and NATS with JetStream on their default local ports):
 //!
@@ -9,68 +10,101 @@
 //! DATABASE_URL=postgres://user@host/db NATS_URL=nats://host:4222 cargo run -p outbox-examples --example sqlx_nats
 //! ```
 //!
-//! It creates the schema `example_sqlx_nats` (tables `orders` and `outbox_events`), places five
-//! orders, each with its `order.placed` event written in the order's transaction (and a
-//! `pg_notify` there, so the relay wakes at commit), prints each event as a consumer of the
-//! stream `EXAMPLE_ORDERS` receives it, and stops the relay.
+//! It creates the schema `example_sqlx_nats` (tables `orders` and `outbox_events`) and the
+//! stream `EXAMPLE_ORDERS` (subjects `example.>`), places five orders, each with its
+//! `order.placed` event written in the order's transaction (and a `pg_notify` there, so the
+//! relay wakes at commit), prints each event as a JetStream consumer of the stream receives it,
+//! and stops the relay.
+//!
+//! This file uses nothing of the examples crate: copy it into a service whose Cargo.toml has
+//!
+//! ```toml
+//! outbox-core = "0.1"
+//! outbox-postgres = "0.1"
+//! outbox-nats-broker = "0.1"
+//! tokio = { version = "1", features = ["macros", "rt-multi-thread"] }
+//! tracing-subscriber = "0.3"
+//! futures = "0.3"
+//! serde_json = "1"
+//! uuid = { version = "1", features = ["v4"] }
+//! ```
+//!
+//! sqlx and async-nats are named through `outbox_postgres::sqlx` and
+//! `outbox_nats_broker::async_nats`, so they are the versions the adapters are built with.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use outbox_core::{CancellationToken, NewEvent, Relay};
+use outbox_nats_broker::async_nats::jetstream::{self, consumer};
 use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
-use outbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
+use outbox_postgres::sqlx::{self, PgPool};
+use outbox_postgres::{PgConfig, PgOutboxRepository, WakeListener, create_schema};
 use serde_json::json;
 use uuid::Uuid;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The relay reports through `tracing` (publish failures, outages, lost leases): without a
+    // subscriber they go nowhere.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
     let db = std::env::var("DATABASE_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let nats = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
-    let pool = sqlx::PgPool::connect(&db).await?;
-    let table = TableName::new("example_sqlx_nats.outbox_events")?;
-    create_schema(&pool, &table).await?;
+
+    // The store: the outbox table next to the service's own.
+    let pool = PgPool::connect(&db).await?;
+    let cfg = PgConfig::default().table_name("example_sqlx_nats.outbox_events")?;
+    create_schema(&pool, cfg.table_ref()).await?; // idempotent
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS example_sqlx_nats.orders (
              id uuid PRIMARY KEY, customer text NOT NULL, total_cents bigint NOT NULL)",
     )
     .execute(&pool)
     .await?;
+    let repo = PgOutboxRepository::new(pool.clone(), cfg);
+    let writer = repo.writer().notify(true); // wake LISTENing relays at commit
 
-    // The relay: JetStream acknowledges each event before the row is completed.
+    // The broker: subject = "example." + topic; the stream is created when missing, and
+    // `connect` fails if no stream covered "example.>" (a relay that could never publish).
     let broker = NatsBroker::connect(
         NatsBrokerConfig::new(nats.clone())
             .subject_prefix("example.")
             .ensure_stream(StreamSpec::new("EXAMPLE_ORDERS")),
     )
     .await?;
-    let repo = Arc::new(PgOutboxRepository::new(
-        pool.clone(),
-        PgConfig::default().table(table.clone()),
-    ));
-    let relay = Arc::new(
-        Relay::builder(repo, Arc::new(broker))
-            .worker_id(outbox_examples::default_worker_id())
-            .build()?,
-    );
+
+    // A consumer of the stream, made before the writes: it gets the messages published from
+    // now on. A real one would be durable (`durable_name`) and run in its own service.
+    let js = jetstream::new(outbox_nats_broker::async_nats::connect(&nats).await?);
+    let orders = js
+        .get_stream("EXAMPLE_ORDERS")
+        .await?
+        .create_consumer(consumer::pull::Config {
+            deliver_policy: consumer::DeliverPolicy::New,
+            filter_subject: "example.orders".into(),
+            ..Default::default()
+        })
+        .await?;
+    let mut received = orders.messages().await?;
+
+    // The relay, in this process: JetStream acknowledges each event before its row is completed.
+    let table = repo.table().clone();
+    let relay = Arc::new(Relay::builder(Arc::new(repo), Arc::new(broker)).build()?);
     // Wakes the relay on each commit of a notifying writer; reconnects by itself.
-    let _listener =
-        outbox_postgres::WakeListener::spawn(&pool, &table, vec![relay.waker()]).await?;
+    let _listener = WakeListener::spawn(&pool, &table, vec![relay.waker()]).await?;
     let stop = CancellationToken::new();
     let running = tokio::spawn({
         let (relay, stop) = (relay.clone(), stop.clone());
         async move { relay.run(stop).await }
     });
 
-    // A consumer (core subscription; a real one would use a durable JetStream consumer).
-    let client = async_nats::connect(nats).await?;
-    let mut consumer = client.subscribe("example.orders").await?;
-    client.flush().await?;
-
     // The service: business row and event in one transaction.
-    let writer = PgOutboxWriter::new(&table).notify(true);
     for (customer, total) in [
         ("ada", 1200),
         ("brian", 450),
@@ -95,26 +129,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .partition_key(customer) // one customer's events stay in order
             .payload_json(json!({ "order": order, "customer": customer, "total_cents": total }))
             .build()?;
-        writer.write(&mut tx, vec![event]).await?;
+        writer.write(&mut tx, vec![event]).await?; // in the order's transaction
         tx.commit().await?;
         println!("placed order {order} for {customer}");
     }
 
     for _ in 0..5 {
-        let m = tokio::time::timeout(Duration::from_secs(30), consumer.next())
+        let m = tokio::time::timeout(Duration::from_secs(30), received.next())
             .await?
-            .ok_or("subscription closed")?;
-        let key = m
-            .headers
-            .as_ref()
-            .and_then(|h| h.get("partition_key"))
-            .map(|v| v.as_str().to_owned())
-            .unwrap_or_default();
+            .ok_or("the consumer's message stream ended")??;
         println!(
-            "received on {} (key {key}): {}",
+            "received on {}: {}",
             m.subject,
             String::from_utf8_lossy(&m.payload)
         );
+        if let Some(headers) = &m.headers {
+            let mut lines: Vec<String> = headers
+                .iter()
+                .flat_map(|(name, values)| values.iter().map(move |v| format!("{name}: {v}")))
+                .collect();
+            lines.sort();
+            for line in lines {
+                println!("    {line}");
+            }
+        }
+        m.ack().await.map_err(|e| e.to_string())?;
     }
     stop.cancel();
     running.await??;

@@ -155,6 +155,37 @@ async fn run_on_a_missing_table_exits_3_without_waiting() {
     );
 }
 
+/// No stream covers the subjects (`--nats-stream ""` creates none, and nobody else made one):
+/// this relay could never publish, so `run` says so at start-up and exits 4 (broker) instead of
+/// leaving every row pending with a retry; the row is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_without_a_stream_for_its_subjects_exits_4_at_start_up() {
+    let db = Db::fresh().await;
+    db.migrate().await;
+    db.write_events("nostream", 1, 1, 1).await;
+    let before = db.digest().await;
+    let stream = Stream::fresh().await; // never created
+    let mut a = args(&db, &stream, &nats_url());
+    let at = a.iter().position(|x| x == "--nats-stream").expect("flag") + 1;
+    a[at] = String::new();
+    let out = wait(
+        command(&a.iter().map(String::as_str).collect::<Vec<_>>())
+            .spawn()
+            .expect("spawn outbox-relay"),
+        Duration::from_secs(30),
+    )
+    .await;
+    assert_eq!(out.code, 4, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("no JetStream stream covers")
+            && out.stderr.contains(&format!("{}>", stream.prefix)),
+        "{}",
+        out.stderr
+    );
+    assert_eq!(db.digest().await, before, "the row is untouched");
+    db.drop_schema().await;
+}
+
 /// What a 10 s NATS outage cost three relay loops in one `run` process, and how soon they
 /// published once NATS was reachable again.
 #[derive(Debug)]

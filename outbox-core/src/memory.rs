@@ -184,7 +184,9 @@ impl InMemoryRepository {
         Ok(r)
     }
 
-    /// Test fixture: changes a stored row directly (the suite's `set`).
+    /// Test fixture (cargo feature `testing`): changes a stored row directly (the suite's
+    /// `set`).
+    #[cfg(any(test, feature = "testing"))]
     pub fn set(&self, id: Uuid, f: impl FnOnce(&mut OutboxEvent)) -> bool {
         let mut st = self.lock();
         match st.rows.get_mut(&id) {

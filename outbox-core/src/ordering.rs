@@ -27,7 +27,7 @@
 //!
 //! [`select`] implements these rules over rows in memory; it is what the in-memory backend runs.
 //! The Postgres backends implement the same rules in SQL (`outbox_postgres::sql`). Conformance
-//! scenarios O-01 to O-19 and check them on every backend.
+//! scenarios O-01 to O-23 and check them on every backend.
 
 use std::collections::HashMap;
 use std::fmt;

@@ -520,7 +520,7 @@ pub trait OutboxRepository: Send + Sync {
     /// `updated_at = now`), skips rows row-locked elsewhere without waiting, and returns them
     /// grouped by key, keys in head order, rows in write order. The head rule ignores filters.
     /// A lease exactly `lease_ttl` old still holds; it has expired once it is older.
-    /// Checked by O-01 to O-21, Q-01 to Q-10, L-07, L-10, S-01, S-02.
+    /// Checked by O-01 to O-23, Q-01 to Q-11, L-07, L-10, S-01, S-02.
     async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError>;
 
     /// Writes a cycle's outcomes in one transaction (R54 to R57).

@@ -12,7 +12,7 @@ use chrono::{DateTime, Utc};
 
 use crate::error::StepError;
 use crate::event::OutboxEvent;
-use crate::relay::{CycleReport, RowOutcome};
+use crate::report::{CycleReport, RowOutcome};
 
 /// What a step decides before a publish (R37).
 #[derive(Debug, Clone, PartialEq, Eq)]

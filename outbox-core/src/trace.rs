@@ -13,7 +13,14 @@
 //! `messaging.traceparent`, next to the OpenTelemetry messaging attributes
 //! `messaging.system`, `messaging.destination.name` and `messaging.message.id`.
 //!
-//! With the feature `opentelemetry`, [`EventBuilder::current_trace_context`](crate::EventBuilder::current_trace_context)
+#![cfg_attr(
+    feature = "opentelemetry",
+    doc = "With the feature `opentelemetry`, [`EventBuilder::current_trace_context`](crate::EventBuilder::current_trace_context)"
+)]
+#![cfg_attr(
+    not(feature = "opentelemetry"),
+    doc = "With the feature `opentelemetry`, `EventBuilder::current_trace_context` (not built without it)"
+)]
 //! captures the current span's context (through tracing-opentelemetry) instead of an explicit
 //! value, and the publish span also gets an OpenTelemetry link to the stored context, so a
 //! trace backend shows the relay's publish next to the producer's span.

@@ -1,4 +1,4 @@
-//! Issue 14: extreme values given to every public constructor and builder of outbox-core return
+//! Extreme values given to every public constructor and builder of outbox-core return
 //! a value or a clear error, never a panic; and what they accept runs a cycle without one.
 
 use std::sync::Arc;
@@ -274,9 +274,10 @@ fn event(key: &str) -> NewEvent {
     base().partition_key(key).build().unwrap()
 }
 
-/// The values the issue names, as plain examples.
+/// Values that used to overflow (a 1e20 s recovery, a huge backoff cap, a huge lease), as plain
+/// examples.
 #[test]
-fn the_values_from_the_issue_are_configuration_errors() {
+fn overflowing_values_are_configuration_errors() {
     let e = BreakerConfig::new(5, 1e20).unwrap_err();
     assert_eq!(
         e.to_string(),

@@ -1,4 +1,4 @@
-//! Issue 14, "never panic, never pin a row": a panicking step or broker client fails its row as
+//! Never panic, never pin a row: a panicking step or broker client fails its row as
 //! a counted failure and the cycle goes on; the cycle-end hook runs on every path (R68); a
 //! failed outcome commit is retried while the lease allows (R54, R55, R57).
 

@@ -22,3 +22,6 @@ pub use outbox_postgres::sql::{Layout, TableName};
 pub use pool::{MAX_POOL_SIZE, PgPool, PoolSettings, PooledConnection, build_pool};
 pub use repository::{DieselConfig, DieselOutboxRepository};
 pub use writer::{DieselOutboxWriter, WriteError};
+/// The diesel and diesel-async this crate is built with: name their types through these, so
+/// your connections and transactions are the ones the writer takes.
+pub use {diesel, diesel_async};

@@ -119,6 +119,7 @@ pub struct NatsBrokerConfig {
     pub(crate) connect_timeout: Duration,
     pub(crate) reconnect_delay_max: Duration,
     pub(crate) ensure_stream: Option<StreamSpec>,
+    pub(crate) check_streams: bool,
     pub(crate) client_name: Option<String>,
     pub(crate) credentials_file: Option<PathBuf>,
     pub(crate) tls: NatsTls,
@@ -147,6 +148,7 @@ impl std::fmt::Debug for NatsBrokerConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("reconnect_delay_max", &self.reconnect_delay_max)
             .field("ensure_stream", &self.ensure_stream)
+            .field("check_streams", &self.check_streams)
             .field("client_name", &self.client_name)
             .field("credentials_file", &self.credentials_file)
             .field("tls", &self.tls)
@@ -174,6 +176,7 @@ impl NatsBrokerConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             reconnect_delay_max: DEFAULT_RECONNECT_DELAY_MAX,
             ensure_stream: None,
+            check_streams: true,
             client_name: None,
             credentials_file: None,
             tls: NatsTls::default(),
@@ -260,6 +263,28 @@ impl NatsBrokerConfig {
     /// [`outbox_core::redact::secrets`] of it, never the URL itself).
     pub fn url(&self) -> &str {
         &self.url
+    }
+
+    /// Whether [`NatsBroker::connect`](crate::NatsBroker::connect) and
+    /// [`from_client`](crate::NatsBroker::from_client) check that a JetStream stream covers the
+    /// adapter's subjects ([`NatsBroker::check_streams`](crate::NatsBroker::check_streams)), so
+    /// a configuration that can never publish fails at start-up instead of in every row's
+    /// `last_error`. On by default; turn it off only when the streams are created after the
+    /// relay starts.
+    pub fn check_streams(mut self, on: bool) -> Self {
+        self.check_streams = on;
+        self
+    }
+
+    /// The subjects every publish of this adapter falls under, as a JetStream filter: the
+    /// prefix followed by `>` (every subject when the prefix is empty). `None` when the prefix
+    /// does not end in `.`: then no wildcard names the adapter's subjects.
+    pub fn subject_space(&self) -> Option<String> {
+        if self.subject_prefix.is_empty() || self.subject_prefix.ends_with('.') {
+            Some(format!("{}>", self.subject_prefix))
+        } else {
+            None
+        }
     }
 
     /// The subject a message with this topic is published to when the key token is off.

@@ -23,6 +23,27 @@ pub enum NatsBrokerError {
         /// What the client said.
         message: String,
     },
+    /// No JetStream stream covers the subjects the adapter publishes to: every publish would
+    /// be refused, so this configuration can never publish (found at start-up by
+    /// [`crate::NatsBroker::check_streams`]).
+    #[error(
+        "no JetStream stream covers the subjects {subjects:?} this adapter publishes to, so every publish would be refused; create a stream whose subjects include {subjects:?} (or configure ensure_stream; in outbox-relay, --nats-stream), or fix the subject prefix"
+    )]
+    NoStream {
+        /// The subjects looked for (the prefix followed by `>`).
+        subjects: String,
+    },
+    /// JetStream did not answer the start-up check of the streams (not enabled, restarting,
+    /// or the check timed out).
+    #[error(
+        "could not check which JetStream stream covers {subjects:?}: {message}; is nats-server running with JetStream (-js), and may this user call the JetStream API?"
+    )]
+    StreamCheck {
+        /// The subjects looked for.
+        subjects: String,
+        /// What the server or the client said.
+        message: String,
+    },
     /// The stream to ensure at start-up could not be looked up or created.
     #[error("could not ensure JetStream stream {stream:?}: {message}")]
     Stream {

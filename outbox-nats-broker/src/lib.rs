@@ -19,6 +19,9 @@ use outbox_core::{Ack, Broker, BrokerError, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
+/// The async-nats this crate is built with: name its types as `outbox_nats_broker::async_nats::…`
+/// (a client to read the stream back, a header map), whatever async-nats you depend on.
+pub use async_nats;
 pub use config::{
     BodyFormat, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_DELAY_MAX, DEFAULT_TIMEOUT, KeyToken,
     NatsBrokerConfig, NatsTls, StreamSpec, StreamStorage,
@@ -49,8 +52,10 @@ impl std::fmt::Debug for NatsBroker {
 
 impl NatsBroker {
     /// Connects (failing when the server cannot be reached within the connect timeout) and,
-    /// when the configuration says so, creates the stream if it does not exist. After this
-    /// first connection the client reconnects by itself whenever the connection is lost.
+    /// when the configuration says so, creates the stream if it does not exist; then checks
+    /// that a stream covers the adapter's subjects ([`check_streams`](Self::check_streams);
+    /// [`NatsBrokerError::NoStream`] when none does). After this first connection the client
+    /// reconnects by itself whenever the connection is lost.
     pub async fn connect(config: NatsBrokerConfig) -> Result<Self, NatsBrokerError> {
         config.validate()?;
         let notify = Arc::new(Notify::new());
@@ -65,13 +70,17 @@ impl NatsBroker {
             })?;
         let broker = Self::assemble(client, config, notify, signal);
         broker.ensure_stream().await?;
+        if broker.config.check_streams {
+            broker.check_streams().await?;
+        }
         Ok(broker)
     }
 
     /// Returns at once and connects in the background, retrying until the server is there;
     /// publishes fail transiently until then. Use it when the relay may start before NATS.
     /// [`NatsBrokerConfig::ensure_stream`] is not allowed here (call
-    /// [`ensure_stream`](Self::ensure_stream) once connected).
+    /// [`ensure_stream`](Self::ensure_stream) once connected), and the streams are not
+    /// checked: call [`check_streams`](Self::check_streams) once connected.
     pub async fn connect_lazy(config: NatsBrokerConfig) -> Result<Self, NatsBrokerError> {
         config.validate()?;
         if config.ensure_stream.is_some() {
@@ -107,6 +116,9 @@ impl NatsBroker {
             ReconnectSignal::new(),
         );
         broker.ensure_stream().await?;
+        if broker.config.check_streams {
+            broker.check_streams().await?;
+        }
         Ok(broker)
     }
 
@@ -198,6 +210,35 @@ impl NatsBroker {
                 stream: spec.name.clone(),
                 message: e.to_string(),
             })
+    }
+
+    /// Checks that this configuration can publish at all: at least one JetStream stream covers
+    /// the adapter's subjects ([`NatsBrokerConfig::subject_space`]: the prefix followed by
+    /// `>`). Without one every publish is refused with "no JetStream stream covers subject…"
+    /// and the rows wait for their retries; this says so when the relay starts. A stream that
+    /// covers only some topics passes (the rows of the others are refused one by one, each
+    /// naming its subject). A prefix that does not end in `.` names no subject space, and is
+    /// not checked. [`connect`](Self::connect) and [`from_client`](Self::from_client) call it
+    /// unless [`NatsBrokerConfig::check_streams`] is off.
+    pub async fn check_streams(&self) -> Result<(), NatsBrokerError> {
+        let Some(subjects) = self.config.subject_space() else {
+            return Ok(());
+        };
+        let lookup = self.js.stream_by_subject(subjects.clone());
+        match tokio::time::timeout(self.config.timeout, lookup).await {
+            Ok(Ok(_stream)) => Ok(()),
+            Ok(Err(e)) if e.kind() == GetStreamByNameErrorKind::NotFound => {
+                Err(NatsBrokerError::NoStream { subjects })
+            }
+            Ok(Err(e)) => Err(NatsBrokerError::StreamCheck {
+                subjects,
+                message: e.to_string(),
+            }),
+            Err(_) => Err(NatsBrokerError::StreamCheck {
+                subjects,
+                message: format!("no answer within {:?}", self.config.timeout),
+            }),
+        }
     }
 
     /// The subject of a message, or why it has none (a rejection).

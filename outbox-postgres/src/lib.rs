@@ -21,3 +21,7 @@ pub use error::Error;
 #[cfg(feature = "sqlx")]
 pub use listen::WakeListener;
 pub use sql::{Layout, TableName};
+/// The sqlx this crate is built with: name its types as `outbox_postgres::sqlx::…`, so your pool
+/// and transactions are the ones the writer and the repository take, whatever sqlx you depend on.
+#[cfg(feature = "sqlx")]
+pub use sqlx;

@@ -10,6 +10,10 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 use thiserror::Error;
 
+/// The redis client this crate is built with: name its types as `outbox_redis_broker::redis::…`,
+/// whatever redis you depend on.
+pub use redis;
+
 /// Default adapter timeout: the longest one XADD may take, reconnecting included.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default connect timeout.

@@ -762,7 +762,7 @@ pub async fn pg_12(f: &dyn Factory) {
 }
 
 /// P-08 An undecodable row fails alone. Besides the scenario's headers that are not a string
-/// map, any column the backend cannot decode counts (issue 14): an `infinity` created_at, a
+/// map, any column the backend cannot decode counts (R82): an `infinity` created_at, a
 /// `-infinity` scheduled_at (both beyond chrono's range). Each such row, on a key of its own, is a
 /// counted failure with last_error `undecodable row: …`, never published, released; the good
 /// row of the same fetch is published.

@@ -489,7 +489,7 @@ impl OutboxRepository for Interleaving {
 }
 
 /// X-05 A backend that returns a key's rows interleaved with other keys' and out of write order
-/// still gets them published one at a time, in write order (R22, R45; issue 14): the relay
+/// still gets them published one at a time, in write order (R22, R45): the relay
 /// groups by key wherever the rows are and orders each key's run by `(created_at, id)`.
 pub async fn x_05(f: &dyn Factory) {
     let c = Ctx::new(f).await;

@@ -1,7 +1,7 @@
 //! TX: delivery in one transaction (R84). They run with the relays of the
 //! trial in delivery mode `transaction` ([`InTransaction`](crate::InTransaction)); TX-01,
-//! TX-02, TX-03 and TX-05 need SQL (`[pg]`); TX-02's commit variant and TX-04 run on every
-//! backend that supports the mode.
+//! TX-02, TX-03 and TX-05 need SQL (`[pg]`); TX-02's commit and rollback variants and TX-04 run
+//! on every backend that supports the mode.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -129,6 +129,44 @@ pub async fn tx_02_commit(f: &dyn Factory) {
     assert_eq!(again.sent, vec![e[0], e[1]]);
     let last = c.cycle1().await;
     assert_eq!(last.sent, vec![e[2]]);
+}
+
+/// TX-02 (rollback) A delivery rolled back with [`Delivery::rollback`] writes nothing and frees
+/// its rows at once (R84): another worker's fetch gets the same rows, in the same order, each as
+/// it was before the first fetch; then a relay publishes them.
+///
+/// [`Delivery::rollback`]: outbox_core::repository::Delivery::rollback
+pub async fn tx_02_rollback(f: &dyn Factory) {
+    let c = tx_ctx(f).await;
+    let e = c.puts(&["k1", "k1", "k2"]).await;
+    let mut before = Vec::new();
+    for id in &e {
+        before.push(c.get(*id).await);
+    }
+    let bound = c.relay(&Cfg::default()).config().delivery_bound();
+    // Each worker's delivery holds every row, in write order per key; then it rolls back.
+    for (worker, what) in [
+        ("w-first", "the first delivery holds every row"),
+        ("w-second", "rolled back: the rows are free at once"),
+    ] {
+        let req = FetchRequest::new(WorkerId::new(worker).unwrap(), 10).max_per_key(4);
+        let (rows, delivery) = c.repo().begin_delivery(&req, bound).await.expect("fetch");
+        assert_eq!(rows.iter().map(|r| r.id()).collect::<Vec<_>>(), e, "{what}");
+        delivery.rollback().await;
+    }
+    for (id, b) in e.iter().zip(&before) {
+        assert_eq!(
+            &c.get(*id).await,
+            b,
+            "row {id} unchanged by two rolled-back deliveries"
+        );
+    }
+    assert_eq!(
+        c.cycle1().await.sent,
+        vec![e[0], e[2]],
+        "heads of k1 and k2"
+    );
+    assert_eq!(c.cycle1().await.sent, vec![e[1]]);
 }
 
 /// TX-03 A silent relay is cut off.

@@ -1,6 +1,6 @@
-//! The standard set of issue 7: every measurement of one repetition runs back to back (so each
-//! ratio compares runs made under the same load), each in its own child process (so peak RSS
-//! is the run's own); then a table of medians and ratios.
+//! The standard set (targets 1 to 6 of `examples/BENCHMARKS.md`): every measurement of one
+//! repetition runs back to back (so each ratio compares runs made under the same load), each in
+//! its own child process (so peak RSS is the run's own); then a table of medians and ratios.
 
 use std::collections::BTreeMap;
 use std::io::Write;

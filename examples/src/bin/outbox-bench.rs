@@ -1,4 +1,4 @@
-//! `outbox-bench`: the throughput benchmark of the outbox (issue 7).
+//! `outbox-bench`: the throughput benchmark of the outbox.
 //!
 //! `outbox-bench run …` prepares a fresh table in its own schema, preloads pending events in
 //! bulk and drains them one way, then prints one JSON line:
@@ -12,8 +12,8 @@
 //! * `--mode statements`: the library's fetch and completion statements run by hand, timed
 //!   round trip by round trip (where the database time of a cycle goes).
 //!
-//! `outbox-bench suite` runs the standard set of the issue (targets 1 to 6) several times, each
-//! run in a child process, and prints a table of medians and ratios. See `examples/BENCHMARKS.md`.
+//! `outbox-bench suite` runs the standard set (targets 1 to 6 of `examples/BENCHMARKS.md`)
+//! several times, each run in a child process, and prints a table of medians and ratios.
 
 #[path = "../bench/brokers.rs"]
 mod brokers;
@@ -58,8 +58,8 @@ struct Cli {
 enum Cmd {
     /// One run: fresh table, bulk preload, drain; prints one JSON line.
     Run(RunArgs),
-    /// The standard set of issue 7 (targets 1 to 6), each run several times in child
-    /// processes; prints the JSON lines and a table of medians and ratios.
+    /// The standard set (targets 1 to 6 of `examples/BENCHMARKS.md`), each run several times
+    /// in child processes; prints the JSON lines and a table of medians and ratios.
     Suite(suite::SuiteArgs),
 }
 

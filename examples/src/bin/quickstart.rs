@@ -8,17 +8,17 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::clock::ManualClock;
-use outbox_core::relay::RowOutcome;
 use outbox_core::scripted::{Action, ScriptedBroker};
-use outbox_core::{CancellationToken, InMemoryRepository, NewEvent, Relay};
+use outbox_core::{
+    CancellationToken, InMemoryRepository, ManualClock, NewEvent, Relay, RowOutcome,
+};
 use serde_json::json;
 use uuid::Uuid;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let clock = ManualClock::starting_now();
-    let start = outbox_core::clock::Clock::now(&clock);
+    let start = outbox_core::Clock::now(&clock);
     let repo = InMemoryRepository::new(Arc::new(clock.clone()));
     let broker = ScriptedBroker::new();
 
@@ -72,9 +72,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .worker_id("quickstart")
         .build()?;
     let shutdown = CancellationToken::new();
-    let secs = |c: &ManualClock| {
-        (outbox_core::clock::Clock::now(c) - start).num_milliseconds() as f64 / 1000.0
-    };
+    let secs =
+        |c: &ManualClock| (outbox_core::Clock::now(c) - start).num_milliseconds() as f64 / 1000.0;
 
     println!("{:>7}  {:<8}  {:<16}  outcome", "time", "key", "event");
     let mut sent_per_key: BTreeMap<String, Vec<(f64, &str)>> = BTreeMap::new();
