@@ -4,8 +4,10 @@
 pub mod broker;
 pub mod ctx;
 pub mod harness;
+pub mod kafka;
 pub mod memory;
 pub mod net;
+pub mod rabbitmq;
 pub mod scenarios;
 
 pub use harness::{BackendKind, Factory, Harness, InTransaction, RowPatch, WriteTx};
