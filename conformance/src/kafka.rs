@@ -1,5 +1,5 @@
 //! Kafka broker trials (brokers.md section 4.2): K-07, K-09, K-10 (refused, then forwarded),
-//! K-11, K-14, K-15 (capability-gated), K-16, K-17 and K-18's Kafka case, run through the relay
+//! K-11, K-14, K-15 (through [`crate::kafka_proxy`]), K-16, K-17 and K-18's Kafka case, run through the relay
 //! against a live Kafka-compatible broker.
 //!
 //! The adapter crate implements [`KafkaUnderTest`] with a plain client (topic admin, a consumer
@@ -60,11 +60,23 @@ pub enum Outcome {
 
 impl Outcome {
     fn skipped(case: &str, needs: &str, cap: KafkaCapability) {
-        eprintln!(
-            "SKIPPED {case}: needs {needs}{}, which the broker under test does not declare",
+        let verb = if needs.is_empty() {
+            "does not declare"
+        } else {
+            "declares"
+        };
+        report(&format!(
+            "SKIPPED {case}: needs {needs}{}, which the broker under test {verb}",
             cap.name()
-        );
+        ));
     }
+}
+
+/// Writes a line to the process's stderr past the test harness's output capture (which takes
+/// only `print!`/`eprint!`), so that a skipped case shows in the test output of a passing test.
+pub fn report(line: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// How a trial's adapter is built (topic prefix [`PREFIX`]).
@@ -134,6 +146,22 @@ pub trait KafkaUnderTest: Send + Sync {
     /// Builds an adapter without the broker and runs its connection check, whose error text is
     /// returned beside it.
     async fn adapter(&self, opts: &KafkaAdapter) -> (Arc<dyn Broker>, Result<(), String>);
+    /// A broker of the test's own that advertises `advertised` (where a proxy in front of it
+    /// will listen), for K-15; `None` where the harness cannot start one (a real Kafka named by
+    /// `KAFKA_BROKERS`).
+    async fn private_broker(&self, advertised: SocketAddr) -> Option<PrivateBroker>;
+    /// [`create_topic`](Self::create_topic) on the broker bootstrapped at `bootstrap`.
+    async fn create_topic_at(&self, bootstrap: SocketAddr, name: &str, partitions: i32);
+    /// [`read`](Self::read) from the broker bootstrapped at `bootstrap`.
+    async fn read_at(&self, bootstrap: SocketAddr, topic: &str) -> Vec<KafkaRecord>;
+}
+
+/// A broker started by a test ([`KafkaUnderTest::private_broker`]); it stops when dropped.
+pub struct PrivateBroker {
+    /// Where it listens.
+    pub listen: SocketAddr,
+    /// Whatever keeps it running (a child process killed on drop).
+    pub guard: Box<dyn Send + Sync>,
 }
 
 async fn has(b: &dyn KafkaUnderTest, c: KafkaCapability) -> bool {
@@ -522,21 +550,95 @@ pub async fn k_14(b: &dyn KafkaUnderTest) -> Outcome {
     Outcome::Passed
 }
 
-/// K-15 The idempotent producer stores a resent record once. Needs `idempotent_producer` and a
-/// proxy that discards a Produce answer, which this harness does not have: reported skipped on
-/// a broker without the capability, and a failure (not a pass) on one with it, so that the gap
-/// cannot pass unnoticed.
+/// K-15 The idempotent producer stores a resent record once (Needs `idempotent_producer`; the
+/// variant, idempotence `off`, needs nothing). The adapter reaches a broker of the test's own
+/// through a proxy that discards the broker's answer to the first Produce request and closes
+/// that connection; publish timeout 10 s, delivery timeout 8 s.
 pub async fn k_15(b: &dyn KafkaUnderTest) -> Outcome {
-    if !has(b, KafkaCapability::IdempotentProducer).await {
-        Outcome::skipped("K-15", "", KafkaCapability::IdempotentProducer);
-        return Outcome::Skipped(vec![format!(
-            "K-15: {}",
-            KafkaCapability::IdempotentProducer.name()
-        )]);
+    let mut skipped = Vec::new();
+    for idempotence in [true, false] {
+        let case = if idempotence {
+            "K-15"
+        } else {
+            "K-15 variant (off)"
+        };
+        if idempotence && !has(b, KafkaCapability::IdempotentProducer).await {
+            Outcome::skipped(case, "", KafkaCapability::IdempotentProducer);
+            skipped.push(format!(
+                "{case}: {}",
+                KafkaCapability::IdempotentProducer.name()
+            ));
+            continue;
+        }
+        let (listener, proxy_addr) = crate::kafka_proxy::DropFirstProduceAnswer::bind().await;
+        let Some(private) = b.private_broker(proxy_addr).await else {
+            report(&format!(
+                "SKIPPED {case}: needs a broker the test can start behind its proxy"
+            ));
+            skipped.push(format!("{case}: a broker the test can start"));
+            continue;
+        };
+        let proxy =
+            crate::kafka_proxy::DropFirstProduceAnswer::forward_to(listener, private.listen);
+        let r = fresh_suffix();
+        let (topic, kt) = names(&r, "resent");
+        b.create_topic_at(proxy.addr(), &kt, 1).await;
+        let (a, check) = b
+            .adapter(&KafkaAdapter {
+                bootstrap: Some(proxy.addr()),
+                idempotence,
+                delivery_timeout: Duration::from_secs(8),
+                cloudevents_source: None,
+            })
+            .await;
+        check.unwrap_or_else(|e| panic!("{case}: the adapter's start passes: {e}"));
+        let (repo, _clock) = crate::broker::repo();
+        let row = write_one(
+            &repo,
+            event(&topic, "k", json!({"n": 15})).build().expect("valid"),
+        )
+        .await;
+        let relay = relay_for(&repo, a)
+            .publish_timeout(Duration::from_secs(10))
+            .build()
+            .expect("relay");
+        let rep = cycle(&relay).await;
+        assert_eq!(rep.completed, vec![row.id], "{case}: completed: {rep:?}");
+        assert_eq!(
+            proxy.dropped(),
+            1,
+            "{case}: the first Produce answer was discarded"
+        );
+        assert!(
+            proxy.produce_requests() >= 2,
+            "{case}: the client resent the batch"
+        );
+        let got = b.read_at(proxy.addr(), &kt).await;
+        let id = row.id.hyphenated().to_string();
+        assert!(
+            got.iter()
+                .all(|m| m.header("id").as_deref() == Some(id.as_str())
+                    && m.header("event_id").as_deref() == Some(id.as_str())),
+            "{case}: {got:?}"
+        );
+        if idempotence {
+            assert_eq!(got.len(), 1, "{case}: the resent batch is stored once");
+        } else {
+            assert_eq!(got.len(), 2, "{case}: the resent batch is stored twice");
+            assert_eq!(got[0].partition, got[1].partition);
+            assert_eq!(
+                got[1].offset,
+                got[0].offset + 1,
+                "{case}: next to each other"
+            );
+        }
+        drop(private);
     }
-    panic!(
-        "K-15 is not implemented: it needs a Kafka-framing proxy that discards the first Produce answer"
-    );
+    if skipped.is_empty() {
+        Outcome::Passed
+    } else {
+        Outcome::Skipped(skipped)
+    }
 }
 
 /// K-16 A broker that grants no idempotent producer (Needs: no `idempotent_producer`).
@@ -712,7 +814,10 @@ macro_rules! kafka_suite {
                 match $crate::kafka::$name(&b).await {
                     $crate::kafka::Outcome::Passed => {}
                     $crate::kafka::Outcome::Skipped(cases) => {
-                        eprintln!("{}: cases skipped for want of a capability: {cases:?}", stringify!($name));
+                        $crate::kafka::report(&format!(
+                            "{}: cases skipped for want of a capability: {cases:?}",
+                            stringify!($name)
+                        ));
                     }
                 }
             }

@@ -5,6 +5,7 @@ pub mod broker;
 pub mod ctx;
 pub mod harness;
 pub mod kafka;
+pub mod kafka_proxy;
 pub mod memory;
 pub mod net;
 pub mod rabbitmq;

@@ -12,7 +12,9 @@ use krafka::Kafka;
 use krafka::admin::{CreateTopicsOptions, NewTopic};
 use krafka::consumer::{AutoOffsetReset, IsolationLevel};
 pub use outbox_conformance::broker::fresh_suffix;
-use outbox_conformance::kafka::{KafkaAdapter, KafkaCapability, KafkaRecord, KafkaUnderTest};
+use outbox_conformance::kafka::{
+    KafkaAdapter, KafkaCapability, KafkaRecord, KafkaUnderTest, PrivateBroker,
+};
 pub use outbox_core::Broker;
 pub use outbox_kafka_broker::{Idempotence, KafkaBroker, KafkaBrokerConfig, MessageFormat};
 use tokio::sync::OnceCell;
@@ -24,17 +26,31 @@ pub fn brokers() -> String {
 
 /// A plain client of the broker.
 pub async fn admin_client() -> Kafka {
-    Kafka::builder(brokers())
+    client_at(&brokers()).await
+}
+
+/// A plain client of the broker bootstrapped at `bootstrap`.
+pub async fn client_at(bootstrap: &str) -> Kafka {
+    Kafka::builder(bootstrap.to_owned())
         .client_id("outbox-test-admin")
         .request_timeout(Duration::from_secs(4))
         .connect_timeout(Duration::from_secs(2))
         .connect()
         .await
-        .unwrap_or_else(|e| panic!("Kafka at {} is unreachable: {e}", brokers()))
+        .unwrap_or_else(|e| panic!("Kafka at {bootstrap} is unreachable: {e}"))
 }
 
 pub async fn create_topic(name: &str, partitions: i32, configs: &[(&str, &str)]) {
-    let admin = admin_client().await.admin();
+    create_topic_at(&brokers(), name, partitions, configs).await
+}
+
+pub async fn create_topic_at(
+    bootstrap: &str,
+    name: &str,
+    partitions: i32,
+    configs: &[(&str, &str)],
+) {
+    let admin = client_at(bootstrap).await.admin();
     let mut t = NewTopic::new(name, partitions, 1).expect("topic spec");
     for (k, v) in configs {
         t = t.with_config(*k, *v);
@@ -55,7 +71,12 @@ pub async fn delete_topic(name: &str) {
 
 /// Every record of a topic, all partitions from the start, read_committed.
 pub async fn read_topic(topic: &str) -> Vec<KafkaRecord> {
-    let kafka = admin_client().await;
+    read_topic_at(&brokers(), topic).await
+}
+
+/// The same from the broker bootstrapped at `bootstrap`.
+pub async fn read_topic_at(bootstrap: &str, topic: &str) -> Vec<KafkaRecord> {
+    let kafka = client_at(bootstrap).await;
     let consumer = kafka
         .consumer_without_group()
         .auto_offset_reset(AutoOffsetReset::Earliest)
@@ -182,11 +203,11 @@ pub async fn capabilities() -> Vec<KafkaCapability> {
                 delete_topic(&absent).await;
             }
             let _ = p.close().await;
-            eprintln!(
+            outbox_conformance::kafka::report(&format!(
                 "Kafka broker at {} declares: {:?}",
                 brokers(),
                 caps.iter().map(|c| c.name()).collect::<Vec<_>>()
-            );
+            ));
             caps
         })
         .await
@@ -245,4 +266,65 @@ impl KafkaUnderTest for TestKafka {
         let check = b.check().await.map_err(|e| e.to_string());
         (Arc::new(b), check)
     }
+
+    async fn private_broker(&self, advertised: SocketAddr) -> Option<PrivateBroker> {
+        if std::env::var_os("KAFKA_BROKERS").is_some() {
+            return None;
+        }
+        let bin = tansu_binary();
+        let listen = outbox_conformance::broker::closed_port().await;
+        let child = tokio::process::Command::new(&bin)
+            .args([
+                "broker",
+                "--listener-url",
+                &format!("tcp://{listen}"),
+                "--advertised-listener-url",
+                &format!("tcp://{advertised}"),
+                "--storage-engine",
+                &format!("memory://tansu-{}/", fresh_suffix()),
+            ])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(listen).await.is_ok() {
+                return Some(PrivateBroker {
+                    listen,
+                    guard: Box::new(std::sync::Mutex::new(child)),
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("the private Tansu broker did not listen on {listen} within 10 s");
+    }
+
+    async fn create_topic_at(&self, bootstrap: SocketAddr, name: &str, partitions: i32) {
+        create_topic_at(&bootstrap.to_string(), name, partitions, &[]).await
+    }
+
+    async fn read_at(&self, bootstrap: SocketAddr, topic: &str) -> Vec<KafkaRecord> {
+        read_topic_at(&bootstrap.to_string(), topic).await
+    }
+}
+
+/// The Tansu binary: `TANSU_BIN`, else what `scripts/tansu path` prints.
+pub fn tansu_binary() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("TANSU_BIN") {
+        return p.into();
+    }
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/tansu");
+    let out = std::process::Command::new("bash")
+        .arg(&script)
+        .arg("path")
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "scripts/tansu path failed (run scripts/tansu install): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("path").trim().into()
 }
