@@ -1,6 +1,9 @@
-//! A loopback proxy that reads Kafka's framing (size-prefixed requests and answers) for K-15:
+//! A loopback proxy that reads Kafka's framing (size-prefixed requests and answers). For K-15
 //! it forwards everything, except that it discards the broker's answer to the first Produce
-//! request (API key 0) and then closes that connection, so the client resends the batch.
+//! request (API key 0) and then closes that connection, so the client resends the batch. In
+//! [`Mode::RefuseInitProducerId`] it instead turns every InitProducerId answer (API key 22)
+//! into `UNKNOWN_SERVER_ERROR`, making any broker one that grants no idempotent producer (the
+//! setting of K-16, for brokers that do grant one).
 //!
 //! A Kafka client connects to the address the broker advertises, so the broker behind this proxy
 //! must advertise the proxy's address ([`KafkaUnderTest::private_broker`](crate::kafka::KafkaUnderTest::private_broker)).
@@ -17,6 +20,17 @@ use tokio::task::JoinHandle;
 
 /// The Produce request's API key.
 pub const PRODUCE: i16 = 0;
+/// The InitProducerId request's API key.
+pub const INIT_PRODUCER_ID: i16 = 22;
+
+/// What the proxy changes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Discard the answer to the first Produce request and close that connection.
+    DropFirstProduceAnswer,
+    /// Answer every InitProducerId with error code -1 (UNKNOWN_SERVER_ERROR).
+    RefuseInitProducerId,
+}
 
 /// The proxy; dropping it stops it.
 pub struct DropFirstProduceAnswer {
@@ -35,8 +49,14 @@ impl DropFirstProduceAnswer {
         (l, a)
     }
 
-    /// Forwards connections accepted on `listener` to `upstream`.
+    /// Forwards connections accepted on `listener` to `upstream` (mode
+    /// [`Mode::DropFirstProduceAnswer`]).
     pub fn forward_to(listener: TcpListener, upstream: SocketAddr) -> Self {
+        Self::with_mode(listener, upstream, Mode::DropFirstProduceAnswer)
+    }
+
+    /// Forwards connections accepted on `listener` to `upstream` in `mode`.
+    pub fn with_mode(listener: TcpListener, upstream: SocketAddr, mode: Mode) -> Self {
         let addr = listener.local_addr().expect("addr");
         let armed = Arc::new(AtomicBool::new(true));
         let dropped = Arc::new(AtomicUsize::new(0));
@@ -51,10 +71,9 @@ impl DropFirstProduceAnswer {
                 tokio::spawn(async move {
                     let (cr, cw) = client.into_split();
                     let (sr, sw) = server.into_split();
-                    // The correlation id of the Produce request whose answer is to be dropped.
-                    let target: Arc<Mutex<Option<i32>>> = Arc::new(Mutex::new(None));
-                    let up = requests(cr, sw, target.clone(), armed, p);
-                    let down = answers(sr, cw, target, d);
+                    let state = Arc::new(Mutex::new(Conn::default()));
+                    let up = requests(cr, sw, state.clone(), armed, p, mode);
+                    let down = answers(sr, cw, state, d);
                     tokio::select! {
                         _ = up => {}
                         _ = down => {}
@@ -75,7 +94,7 @@ impl DropFirstProduceAnswer {
         self.addr
     }
 
-    /// Answers discarded so far (0 or 1).
+    /// Answers discarded (or, refusing InitProducerId, rewritten) so far.
     pub fn dropped(&self) -> usize {
         self.dropped.load(Ordering::SeqCst)
     }
@@ -103,23 +122,42 @@ async fn frame(r: &mut OwnedReadHalf) -> Option<Vec<u8>> {
     Some(buf)
 }
 
-/// Client to broker: forwards each request; the first Produce request arms the drop.
+/// What one connection's answers need from its requests.
+#[derive(Default)]
+struct Conn {
+    /// The correlation id of the Produce request whose answer is to be dropped.
+    drop: Option<i32>,
+    /// InitProducerId requests to refuse: correlation id and whether the answer is flexible
+    /// (a tagged-field byte after the correlation id).
+    refuse: Vec<(i32, bool)>,
+}
+
+/// Client to broker: forwards each request, noting those whose answers change.
 async fn requests(
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
-    target: Arc<Mutex<Option<i32>>>,
+    state: Arc<Mutex<Conn>>,
     armed: Arc<AtomicBool>,
     produce: Arc<AtomicUsize>,
+    mode: Mode,
 ) {
     while let Some(f) = frame(&mut r).await {
         if f.len() >= 12 {
             let api_key = i16::from_be_bytes([f[4], f[5]]);
+            let version = i16::from_be_bytes([f[6], f[7]]);
             let correlation = i32::from_be_bytes([f[8], f[9], f[10], f[11]]);
-            if api_key == PRODUCE {
-                produce.fetch_add(1, Ordering::SeqCst);
-                if armed.swap(false, Ordering::SeqCst) {
-                    *target.lock().await = Some(correlation);
+            match (mode, api_key) {
+                (Mode::DropFirstProduceAnswer, PRODUCE) => {
+                    produce.fetch_add(1, Ordering::SeqCst);
+                    if armed.swap(false, Ordering::SeqCst) {
+                        state.lock().await.drop = Some(correlation);
+                    }
                 }
+                (Mode::RefuseInitProducerId, INIT_PRODUCER_ID) => {
+                    // InitProducerId is flexible from version 2.
+                    state.lock().await.refuse.push((correlation, version >= 2));
+                }
+                _ => {}
             }
         }
         if w.write_all(&f).await.is_err() {
@@ -128,20 +166,30 @@ async fn requests(
     }
 }
 
-/// Broker to client: forwards each answer, except the armed one, after which the connection is
-/// closed.
+/// Broker to client: forwards each answer, except the one to drop (after which the connection
+/// is closed), with refused InitProducerId answers rewritten.
 async fn answers(
     mut r: OwnedReadHalf,
     mut w: OwnedWriteHalf,
-    target: Arc<Mutex<Option<i32>>>,
+    state: Arc<Mutex<Conn>>,
     dropped: Arc<AtomicUsize>,
 ) {
-    while let Some(f) = frame(&mut r).await {
+    while let Some(mut f) = frame(&mut r).await {
         if f.len() >= 8 {
             let correlation = i32::from_be_bytes([f[4], f[5], f[6], f[7]]);
-            if *target.lock().await == Some(correlation) {
+            let mut st = state.lock().await;
+            if st.drop == Some(correlation) {
                 dropped.fetch_add(1, Ordering::SeqCst);
                 return;
+            }
+            if let Some(i) = st.refuse.iter().position(|(c, _)| *c == correlation) {
+                let (_, flexible) = st.refuse.remove(i);
+                // header: correlation id [+ tagged fields], then throttle_time_ms, error_code.
+                let at = 8 + usize::from(flexible) + 4;
+                if f.len() >= at + 2 {
+                    f[at..at + 2].copy_from_slice(&(-1i16).to_be_bytes());
+                    dropped.fetch_add(1, Ordering::SeqCst);
+                }
             }
         }
         if w.write_all(&f).await.is_err() {
