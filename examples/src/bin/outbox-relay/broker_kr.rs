@@ -7,7 +7,7 @@ use clap::Args;
 use outbox_core::Broker;
 
 use crate::broker::BrokerArgs;
-use crate::error::{CliError, Result, code};
+use crate::error::{CliError, Result};
 
 /// Kafka settings (`--broker kafka`, cargo feature `kafka`).
 #[derive(Debug, Clone, Args)]
@@ -92,6 +92,7 @@ fn message_format(a: &BrokerArgs) -> Result<outbox_core::cloudevents::MessageFor
 /// The Kafka adapter (exit 4, retryable, when no broker answers; 2 for a bad setting).
 #[cfg(feature = "kafka")]
 pub async fn kafka(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
+    use crate::error::code;
     use outbox_kafka_broker::{
         Idempotence, KafkaBroker, KafkaBrokerConfig, KafkaBrokerError, KafkaSasl, KafkaTls,
     };
@@ -146,6 +147,7 @@ pub async fn kafka(_a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
 /// setting).
 #[cfg(feature = "rabbitmq")]
 pub async fn rabbitmq(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
+    use crate::error::code;
     use outbox_rabbitmq_broker::{
         ExchangeType, RabbitMqBroker, RabbitMqBrokerConfig, RabbitMqBrokerError, RabbitMqTls,
     };
