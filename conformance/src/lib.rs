@@ -5,8 +5,11 @@ pub mod broker;
 pub mod ctx;
 pub mod harness;
 pub mod inbox;
+pub mod kafka;
+pub mod kafka_proxy;
 pub mod memory;
 pub mod net;
+pub mod rabbitmq;
 pub mod scenarios;
 
 pub use harness::{BackendKind, Factory, Harness, InTransaction, RowPatch, WriteTx};

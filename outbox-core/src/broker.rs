@@ -8,6 +8,10 @@ use uuid::Uuid;
 use crate::error::BrokerError;
 use crate::event::OutboxEvent;
 
+/// The precision of the `created_at` attribute (R50): microseconds, as
+/// `2026-12-01T10:15:30.123456Z`.
+pub const CREATED_AT_FORMAT: chrono::SecondsFormat = chrono::SecondsFormat::Micros;
+
 /// The message a broker adapter sends for one row (R50).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Message {
@@ -24,7 +28,8 @@ pub struct Message {
     /// The user's headers, as stored.
     pub headers: BTreeMap<String, String>,
     /// The attributes of R50: the user's headers overridden by `event_id`, `event_type`,
-    /// `topic`, `partition_key`, `aggregate_type`, `aggregate_id` and, when set,
+    /// `topic`, `partition_key`, `aggregate_type`, `aggregate_id`, `created_at` (RFC 3339 in
+    /// UTC with six fractional digits, [`CREATED_AT_FORMAT`]) and, when set,
     /// `schema_version`, `trace_id`, `correlation_id`, `causation_id`.
     pub attributes: BTreeMap<String, String>,
 }
@@ -42,6 +47,10 @@ impl Message {
         attributes.insert(
             "aggregate_id".into(),
             e.aggregate_id.hyphenated().to_string(),
+        );
+        attributes.insert(
+            "created_at".into(),
+            e.created_at.to_rfc3339_opts(CREATED_AT_FORMAT, true),
         );
         for (k, v) in [
             ("schema_version", &e.schema_version),

@@ -4,6 +4,7 @@
 pub mod backoff;
 pub mod broker;
 pub mod clock;
+pub mod cloudevents;
 pub mod error;
 pub mod event;
 mod finite;

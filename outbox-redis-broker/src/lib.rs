@@ -23,13 +23,14 @@ pub const DEFAULT_KEY_PATTERN: &str = "outbox:{topic}";
 
 /// The fields that carry a standard attribute of R50 (the rest of the attributes are the
 /// user's headers and go into the `headers` field).
-pub const ATTRIBUTE_FIELDS: [&str; 10] = [
+pub const ATTRIBUTE_FIELDS: [&str; 11] = [
     "event_id",
     "event_type",
     "topic",
     "partition_key",
     "aggregate_type",
     "aggregate_id",
+    "created_at",
     "schema_version",
     "trace_id",
     "correlation_id",
@@ -254,7 +255,7 @@ impl RedisBroker {
 
     /// The fields XADD writes for a message, in order: `event_id`, `event_type`, `topic`,
     /// `partition_key`, `payload`, `headers` (only when the event has headers of its own, the
-    /// trace context apart), then `aggregate_type`, `aggregate_id` and those of
+    /// trace context apart), then `aggregate_type`, `aggregate_id`, `created_at` and those of
     /// `schema_version`, `trace_id`, `correlation_id`, `causation_id` that are set, then
     /// `traceparent` when the event was written with a W3C trace context (a field of its own,
     /// so a consumer continues the producer's trace without parsing `headers`).

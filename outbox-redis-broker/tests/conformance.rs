@@ -58,6 +58,7 @@ async fn fields_and_maxlen() {
             "headers",
             "aggregate_type",
             "aggregate_id",
+            "created_at",
             "correlation_id"
         ]
     );

@@ -61,13 +61,33 @@ pub struct BrokerArgs {
     /// Trim each Redis stream to about this many entries (MAXLEN ~).
     #[arg(long, env = "OUTBOX_REDIS_MAX_LEN")]
     pub redis_max_len: Option<u64>,
-    /// The adapter's own bound on one publish (keep it below --publish-timeout).
+    /// The adapter's own bound on one publish (keep it below --publish-timeout); on Kafka the
+    /// delivery timeout, on RabbitMQ the confirm timeout.
     #[arg(long, env = "OUTBOX_BROKER_TIMEOUT", default_value = "10s", value_parser = crate::parse_dur)]
     pub broker_timeout: Duration,
+    #[command(flatten)]
+    pub kafka: crate::broker_kr::KafkaArgs,
+    #[command(flatten)]
+    pub rabbitmq: crate::broker_kr::RabbitArgs,
+    /// plain (default) or cloudevents (CloudEvents binary mode; Kafka and RabbitMQ only, with
+    /// --cloudevents-source).
+    #[arg(long, env = "OUTBOX_MESSAGE_FORMAT", default_value = "plain")]
+    pub message_format: String,
+    /// The CloudEvents `source` of every event (a URI-reference such as /orders-service).
+    #[arg(long, env = "OUTBOX_CLOUDEVENTS_SOURCE")]
+    pub cloudevents_source: Option<String>,
 }
 
-#[cfg_attr(all(feature = "nats", feature = "redis"), allow(dead_code))]
-fn not_compiled(name: &str) -> CliError {
+#[cfg_attr(
+    all(
+        feature = "nats",
+        feature = "redis",
+        feature = "kafka",
+        feature = "rabbitmq"
+    ),
+    allow(dead_code)
+)]
+pub(crate) fn not_compiled(name: &str) -> CliError {
     CliError::new(
         code::BROKER,
         format!(
@@ -86,6 +106,12 @@ pub fn compiled_in() -> Vec<&'static str> {
     if cfg!(feature = "redis") {
         v.push("redis");
     }
+    if cfg!(feature = "kafka") {
+        v.push("kafka");
+    }
+    if cfg!(feature = "rabbitmq") {
+        v.push("rabbitmq");
+    }
     v.extend(["stdout", "noop"]);
     v
 }
@@ -95,6 +121,8 @@ pub fn redacted_url(a: &BrokerArgs) -> String {
     match a.broker {
         BrokerKind::Nats => outbox_core::redact::secrets(&a.nats_url),
         BrokerKind::Redis => outbox_core::redact::secrets(&a.redis_url),
+        BrokerKind::Kafka => a.kafka.kafka_brokers.clone(),
+        BrokerKind::Rabbitmq => outbox_core::redact::secrets(&a.rabbitmq.amqp_url),
         BrokerKind::Stdout | BrokerKind::Noop => "-".to_owned(),
     }
 }
@@ -104,6 +132,8 @@ pub fn compiled(kind: BrokerKind) -> bool {
     match kind {
         BrokerKind::Nats => cfg!(feature = "nats"),
         BrokerKind::Redis => cfg!(feature = "redis"),
+        BrokerKind::Kafka => cfg!(feature = "kafka"),
+        BrokerKind::Rabbitmq => cfg!(feature = "rabbitmq"),
         BrokerKind::Stdout | BrokerKind::Noop => true,
     }
 }
@@ -119,8 +149,16 @@ pub async fn build(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
             );
             Ok(Arc::new(NoopBroker))
         }
+        BrokerKind::Nats | BrokerKind::Redis if a.message_format != "plain" => {
+            Err(CliError::usage(format!(
+                "--message-format {} is offered on --broker kafka and rabbitmq only",
+                a.message_format
+            )))
+        }
         BrokerKind::Nats => nats(a).await,
         BrokerKind::Redis => redis(a).await,
+        BrokerKind::Kafka => crate::broker_kr::kafka(a).await,
+        BrokerKind::Rabbitmq => crate::broker_kr::rabbitmq(a).await,
     }
 }
 

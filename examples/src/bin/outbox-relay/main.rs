@@ -23,6 +23,7 @@ use outbox_postgres::TableName;
 use uuid::Uuid;
 
 mod broker;
+mod broker_kr;
 mod duration;
 mod error;
 mod ops;
@@ -186,6 +187,10 @@ pub enum BrokerKind {
     Nats,
     /// Redis Streams (cargo feature `redis`).
     Redis,
+    /// Kafka (cargo feature `kafka`).
+    Kafka,
+    /// RabbitMQ (cargo feature `rabbitmq`).
+    Rabbitmq,
     /// One JSON line per event on stdout (always compiled in).
     Stdout,
     /// Acknowledges everything and sends nothing: every event is marked completed and lost

@@ -483,6 +483,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
 }
 
 fn check_settings(a: &RunArgs, id: &str, backoff: Backoff) -> Result<()> {
+    crate::broker_kr::check_timeouts(&a.broker, a.publish_timeout)?;
     let repo = Arc::new(outbox_core::InMemoryRepository::default());
     Relay::builder(repo, Arc::new(outbox_core::broker::NoopBroker))
         .worker_id(id)
