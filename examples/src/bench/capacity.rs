@@ -428,8 +428,8 @@ pub struct SearchArgs {
     /// Brokers searched.
     #[arg(long, value_delimiter = ',', default_value = "noop,nats")]
     pub brokers: Vec<String>,
-    /// Extra arguments of every run (e.g. `--relays 2 --window-s 20`), one string.
-    #[arg(long, default_value = "--relays 2")]
+    /// Extra arguments of every run, one string: `--run-args="--relays 2 --window-s 20"`.
+    #[arg(long, default_value = "--relays 2", allow_hyphen_values = true)]
     pub run_args: String,
     /// Append every JSON line to this file.
     #[arg(long)]
