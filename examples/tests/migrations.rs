@@ -42,6 +42,11 @@ async fn print_sql_is_the_ddl_of_migrate_and_runs_as_a_sqlx_migration() {
         "{}",
         out.stdout
     );
+    // The CONCURRENTLY forms for a large existing table, as comments.
+    for s in outbox_postgres::sql::create_indexes_concurrently(&db.table) {
+        assert!(s.contains("CONCURRENTLY"), "{s}");
+        assert!(out.stdout.contains(&format!("--   {s};")), "{}", out.stdout);
+    }
 
     // Saved in a migrations folder and run by sqlx's migrator, as an application would.
     let dir = std::env::temp_dir().join(format!("outbox-migrations-{}", common::suffix()));
@@ -73,7 +78,10 @@ async fn print_sql_is_the_ddl_of_migrate_and_runs_as_a_sqlx_migration() {
             db.schema
         ))
         .await;
-    assert_eq!(indexes, 8, "the primary key and the seven indexes");
+    assert_eq!(
+        indexes, 9,
+        "the primary key, the seven indexes and the addition"
+    );
 
     // The table works with the relay, and `migrate` finds nothing to add.
     let t = db.table_arg();

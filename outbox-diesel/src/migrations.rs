@@ -8,14 +8,19 @@
 //! `outbox_postgres::sql::ddl(table)`: the same statements the sqlx backend's `create_schema`
 //! runs, for any validated table name. It is embedded in the binary like `embed_migrations!`
 //! output, and diesel_migrations records it in `__diesel_schema_migrations` as version
-//! `outbox_<table>_0001`, so it runs once per table.
+//! `outbox_<table>_0001`, so it runs once per table. A second migration, `outbox_<table>_0002`,
+//! creates the additive indexes (`outbox_postgres::sql::additions`) with `CREATE INDEX IF NOT
+//! EXISTS`: a table migrated before they existed gets them, a new one finds them made by
+//! `0001`. For a large existing table, build them first with
+//! `outbox_postgres::sql::create_indexes_concurrently` (outside a transaction).
 //!
 //! # The partitioned layout
 //!
 //! [`OutboxMigrations::with_layout`] with [`Layout::Partitioned`] runs
 //! `outbox_postgres::sql::partitioned::ddl` instead (the table `PARTITION BY RANGE
-//! (created_at)`, its default partition, the seven indexes, and the monthly partitions of the
-//! current month and the next three), recorded as version `outbox_<table>_p0001` so the two
+//! (created_at)`, its default partition, the seven indexes and the additions, and the monthly
+//! partitions of the current month and the next three), recorded as version
+//! `outbox_<table>_p0001` (and `_p0002` for the additions) so the two
 //! layouts' migrations are never taken for one another; over an existing plain table it fails
 //! and changes nothing. Later months come from [`ensure_partitions`], a maintenance call to run
 //! regularly (not a migration: it depends on the date).
@@ -84,8 +89,34 @@ impl OutboxMigrations {
         }
     }
 
+    /// The version of the second migration, which creates the additive indexes:
+    /// `outbox_<table>_0002` (plain) or `outbox_<table>_p0002` (partitioned).
+    pub fn additions_version(&self) -> String {
+        match self.layout {
+            Layout::Plain => format!("outbox_{}_0002", self.table.table()),
+            Layout::Partitioned => format!("outbox_{}_p0002", self.table.table()),
+        }
+    }
+
     /// The SQL the migration runs, as one script: the advisory lock, then the DDL.
     pub fn up_sql(&self) -> String {
+        self.locked(match self.layout {
+            Layout::Plain => sql::ddl(&self.table),
+            Layout::Partitioned => {
+                sql::partitioned::ddl(&self.table, sql::partitioned::DEFAULT_MONTHS_AHEAD)
+            }
+        })
+    }
+
+    /// The SQL of the second migration: the advisory lock, then `CREATE INDEX IF NOT EXISTS`
+    /// for each of `outbox_postgres::sql::additions` (on the parent, for the partitioned
+    /// layout).
+    pub fn additions_sql(&self) -> String {
+        self.locked(sql::create_additions(&self.table))
+    }
+
+    /// `statements` after the schema advisory lock, as one script.
+    fn locked(&self, statements: Vec<String>) -> String {
         let stmts = Statements::new(&self.table);
         // The shared statement binds the lock key as `$1`, but a diesel migration only gets a
         // `BoxableConnection`, which runs SQL text without binds. The key is
@@ -95,12 +126,7 @@ impl OutboxMigrations {
             .schema_lock
             .replace("$1", &format!("'{}'", stmts.schema_lock_key()));
         let mut script = vec![lock];
-        script.extend(match self.layout {
-            Layout::Plain => sql::ddl(&self.table),
-            Layout::Partitioned => {
-                sql::partitioned::ddl(&self.table, sql::partitioned::DEFAULT_MONTHS_AHEAD)
-            }
-        });
+        script.extend(statements);
         script.join(";\n") + ";\n"
     }
 }
@@ -113,12 +139,13 @@ struct SchemaMigration {
 #[derive(Debug, Clone)]
 struct OutboxMigrationName {
     version: String,
+    what: &'static str,
     table: String,
 }
 
 impl fmt::Display for OutboxMigrationName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}_create_outbox_table_{}", self.version, self.table)
+        write!(f, "{}_{}_{}", self.version, self.what, self.table)
     }
 }
 
@@ -157,13 +184,24 @@ impl Migration<Pg> for SchemaMigration {
 
 impl MigrationSource<Pg> for OutboxMigrations {
     fn migrations(&self) -> diesel::migration::Result<Vec<Box<dyn Migration<Pg>>>> {
-        Ok(vec![Box::new(SchemaMigration {
-            name: OutboxMigrationName {
-                version: self.version(),
-                table: self.table.dotted(),
-            },
-            up: self.up_sql(),
-        })])
+        let migration = |version, what, up| -> Box<dyn Migration<Pg>> {
+            Box::new(SchemaMigration {
+                name: OutboxMigrationName {
+                    version,
+                    what,
+                    table: self.table.dotted(),
+                },
+                up,
+            })
+        };
+        Ok(vec![
+            migration(self.version(), "create_outbox_table", self.up_sql()),
+            migration(
+                self.additions_version(),
+                "add_outbox_indexes",
+                self.additions_sql(),
+            ),
+        ])
     }
 }
 
@@ -309,6 +347,9 @@ mod tests {
         let part = OutboxMigrations::with_layout(&t, Layout::Partitioned).version();
         assert_ne!(plain, part);
         assert!(part.len() <= 50 && plain.len() <= 50, "{part}");
+        let m = OutboxMigrations::with_layout(&t, Layout::Partitioned);
+        assert!(m.additions_version().len() <= 50 && m.additions_version() != part);
+        assert!(m.additions_sql().contains("_pending_window"));
         assert!(
             OutboxMigrations::with_layout(&t, Layout::Partitioned)
                 .up_sql()

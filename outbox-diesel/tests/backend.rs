@@ -88,7 +88,9 @@ async fn migrations_run_once_per_table_and_restore_search_path() {
         versions,
         vec![
             OutboxMigrations::new(&other).version(),
-            OutboxMigrations::new(&table).version()
+            OutboxMigrations::new(&other).additions_version(),
+            OutboxMigrations::new(&table).version(),
+            OutboxMigrations::new(&table).additions_version()
         ]
     );
     // The indexes the shared DDL defines are all there, for both tables (R33, R78).
@@ -101,7 +103,11 @@ async fn migrations_run_once_per_table_and_restore_search_path() {
         .load(&mut conn)
         .await
         .unwrap();
-        let mut want: Vec<String> = sql::indexes(t).into_iter().map(|i| i.name).collect();
+        let mut want: Vec<String> = sql::indexes(t)
+            .into_iter()
+            .chain(sql::additions(t))
+            .map(|i| i.name)
+            .collect();
         want.push(format!("{}_pkey", t.table()));
         want.sort();
         assert_eq!(found.into_iter().map(|n| n.name).collect::<Vec<_>>(), want);

@@ -42,7 +42,10 @@ async fn partitioned_migration_and_partition_maintenance() {
     let versions = common::migration_versions(&mut conn, &schema).await;
     assert_eq!(
         versions,
-        vec![OutboxMigrations::with_layout(&table, Layout::Partitioned).version(),]
+        vec![
+            OutboxMigrations::with_layout(&table, Layout::Partitioned).version(),
+            OutboxMigrations::with_layout(&table, Layout::Partitioned).additions_version(),
+        ]
     );
     let parts = format!(
         "SELECT count(*) AS n FROM pg_inherits WHERE inhparent = '{}'::regclass",

@@ -37,16 +37,19 @@
 //! locks them in head order until the batch is full, extends them into runs and stamps the
 //! lease (R19–R29, R74, R76, R85); [`Statements::fetch_take_transaction`] is the same without
 //! the stamp, for delivery in one transaction (R84). The sqlx backend runs them with
-//! `fetch_rows`, outbox-diesel with its own driver calls. They need only the indexes of
-//! Appendix A, take no advisory lock, and their work is bounded by the batch whatever the
-//! backlog.
+//! `fetch_rows`, outbox-diesel with its own driver calls. They use the indexes of Appendix A
+//! and the [`additions`], take no advisory lock, and their work is bounded by the batch
+//! whatever the backlog and whatever the planner's statistics (every lookup by id goes through
+//! the primary key; see `fragments` and the crate README, "Plan-stable statements").
 //!
 //! # Where the SQL lives
 //!
 //! Each statement is a file under `src/sql/statements/` (`fetch_heads.sql`, `fetch_take.sql`,
 //! `blocked_keys.sql`, …) with its parameters and result columns documented at its top,
-//! included at compile time; `{table}` is replaced by the validated, quoted table name. The
-//! DDL and the insert stay in Rust because they are assembled per layout.
+//! included at compile time; `{table}` is replaced by the validated, quoted table name.
+//! Predicates shared by several statements are files under `src/sql/fragments/`, composed in
+//! as `{name:alias}` when the statements are built. The DDL and the insert stay in Rust
+//! because they are assembled per layout.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -59,6 +62,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 
+mod fragments;
 pub mod partitioned;
 pub use partitioned::Layout;
 
@@ -275,7 +279,7 @@ pub struct IndexDef {
 }
 
 /// The seven indexes of Appendix A, in its order, for `table`. `pending_key_order` (R33) is
-/// among them; the library needs no other index.
+/// among them. The library also creates the [`additions`].
 pub fn indexes(table: &TableName) -> Vec<IndexDef> {
     let i = |suffix: &str, unique: bool, body: &str| IndexDef {
         name: table.derived("idx_", suffix),
@@ -311,6 +315,30 @@ pub fn indexes(table: &TableName) -> Vec<IndexDef> {
         ),
         i("_updated_at", false, "(updated_at)"),
     ]
+}
+
+/// The additive indexes the library creates beside Appendix A's (R78, Appendix A
+/// "Additions"), in creation order: `idx_<t>_pending_window` on `(scheduled_at, created_at,
+/// id)` over the unlocked pending rows with attempts left, whose order is the fetch window's
+/// `ORDER BY` (so the window is one ordered index read bounded by its `LIMIT`, whatever the
+/// planner's statistics say; its predicate is the `window` fragment, written so that it is
+/// the only index the window can use). Maintained by PostgreSQL like any index; a row that
+/// omni-box 0.3.1 or plain SQL writes is indexed like any other, and omni-box's relay does not
+/// depend on it.
+pub fn additions(table: &TableName) -> Vec<IndexDef> {
+    vec![IndexDef {
+        name: window_index(table),
+        unique: false,
+        body: format!(
+            "(scheduled_at, created_at, id) WHERE {}",
+            fragments::fragment("window", "")
+        ),
+    }]
+}
+
+/// The name of the window index ([`additions`]).
+pub fn window_index(table: &TableName) -> String {
+    table.derived("idx_", "_pending_window")
 }
 
 /// The name of the key-order index (R33).
@@ -385,21 +413,46 @@ fn create_index(
 /// The schema this library creates and uses, as statements to run in order in one
 /// transaction: `CREATE SCHEMA IF NOT EXISTS` (when qualified), `CREATE TABLE IF NOT EXISTS`
 /// with Appendix A's columns and constraints, and `CREATE [UNIQUE] INDEX IF NOT EXISTS` for its
-/// seven indexes. Idempotent; on an existing ancestor table only missing indexes are added
-/// (R79). The library adds nothing beyond Appendix A (PG-02).
+/// seven indexes and the [`additions`]. Idempotent; on an existing ancestor table only missing
+/// indexes are added (R79). Beyond Appendix A the library adds only the [`additions`] (PG-02).
 ///
-/// For a large existing table, create the key-order index first, outside a transaction, with
-/// [`create_key_order_index_concurrently`].
+/// For a large existing table, create the key-order index and the additions first, outside a
+/// transaction, with [`create_indexes_concurrently`].
 pub fn ddl(table: &TableName) -> Vec<String> {
     let mut v = Vec::new();
     if let Some(s) = table.schema() {
         v.push(format!("CREATE SCHEMA IF NOT EXISTS \"{s}\""));
     }
     v.push(create_table(table, true, Layout::Plain));
-    for ix in indexes(table) {
+    for ix in indexes(table).into_iter().chain(additions(table)) {
         v.push(create_index(table, &ix, true, false));
     }
     v
+}
+
+/// `CREATE INDEX IF NOT EXISTS` for each of the [`additions`] (the same statements [`ddl`] and
+/// [`partitioned::ddl`] end with), for a migration that adds them to a table created before
+/// them.
+pub fn create_additions(table: &TableName) -> Vec<String> {
+    additions(table)
+        .iter()
+        .map(|ix| create_index(table, ix, true, false))
+        .collect()
+}
+
+/// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` for the key-order index and each of the
+/// [`additions`] (R79): for a large existing table, run each alone, not in a transaction,
+/// before [`ddl`], which then finds them. A concurrent build that failed leaves an invalid
+/// index that `IF NOT EXISTS` keeps: drop it (`DROP INDEX CONCURRENTLY`) and run the statement
+/// again.
+pub fn create_indexes_concurrently(table: &TableName) -> Vec<String> {
+    std::iter::once(create_key_order_index_concurrently(table))
+        .chain(
+            additions(table)
+                .iter()
+                .map(|ix| create_index(table, ix, true, true)),
+        )
+        .collect()
 }
 
 /// `CREATE INDEX CONCURRENTLY IF NOT EXISTS` for the key-order index (R79): run it alone, not in
@@ -781,25 +834,37 @@ mod text {
     pub const DELIVERY_BEGIN: &str = include_str!("sql/statements/delivery_begin.sql");
 }
 
-/// A statement file made ready to send: comment lines (`--`) dropped, `{table}` replaced by
-/// the quoted, validated table name, `{columns}` / `{t_columns}` by [`COLUMNS`] (bare / with
-/// alias `t`), and each `(name, text)` of `parts` substituted for `{name}`.
+/// A statement file made ready to send: comment lines (`--`) dropped, each `(name, text)` of
+/// `parts` substituted for `{name}` and each fragment `{name:alias}` expanded (see
+/// `fragments`), then `{table}` replaced by the quoted, validated table name and `{columns}` /
+/// `{t_columns}` by [`COLUMNS`] (bare / with alias `t`).
 fn render(src: &str, table: &TableName, parts: &[(&str, &str)]) -> String {
-    let strip = |s: &str| {
-        s.lines()
-            .filter(|l| !l.trim_start().starts_with("--"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    let mut body = strip(src);
-    for (name, text) in parts {
-        body = body.replace(&format!("{{{name}}}"), &strip(text));
-    }
-    body.replace("{table}", &table.qualified())
+    fragments::expand(&fragments::strip(src), parts)
+        .replace("{table}", &table.qualified())
         .replace("{t_columns}", &column_list("t"))
         .replace("{columns}", &column_list(""))
         .trim()
         .to_owned()
+}
+
+/// The bind parameters of [`Statements::fetch_heads`] that its fragments name.
+const HEADS_BINDS: [(&str, &str); 4] = [
+    ("lease_us", "$2::int8"),
+    ("topics", "$3::text[]"),
+    ("aggregate_types", "$4::text[]"),
+    ("aggregate_ids", "$5::uuid[]"),
+];
+
+/// The parts of [`Statements::fetch_take`]: the bind parameters its fragments name and its
+/// `finish` (lease stamp or transaction delivery).
+fn take_parts(finish: &str) -> [(&str, &str); 5] {
+    [
+        ("finish", finish),
+        ("lease_us", "$3::int8"),
+        ("topics", "$5::text[]"),
+        ("aggregate_types", "$6::text[]"),
+        ("aggregate_ids", "$7::uuid[]"),
+    ]
 }
 
 /// A duration as whole microseconds, saturating at `i64::MAX`.
@@ -825,16 +890,12 @@ impl Statements {
             select_existing: format!(
                 "SELECT {cols} FROM {t} WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])"
             ),
-            fetch_heads: r(text::FETCH_HEADS),
-            fetch_take: render(
-                text::FETCH_TAKE,
-                table,
-                &[("finish", text::FETCH_TAKE_LEASE)],
-            ),
+            fetch_heads: render(text::FETCH_HEADS, table, &HEADS_BINDS),
+            fetch_take: render(text::FETCH_TAKE, table, &take_parts(text::FETCH_TAKE_LEASE)),
             fetch_take_transaction: render(
                 text::FETCH_TAKE,
                 table,
-                &[("finish", text::FETCH_TAKE_TRANSACTION)],
+                &take_parts(text::FETCH_TAKE_TRANSACTION),
             ),
             complete: render(
                 text::COMPLETE,

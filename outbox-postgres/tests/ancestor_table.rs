@@ -1,5 +1,6 @@
 //! The core ordering, head-run and backoff scenarios on a table created with the ancestor's DDL
-//! exactly as the ancestor library created it (R78) (R78): the library needs nothing beyond it.
+//! exactly as the ancestor library created it (R78), without the additions: the library needs
+//! nothing beyond it to be correct (the additions make its plans independent of statistics).
 
 use outbox_postgres::testing::PgFactory;
 

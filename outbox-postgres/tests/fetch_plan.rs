@@ -1,7 +1,9 @@
 //! The fetch's plans read the outbox table through indexes only: no sequential scan of the
-//! table in backlog shapes (a), (d) and (f) (R33, R85); and the rows it returns are heads of the
-//! plain head rule on random tables, in head order, through both paths (the oldest heads
-//! exactly when path A answers alone; R20 lets the key walk take others).
+//! table in backlog shapes (a), (d) and (f) (R33, R85); every statement on the relay's path has
+//! a plan bounded by the batch whatever the planner's statistics say (none, stale, fresh; custom
+//! and generic plans), its lookups by id through the primary key; and the rows it returns are
+//! heads of the plain head rule on random tables, in head order, through both paths (the
+//! oldest heads exactly when path A answers alone; R20 lets the key walk take others).
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
@@ -228,4 +230,442 @@ async fn fetched_heads_follow_the_head_rule_on_random_tables() {
         walked > 0 && walked < 180,
         "both paths ran: walked {walked} of 180"
     );
+}
+
+mod plan_stability {
+    //! Every statement on the relay's path, explained with `EXPLAIN (ANALYZE, FORMAT JSON)` under
+    //! three states of the planner's statistics and both plan-cache modes, has a plan bounded by
+    //! the batch: no sequential scan of the table, no node that reads or sorts the backlog, no sort
+    //! spilled to disk, and every lookup by id through the primary key.
+    //!
+    //! The statistics states (the table's autovacuum is off, so they stay as made):
+    //!
+    //! * `None`: a fresh table filled without `ANALYZE` (the state after `migrate` and a burst);
+    //! * `Stale`: analysed when it held 1,000 completed rows (a quiet table), then grown to
+    //!   200,000 rows, 199,000 of them pending (the state after a broker outage or a traffic burst);
+    //! * `Fresh`: analysed after the fill.
+    //!
+    //! The backlogs: a burst (10 pending rows per key over 11,000 keys, path A answers) and a
+    //! blocked key (a head waiting for its retry with 20,000 due rows behind it, then one-row keys:
+    //! the window is full of rows that cannot go, so the key walk, path B, answers).
+    //!
+    //! The statements run as the relay runs them, in one transaction per state: the heads, the
+    //! take of each delivery mode, the outcome writes of each delivery mode, the release, the
+    //! oldest due age, the stale-lock release and the cleanup; each `EXPLAIN ANALYZE` of a write is rolled back
+    //! to a savepoint, so the next statement sees the rows the relay would see.
+
+    use outbox_core::event::WorkerId;
+    use outbox_core::repository::FetchRequest;
+    use outbox_postgres::sql::{FetchParams, HeadRows, Statements, TableName};
+    use outbox_postgres::testing::PgHarness;
+    use outbox_postgres::{bind_fetch_heads, bind_fetch_take};
+    use serde_json::Value;
+    use sqlx::{AssertSqlSafe, PgConnection, Row};
+    use uuid::Uuid;
+
+    /// The planner's statistics for the table.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Stats {
+        None,
+        Stale,
+        Fresh,
+    }
+
+    /// The backlog the statements run on.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Backlog {
+        /// 10 pending rows per key over 11,000 keys (110,000; 199,000 in the stale state).
+        Burst,
+        /// One key whose head waits for a retry an hour later, 20,000 due rows behind it, then
+        /// 20,000 keys of one due row each (all newer).
+        Blocked,
+    }
+
+    /// The batch of the fetches explained.
+    const BATCH: usize = 100;
+
+    /// No plan node may produce (or, for a scan, read and filter out) more rows than this, over all
+    /// its loops: 10 × the batch, a fraction of every backlog here (≥ 40,000 rows).
+    const NODE_BOUND: f64 = 10.0 * BATCH as f64;
+
+    /// `n` pending rows, row g on key `'k' || (g % keys)`, created_at = now() − 1 hour + g × 10 µs,
+    /// all due; `status` and `completed_at` as given.
+    fn rows(t: &TableName, first: u64, n: u64, keys: u64, status: &str) -> String {
+        let completed = if status == "completed" { "ts" } else { "NULL" };
+        format!(
+            "INSERT INTO {q} (id, event_type, payload, status, attempts_made, max_attempts, scheduled_at, \
+             completed_at, created_at, updated_at, aggregate_type, aggregate_id, topic, partition_key) \
+             SELECT gen_random_uuid(), 'plan.event', '{{\"n\": 1}}', '{status}', 0, 6, ts, {completed}, ts, ts, \
+                    'agg', gen_random_uuid(), 'plan', 'k' || (g % {keys}) \
+               FROM generate_series({first}, {last}) g, \
+                    LATERAL (SELECT now() - interval '1 hour' + g * interval '10 microseconds' AS ts) x",
+            q = t.qualified(),
+            last = first + n - 1,
+        )
+    }
+
+    /// The blocked key's head (tried once, next try an hour later), created first.
+    fn blocked_head(t: &TableName) -> String {
+        format!(
+            "INSERT INTO {q} (id, event_type, payload, status, attempts_made, max_attempts, last_error, \
+             scheduled_at, created_at, updated_at, aggregate_type, aggregate_id, topic, partition_key) \
+             VALUES (gen_random_uuid(), 'plan.event', '{{}}', 'pending', 1, 6, 'broker said no', \
+                     now() + interval '1 hour', now() - interval '2 hours', now() - interval '2 hours', \
+                     'agg', gen_random_uuid(), 'plan', 'stuck')",
+            q = t.qualified()
+        )
+    }
+
+    /// A fresh table holding `backlog` with statistics `stats`.
+    async fn table_in(stats: Stats, backlog: Backlog) -> PgHarness {
+        let h = PgHarness::create(&outbox_postgres::testing::database_url(), "outbox_events").await;
+        let t = h.table().clone();
+        let q = t.qualified();
+        let mut script = vec![format!(
+            "ALTER TABLE {q} SET (autovacuum_enabled = false, toast.autovacuum_enabled = false)"
+        )];
+        if stats == Stats::Stale {
+            script.push(rows(&t, 1, 1_000, 1_000, "completed"));
+            script.push(format!("ANALYZE {q}"));
+        }
+        match backlog {
+            Backlog::Burst => {
+                let n = if stats == Stats::Stale {
+                    199_000
+                } else {
+                    110_000
+                };
+                script.push(rows(&t, 10_000, n, 11_000, "pending"));
+            }
+            Backlog::Blocked => {
+                script.push(blocked_head(&t));
+                script.push(
+                    rows(&t, 10_000, 20_000, 1, "pending").replace("'k' || (g % 1)", "'stuck'"),
+                );
+                script.push(rows(&t, 30_000, 20_000, 1_000_000, "pending"));
+            }
+        }
+        if stats == Stats::Fresh {
+            script.push(format!("ANALYZE {q}"));
+        }
+        for s in script {
+            sqlx::raw_sql(AssertSqlSafe(s))
+                .execute(h.pool())
+                .await
+                .expect("fill");
+        }
+        h
+    }
+
+    /// What a plan must satisfy besides the common rules: the aliases whose scans are lookups by
+    /// id (they must use the primary key).
+    struct Rules<'a> {
+        statement: &'a str,
+        by_id: &'a [&'a str],
+    }
+
+    fn f(v: &Value, k: &str) -> f64 {
+        v.get(k).and_then(Value::as_f64).unwrap_or(0.0)
+    }
+
+    /// The indexes a scan reads: its own, or for a bitmap heap scan those of its bitmap
+    /// children.
+    fn index_names(node: &Value, out: &mut Vec<String>) {
+        if let Some(n) = node.get("Index Name").and_then(Value::as_str) {
+            out.push(n.to_owned());
+        }
+        for c in node
+            .get("Plans")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            if c["Node Type"]
+                .as_str()
+                .is_some_and(|k| k.starts_with("Bitmap"))
+            {
+                index_names(c, out);
+            }
+        }
+    }
+
+    /// Checks `node` and its children; returns the largest row count seen.
+    fn check_node(
+        node: &Value,
+        t: &TableName,
+        rules: &Rules<'_>,
+        ctx: &str,
+        bad: &mut Vec<String>,
+    ) -> f64 {
+        let kind = node["Node Type"].as_str().unwrap_or("?");
+        let on_table = node.get("Relation Name").and_then(Value::as_str) == Some(t.table());
+        let alias = node.get("Alias").and_then(Value::as_str).unwrap_or("");
+        let loops = f(node, "Actual Loops").max(1.0);
+        let read = (f(node, "Actual Rows")
+            + f(node, "Rows Removed by Filter")
+            + f(node, "Rows Removed by Index Recheck"))
+            * loops;
+        let what = format!("{ctx}: {kind} {alias}");
+        if on_table && kind == "Seq Scan" {
+            bad.push(format!("{what}: a sequential scan of the table"));
+        }
+        if read > NODE_BOUND {
+            bad.push(format!(
+                "{what}: {read} rows over {loops} loops (bound {NODE_BOUND})"
+            ));
+        }
+        if node.get("Sort Space Type").and_then(Value::as_str) == Some("Disk") {
+            bad.push(format!("{what}: a sort spilled to disk"));
+        }
+        if on_table && kind.ends_with("Scan") && rules.by_id.contains(&alias) {
+            let mut ix = Vec::new();
+            index_names(node, &mut ix);
+            let pkey = format!("{}_pkey", t.table());
+            if ix.is_empty() || ix.iter().any(|i| *i != pkey) {
+                bad.push(format!(
+                    "{what}: a lookup by id not through {pkey} but {ix:?}"
+                ));
+            }
+        }
+        let mut most = read;
+        for c in node
+            .get("Plans")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            most = most.max(check_node(c, t, rules, ctx, bad));
+        }
+        most
+    }
+
+    /// `EXPLAIN (ANALYZE, FORMAT JSON)` of `text` as a prepared statement in the session's
+    /// plan-cache mode (so a generic plan is what a relay's cached statement would run), with
+    /// the SQL literals `args` as its parameters, then the plan checked.
+    async fn explain(
+        conn: &mut PgConnection,
+        t: &TableName,
+        rules: Rules<'_>,
+        text: &str,
+        args: &[String],
+        ctx: &str,
+    ) -> Vec<String> {
+        exec(conn, &format!("PREPARE plan_check AS {text}")).await;
+        let args = if args.is_empty() {
+            String::new()
+        } else {
+            format!("({})", args.join(", "))
+        };
+        let plan: Value = sqlx::query(AssertSqlSafe(format!(
+            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_check{args}"
+        )))
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap_or_else(|e| panic!("{ctx} {}: explain: {e}", rules.statement))
+        .try_get(0)
+        .unwrap();
+        exec(conn, "DEALLOCATE plan_check").await;
+        let ctx = format!("{ctx} {}", rules.statement);
+        let mut bad = Vec::new();
+        let most = check_node(&plan[0]["Plan"], t, &rules, &ctx, &mut bad);
+        eprintln!(
+            "{ctx}: {:.1} ms, largest node {most} rows",
+            f(&plan[0], "Execution Time")
+        );
+        if !bad.is_empty() {
+            bad.push(format!("{plan:#}"));
+        }
+        bad
+    }
+
+    /// A `uuid[]` literal.
+    fn uuids(ids: &[Uuid]) -> String {
+        let v: Vec<String> = ids.iter().map(Uuid::to_string).collect();
+        format!("'{{{}}}'::uuid[]", v.join(","))
+    }
+
+    /// The parameters of the heads statement as literals (`bind_fetch_heads`' order).
+    fn heads_args(p: &FetchParams) -> Vec<String> {
+        let mut v = vec![p.limit.to_string(), p.lease_us.to_string()];
+        v.extend(["NULL::text[]", "NULL::text[]", "NULL::uuid[]"].map(String::from));
+        v.extend([p.window.to_string(), p.walk_limit.to_string()]);
+        v.extend(["''".into(), "''".into()]);
+        v
+    }
+
+    /// The parameters of a take statement as literals (`bind_fetch_take`' order).
+    fn take_args(p: &FetchParams, ids: &[Uuid]) -> Vec<String> {
+        let mut v = vec!["'w1'".into(), p.limit.to_string(), p.lease_us.to_string()];
+        v.push(p.max_per_key.to_string());
+        v.extend(["NULL::text[]", "NULL::text[]", "NULL::uuid[]"].map(String::from));
+        v.push(uuids(ids));
+        v
+    }
+
+    async fn exec(conn: &mut PgConnection, sql: &str) {
+        sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
+            .execute(&mut *conn)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// The heads the fetch would take now, as the relay reads them.
+    async fn heads(conn: &mut PgConnection, s: &Statements, p: &FetchParams) -> Vec<Uuid> {
+        let rows = bind_fetch_heads(
+            sqlx::query(AssertSqlSafe(s.fetch_heads.clone())),
+            p,
+            (String::new(), String::new()),
+        )
+        .fetch_all(&mut *conn)
+        .await
+        .expect("heads");
+        HeadRows::new(rows.iter().map(|r| (r.get(0), r.get(1), r.get(2)))).ids
+    }
+
+    /// The ids a take returns, run for real.
+    async fn take(
+        conn: &mut PgConnection,
+        text: &str,
+        p: &FetchParams,
+        ids: Vec<Uuid>,
+    ) -> Vec<Uuid> {
+        bind_fetch_take(sqlx::query(AssertSqlSafe(text.to_owned())), "w1", p, ids)
+            .fetch_all(&mut *conn)
+            .await
+            .expect("take")
+            .iter()
+            .map(|r| r.get::<Uuid, _>("id"))
+            .collect()
+    }
+
+    /// Every relay-path statement in every plan-cache mode, on `backlog` with `stats`.
+    async fn check(stats: Stats, backlog: Backlog) {
+        let h = table_in(stats, backlog).await;
+        let t = h.table().clone();
+        let s = h.sqlx_repository().statements().clone();
+        let req = FetchRequest::new(WorkerId::new("w1").unwrap(), BATCH);
+        let p = FetchParams::new(&req);
+        let mut bad = Vec::new();
+        for mode in ["force_custom_plan", "force_generic_plan"] {
+            let ctx = format!("{stats:?} {backlog:?} {mode}");
+            let mut tx = h.pool().begin().await.unwrap();
+            exec(&mut tx, &format!("SET LOCAL plan_cache_mode = {mode}")).await;
+            exec(&mut tx, "SAVEPOINT start").await;
+            let rules = |statement| Rules {
+                statement,
+                by_id: &[],
+            };
+            let lookups = |statement| Rules {
+                statement,
+                by_id: &["hl", "lk", "t"],
+            };
+            bad.extend(
+                explain(
+                    &mut tx,
+                    &t,
+                    rules("fetch_heads"),
+                    &s.fetch_heads,
+                    &heads_args(&p),
+                    &ctx,
+                )
+                .await,
+            );
+            exec(&mut tx, "ROLLBACK TO SAVEPOINT start").await;
+            let ids = heads(&mut tx, &s, &p).await;
+            assert!(ids.len() >= BATCH / 2, "{ctx}: only {} heads", ids.len());
+            for (name, text) in [
+                ("fetch_take", &s.fetch_take),
+                ("fetch_take_transaction", &s.fetch_take_transaction),
+            ] {
+                exec(&mut tx, "SAVEPOINT take").await;
+                bad.extend(
+                    explain(&mut tx, &t, lookups(name), text, &take_args(&p, &ids), &ctx).await,
+                );
+                exec(&mut tx, "ROLLBACK TO SAVEPOINT take").await;
+            }
+            // The outcome writes of each delivery mode, on the rows its take returns.
+            for (take_text, complete, fail) in [
+                (&s.fetch_take, ("complete", &s.complete), ("fail", &s.fail)),
+                (
+                    &s.fetch_take_transaction,
+                    ("complete_in_delivery", &s.complete_in_delivery),
+                    ("fail_in_delivery", &s.fail_in_delivery),
+                ),
+            ] {
+                exec(&mut tx, "SAVEPOINT delivery").await;
+                let taken = take(&mut tx, take_text, &p, ids.clone()).await;
+                assert!(taken.len() >= BATCH / 2, "{ctx}: took {}", taken.len());
+                let n = taken.len();
+                for (name, text, params) in [
+                    (complete.0, complete.1, 2),
+                    (fail.0, fail.1, 6),
+                    ("release", &s.release, 2),
+                ] {
+                    exec(&mut tx, "SAVEPOINT outcome").await;
+                    let args: Vec<String> = if params == 2 {
+                        vec![uuids(&taken), "'w1'".into()]
+                    } else {
+                        vec![
+                            uuids(&taken),
+                            format!("array_fill(true, ARRAY[{n}])"),
+                            format!("array_fill('broker said no'::text, ARRAY[{n}])"),
+                            format!("array_fill(1000000::int8, ARRAY[{n}])"),
+                            format!("array_fill(NULL::timestamptz, ARRAY[{n}])"),
+                            "'w1'".into(),
+                        ]
+                    };
+                    bad.extend(explain(&mut tx, &t, lookups(name), text, &args, &ctx).await);
+                    exec(&mut tx, "ROLLBACK TO SAVEPOINT outcome").await;
+                }
+                bad.extend(
+                    explain(
+                        &mut tx,
+                        &t,
+                        rules("oldest_due_age"),
+                        &s.oldest_due_age,
+                        &[],
+                        &ctx,
+                    )
+                    .await,
+                );
+                for (name, text) in [
+                    ("release_stale", &s.release_stale),
+                    ("delete_old_completed", &s.delete_old_completed),
+                ] {
+                    bad.extend(
+                        explain(
+                            &mut tx,
+                            &t,
+                            lookups(name),
+                            text,
+                            &["0".into(), "1000".into()],
+                            &ctx,
+                        )
+                        .await,
+                    );
+                }
+                exec(&mut tx, "ROLLBACK TO SAVEPOINT delivery").await;
+            }
+            tx.rollback().await.unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plans_are_bounded_without_statistics() {
+        check(Stats::None, Backlog::Burst).await;
+        check(Stats::None, Backlog::Blocked).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plans_are_bounded_with_stale_statistics() {
+        check(Stats::Stale, Backlog::Burst).await;
+        check(Stats::Stale, Backlog::Blocked).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn plans_are_bounded_with_fresh_statistics() {
+        check(Stats::Fresh, Backlog::Burst).await;
+        check(Stats::Fresh, Backlog::Blocked).await;
+    }
 }

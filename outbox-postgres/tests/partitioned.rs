@@ -102,7 +102,7 @@ const INDEXES_Q: &str = "SELECT pg_get_indexdef(ix.indexrelid) FROM pg_index ix 
 
 /// The partitioned form of PG-02: the same columns (types, lengths, nullability, defaults) and
 /// CHECK constraints as Appendix A; the primary key holds created_at; the same seven index
-/// names and definitions, the idempotency-key one not unique; RANGE on created_at with a
+/// names and definitions, the idempotency-key one not unique, and the additions; RANGE on created_at with a
 /// default partition and this month plus three.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitioned_table_matches_appendix_a_but_for_the_keys() {
@@ -110,12 +110,15 @@ async fn partitioned_table_matches_appendix_a_but_for_the_keys() {
     let pool = h.pool();
     let s = h.schema().to_owned();
     let anc = "anc_events";
-    sqlx::raw_sql(AssertSqlSafe(
+    for ddl in [
         outbox_conformance::scenarios::pg::ancestor_ddl(&s, anc),
-    ))
-    .execute(pool)
-    .await
-    .expect("ancestor DDL");
+        outbox_conformance::scenarios::pg::additions_ddl(&s, anc),
+    ] {
+        sqlx::raw_sql(AssertSqlSafe(ddl))
+            .execute(pool)
+            .await
+            .expect("ancestor DDL and additions");
+    }
     let t = h.table().table().to_owned();
 
     assert_eq!(
@@ -135,7 +138,7 @@ async fn partitioned_table_matches_appendix_a_but_for_the_keys() {
     }
     let ours = catalog(pool, &s, &t, INDEXES_Q).await;
     let theirs = catalog(pool, &s, anc, INDEXES_Q).await;
-    assert_eq!(ours.len(), 8, "{ours:?}");
+    assert_eq!(ours.len(), 9, "{ours:?}");
     let mut expected: Vec<String> = theirs
         .iter()
         .map(|a| {
@@ -173,9 +176,9 @@ async fn partitioned_table_matches_appendix_a_but_for_the_keys() {
     want.push(partitioned::default_partition(h.table()));
     want.sort();
     assert_eq!(partitions(pool, h.table()).await, want);
-    // Every partition carries the eight indexes.
+    // Every partition carries the nine indexes.
     for p in &want {
-        assert_eq!(catalog(pool, &s, p, INDEXES_Q).await.len(), 8, "{p}");
+        assert_eq!(catalog(pool, &s, p, INDEXES_Q).await.len(), 9, "{p}");
     }
 }
 

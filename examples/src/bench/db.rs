@@ -31,8 +31,26 @@ fn db(during: &'static str) -> impl Fn(sqlx::Error) -> BenchError {
     move |e| BenchError(format!("PostgreSQL error during {during}: {e}"))
 }
 
-/// Creates the table (without its indexes), preloads the shape in bulk, then runs the store's
-/// own schema creation (which adds the seven indexes of Appendix A, R79) and `VACUUM ANALYZE`.
+/// How the table is prepared, and so what the planner's statistics say when the drain starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Stats {
+    /// The rows bulk-loaded into the bare table, then the store's schema creation (indexes
+    /// built over the rows) and `VACUUM ANALYZE`: the drain benchmark's table.
+    Vacuum,
+    /// The schema first (as `outbox-relay migrate`), then the rows, then `ANALYZE`.
+    Analyzed,
+    /// The schema first, then the rows, never analysed: a fresh table after a burst.
+    None,
+    /// The schema first, 1,000 completed rows, `ANALYZE` (a quiet table), then the rows: the
+    /// statistics of a table before a broker outage or a traffic burst.
+    Stale,
+}
+
+/// Creates the table and preloads the shape in bulk, its statistics as `stats` says. With
+/// [`Stats::Vacuum`] the rows go into the bare table and the store's own schema creation (which
+/// adds Appendix A's indexes and the additions, R79) and `VACUUM ANALYZE` follow; otherwise the
+/// schema comes first and the table's autovacuum is turned off, so the statistics stay as made
+/// for the whole drain.
 ///
 /// Every row is pending and due; created_at grows with the generator index, so each key's write
 /// order is defined. The payload carries `seq` (the generator index) for the order check.
@@ -42,6 +60,7 @@ pub async fn prepare(
     shape: &Shape,
     store: StoreKind,
     max_conns: u32,
+    stats: Stats,
 ) -> Result<Fresh, BenchError> {
     let pool = pool(url, max_conns).await?;
     let table = TableName::new(&format!("{run_tag}.outbox_events"))
@@ -53,15 +72,46 @@ pub async fn prepare(
     .execute(&pool)
     .await
     .map_err(db("schema drop"))?;
-    // The DDL of the library, indexes held back until the rows are in (bulk-load practice).
-    for s in sql::ddl(&table)
-        .into_iter()
-        .filter(|s| !s.contains(" INDEX "))
-    {
-        sqlx::query(AssertSqlSafe(s))
-            .execute(&pool)
-            .await
-            .map_err(db("table creation"))?;
+    let exec = |s: String, during: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query(AssertSqlSafe(s))
+                .execute(&pool)
+                .await
+                .map_err(db(during))
+        }
+    };
+    if stats == Stats::Vacuum {
+        // The DDL of the library, indexes held back until the rows are in (bulk-load practice).
+        for s in sql::ddl(&table)
+            .into_iter()
+            .filter(|s| !s.contains(" INDEX "))
+        {
+            exec(s, "table creation").await?;
+        }
+    } else {
+        create_schema(store, url, &pool, &table).await?;
+        exec(
+            format!("ALTER TABLE {q} SET (autovacuum_enabled = false)"),
+            "table settings",
+        )
+        .await?;
+    }
+    if stats == Stats::Stale {
+        exec(
+            format!(
+                "INSERT INTO {q} (id, event_type, payload, status, attempts_made, max_attempts,
+                        scheduled_at, completed_at, created_at, updated_at, aggregate_type,
+                        aggregate_id, topic, partition_key)
+                 SELECT gen_random_uuid(), 'bench.quiet', '{{}}', 'completed', 0, 3, x.ts, x.ts,
+                        x.ts, x.ts, 'bench', gen_random_uuid(), 'bench', 'quiet' || (g % 100)
+                   FROM generate_series(1, 1000) g,
+                        LATERAL (SELECT now() - INTERVAL '2 days' + g * INTERVAL '1 second' AS ts) x"
+            ),
+            "quiet rows",
+        )
+        .await?;
+        exec(format!("ANALYZE {q}"), "analyze").await?;
     }
     // Normal rows at base + 2g µs, hot rows at base + 2j + 1 µs: disjoint, ordered per key.
     let insert = |from: &str, key: &str| {
@@ -98,17 +148,32 @@ pub async fn prepare(
         .await
         .map_err(db("preload"))?;
     }
-    match store {
-        StoreKind::Sqlx => outbox_postgres::create_schema(&pool, &table)
-            .await
-            .map_err(|e| BenchError(format!("create_schema: {e}")))?,
-        StoreKind::Diesel => diesel_schema(url, &table).await?,
+    match stats {
+        Stats::Vacuum => {
+            create_schema(store, url, &pool, &table).await?;
+            exec(format!("VACUUM ANALYZE {q}"), "vacuum").await?;
+        }
+        Stats::Analyzed => {
+            exec(format!("ANALYZE {q}"), "analyze").await?;
+        }
+        Stats::None | Stats::Stale => {}
     }
-    sqlx::query(AssertSqlSafe(format!("VACUUM ANALYZE {q}")))
-        .execute(&pool)
-        .await
-        .map_err(db("vacuum"))?;
     Ok(Fresh { pool, table })
+}
+
+/// The store's own schema creation for `table`.
+async fn create_schema(
+    store: StoreKind,
+    url: &str,
+    pool: &PgPool,
+    table: &TableName,
+) -> Result<(), BenchError> {
+    match store {
+        StoreKind::Sqlx => outbox_postgres::create_schema(pool, table)
+            .await
+            .map_err(|e| BenchError(format!("create_schema: {e}"))),
+        StoreKind::Diesel => diesel_schema(url, table).await,
+    }
 }
 
 #[cfg(feature = "diesel")]

@@ -145,7 +145,7 @@ fn standard(brokers: bool) -> Vec<Spec> {
     v
 }
 
-async fn child(args: &[String]) -> Result<Value, BenchError> {
+pub async fn child(args: &[String]) -> Result<Value, BenchError> {
     let exe = std::env::current_exe().map_err(|e| BenchError(e.to_string()))?;
     let out = tokio::process::Command::new(exe)
         .arg("run")
@@ -166,7 +166,7 @@ async fn child(args: &[String]) -> Result<Value, BenchError> {
     serde_json::from_str(line).map_err(|e| BenchError(format!("bad JSON line {line:?}: {e}")))
 }
 
-fn median(mut v: Vec<f64>) -> Option<f64> {
+pub fn median(mut v: Vec<f64>) -> Option<f64> {
     if v.is_empty() {
         return None;
     }
@@ -179,7 +179,7 @@ fn median(mut v: Vec<f64>) -> Option<f64> {
     })
 }
 
-fn load_avg() -> String {
+pub fn load_avg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()

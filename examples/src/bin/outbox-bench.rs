@@ -13,10 +13,16 @@
 //!   round trip by round trip (where the database time of a cycle goes).
 //!
 //! `outbox-bench suite` runs the standard set (targets 1 to 6 of `examples/BENCHMARKS.md`)
-//! several times, each run in a child process, and prints a table of medians and ratios.
+//! several times, each run in a child process, and prints a table of medians and ratios;
+//! `outbox-bench burst` the fresh-table burst (a backlog on a table without statistics) and
+//! `outbox-bench run --mode capacity` the sustained-capacity search. See `examples/BENCHMARKS.md`.
 
 #[path = "../bench/brokers.rs"]
 mod brokers;
+#[path = "../bench/burst.rs"]
+mod burst;
+#[path = "../bench/capacity.rs"]
+mod capacity;
 #[path = "../bench/db.rs"]
 mod db;
 #[path = "../bench/suite.rs"]
@@ -61,6 +67,12 @@ enum Cmd {
     /// The standard set (targets 1 to 6 of `examples/BENCHMARKS.md`), each run several times
     /// in child processes; prints the JSON lines and a table of medians and ratios.
     Suite(suite::SuiteArgs),
+    /// The fresh-table burst of issue 19: the same backlog drained with fresh, absent and
+    /// stale planner statistics, in both delivery modes; prints the drain times and ratios.
+    Burst(burst::BurstArgs),
+    /// Sustained capacity (issue 19): the highest write rate the relays keep up with, per
+    /// delivery mode and broker (runs of `run --mode capacity`).
+    Capacity(capacity::SearchArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -79,6 +91,9 @@ pub enum Mode {
     /// Preload only and keep the table (for EXPLAIN); prints its name and the library's fetch
     /// statement to stderr. Drop the schema yourself afterwards.
     Preload,
+    /// Sustained capacity: writers in this process at `--rate` while the relays deliver (see
+    /// the `capacity` module); no preload.
+    Capacity,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -170,6 +185,11 @@ pub struct RunArgs {
     /// Check every key's publishes arrive in write order (relay mode).
     #[arg(long)]
     pub check_order: bool,
+    /// How the table is prepared, and so the planner's statistics when the drain starts.
+    #[arg(long, value_enum, default_value = "vacuum")]
+    pub stats: db::Stats,
+    #[command(flatten)]
+    pub capacity: capacity::CapacityOpts,
     /// Time the phases of each cycle (fetch, publish, outcome write) with a timing decorator of
     /// the repository.
     #[arg(long)]
@@ -222,10 +242,20 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
         "batch": a.batch,
         "max_per_key": a.max_per_key,
         "publish_concurrency": a.publish_concurrency,
+        "stats": a.stats.to_possible_value().map(|v| v.get_name().to_owned()),
     });
+    if a.mode == Mode::Capacity {
+        let v = capacity::run(&a, &tag).await?;
+        if let (Value::Object(o), Value::Object(e)) = (&mut out, v) {
+            o.extend(e);
+        }
+        out["peak_rss_mb"] = json!(peak_rss_mb());
+        return Ok(out);
+    }
     let (seconds, cycles, extra) = match a.mode {
         Mode::Preload => {
-            let fresh = db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2).await?;
+            let fresh =
+                db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2, a.stats).await?;
             let stmts = outbox_postgres::sql::Statements::new(&fresh.table);
             eprintln!(
                 "kept table {}; fetch statements (parameters in outbox-postgres/src/sql/statements/; window {}, walk limit {}):\n{}\n\n{}",
@@ -247,7 +277,8 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
             (r?, 0, json!({ "in_flight": conc, "broker_stored": stored }))
         }
         Mode::Reference | Mode::LeaseReference | Mode::Statements => {
-            let fresh = db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2).await?;
+            let fresh =
+                db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2, a.stats).await?;
             let url = &a.conn.database_url;
             let r = match a.mode {
                 Mode::Reference => db::reference_drain(&fresh, url, a.relays, a.batch).await,
@@ -274,8 +305,10 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
             }
             (r.seconds, r.cycles, extra)
         }
+        Mode::Capacity => unreachable!("handled above"),
         Mode::Relay => {
-            let fresh = db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2).await?;
+            let fresh =
+                db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2, a.stats).await?;
             let rb = match brokers::open(a.broker, &a.conn, &tag).await {
                 Ok(b) => b,
                 Err(e) => {
@@ -451,6 +484,8 @@ async fn main() -> std::process::ExitCode {
     let res = match cli.cmd {
         Cmd::Run(a) => run(a).await.map(|line| println!("{line}")),
         Cmd::Suite(s) => suite::suite(s).await,
+        Cmd::Burst(b) => burst::burst(b).await,
+        Cmd::Capacity(c) => capacity::search(c).await,
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

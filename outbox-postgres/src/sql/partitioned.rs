@@ -11,8 +11,8 @@
 //! * `idx_<t>_idempotency_key` is a plain (non-unique) partial index, so the database no longer
 //!   enforces R16 by itself: the writers do, under per-key advisory locks (below).
 //!
-//! The other six indexes have the same names and definitions; they are created on the parent,
-//! so every partition gets them. The partitions are a DEFAULT partition `<t>_default` (rows
+//! The other six indexes, and the additions (`super::additions`), have the same names and
+//! definitions; they are created on the parent, so every partition gets them. The partitions are a DEFAULT partition `<t>_default` (rows
 //! outside every monthly range: the past, the far future, rows moved by a test clock) and one
 //! partition per calendar month (UTC) `<t>_pYYYYMM`, `[first of the month, first of the next)`,
 //! created by [`ensure_partitions`] from the current month (database clock) through
@@ -59,7 +59,7 @@ use std::fmt;
 use outbox_core::event::NewEvent;
 
 use super::{
-    IndexDef, TableName, WritePlan, column_list, create_index, create_table, indexes,
+    IndexDef, TableName, WritePlan, additions, column_list, create_index, create_table, indexes,
     insert_statement,
 };
 use crate::error::Error;
@@ -151,8 +151,9 @@ $outbox$",
 /// The partitioned schema, as statements to run in order in one transaction after
 /// [`super::Statements::schema_lock`] (like [`super::ddl`]): `CREATE SCHEMA IF NOT EXISTS`
 /// (when qualified), a check that refuses an existing plain table, `CREATE TABLE IF NOT EXISTS
-/// … PARTITION BY RANGE (created_at)`, the default partition, the seven indexes on the parent,
-/// and [`ensure_partitions`] for the current month and `months_ahead` more. Idempotent.
+/// … PARTITION BY RANGE (created_at)`, the default partition, the seven indexes and the
+/// additions on the parent, and [`ensure_partitions`] for the current month and
+/// `months_ahead` more. Idempotent.
 pub fn ddl(table: &TableName, months_ahead: u32) -> Vec<String> {
     let mut v = Vec::new();
     if let Some(s) = table.schema() {
@@ -165,7 +166,10 @@ pub fn ddl(table: &TableName, months_ahead: u32) -> Vec<String> {
         p = sibling(table, &default_partition(table)),
         q = table.qualified()
     ));
-    for ix in partitioned_indexes(table) {
+    for ix in partitioned_indexes(table)
+        .into_iter()
+        .chain(additions(table))
+    {
         v.push(create_index(table, &ix, true, false));
     }
     v.push(ensure_partitions(table, months_ahead));

@@ -45,8 +45,25 @@ pub fn print_sql(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()
         env!("CARGO_PKG_NAME"),
         env!("CARGO_PKG_VERSION")
     );
+    if !partitioned {
+        println!("{}", concurrently_note(t));
+    }
     println!("{}", ddl_script(&stmts));
     Ok(())
+}
+
+/// For a large existing plain table: the indexes to build first with `CREATE INDEX
+/// CONCURRENTLY` (which cannot run in a transaction), as comment lines, so the script itself
+/// still runs as one migration.
+pub fn concurrently_note(t: &outbox_postgres::TableName) -> String {
+    let mut out = String::from(
+        "-- On a large existing table, build these indexes first, each alone and outside a\n\
+         -- transaction, so writers are not blocked (the statements below then find them):\n",
+    );
+    for s in outbox_postgres::sql::create_indexes_concurrently(t) {
+        out.push_str(&format!("--   {s};\n"));
+    }
+    out
 }
 
 /// Statements joined as a script: each ended by `;` and a blank line.

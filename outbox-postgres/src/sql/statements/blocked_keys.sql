@@ -11,7 +11,7 @@
 -- locked_at timestamptz NULL, waiting int8), oldest head first (write order).
 --
 -- Bounded by its arguments, never by the backlog: candidates are the $3 rows with the
--- earliest next try among rows waiting for a retry (idx_<t>_pending_fetch, scheduled_at
+-- earliest next try among rows waiting for a retry (idx_<t>_pending_window, scheduled_at
 -- after now, last_error set) and the $3 oldest live leases (idx_<t>_locked_at); each is
 -- checked for an earlier in-line row of its key (one probe), and waiting counts at most $4
 -- rows behind the head.
@@ -20,8 +20,7 @@ retry AS (
     SELECT r.id FROM (
         SELECT u.id, u.last_error
           FROM {table} u
-         WHERE u.status = 'pending' AND u.locked_at IS NULL AND u.attempts_made < u.max_attempts
-           AND u.scheduled_at > now()
+         WHERE {window:u} AND u.scheduled_at > now()
          ORDER BY u.scheduled_at
          LIMIT $3::int8
     ) r
@@ -30,7 +29,7 @@ retry AS (
 held AS (
     SELECT l.id
       FROM {table} l
-     WHERE l.locked_at >= now() - $1::int8 * INTERVAL '1 microsecond' AND l.status = 'pending'
+     WHERE l.locked_at >= now() - $1::int8 * INTERVAL '1 microsecond' AND {pending:l}
      ORDER BY l.locked_at
      LIMIT $3::int8
 ),
@@ -39,14 +38,7 @@ heads AS (
            h.scheduled_at, h.locked_by, h.locked_at, h.created_at
       FROM (SELECT id FROM retry UNION SELECT id FROM held) c
       JOIN {table} h ON h.id = c.id
-      LEFT JOIN LATERAL (
-           SELECT 1 AS found
-             FROM {table} e
-            WHERE e.status = 'pending' AND e.topic = h.topic AND e.partition_key = h.partition_key
-              AND e.created_at <= h.created_at AND (e.created_at < h.created_at OR e.id < h.id)
-              AND (e.scheduled_at <= now() OR e.last_error IS NOT NULL OR e.locked_at IS NOT NULL)
-            LIMIT 1
-      ) earlier ON true
+      LEFT JOIN LATERAL ({earlier:h}) earlier ON true
      WHERE earlier.found IS NULL
      ORDER BY h.created_at, h.id
      LIMIT $2::int8
@@ -55,7 +47,7 @@ SELECT h.topic::text, h.partition_key::text, h.id AS head_id, h.attempts_made, h
        h.last_error::text, h.scheduled_at AS next_try, h.locked_by::text, h.locked_at,
        (SELECT count(*) FROM (
             SELECT 1 FROM {table} w
-             WHERE w.status = 'pending' AND w.topic = h.topic AND w.partition_key = h.partition_key
+             WHERE {key_order:w} AND w.topic = h.topic AND w.partition_key = h.partition_key
                AND w.created_at >= h.created_at AND (w.created_at > h.created_at OR w.id > h.id)
              LIMIT $4::int8) n)::int8 AS waiting
   FROM heads h

@@ -7,5 +7,5 @@
 UPDATE {table} t
    SET status = 'completed', completed_at = now(), locked_at = NULL, locked_by = NULL,
        updated_at = now()
- WHERE t.id = ANY($1::uuid[]) AND t.status = 'pending' AND {holder}
+ WHERE t.id = ANY($1::uuid[]) AND {pending:t} AND {holder}
 RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at

@@ -21,5 +21,5 @@ UPDATE {table} t
        locked_at = NULL, locked_by = NULL, updated_at = now()
   FROM unnest($1::uuid[], $2::bool[], $3::text[], $4::int8[], $5::timestamptz[])
        AS o(id, counted, error, after_us, retry_at)
- WHERE t.id = o.id AND t.status = 'pending' AND {holder}
+ WHERE t.id = o.id AND {pending:t} AND {holder}
 RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at

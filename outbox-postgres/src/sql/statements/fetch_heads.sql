@@ -16,7 +16,9 @@
 -- order (scheduled_at, created_at, id), then, when path B walked, one last row with head_id NULL
 -- naming the last key it visited (the caller's next cursor).
 --
--- Path A, the window: the $6 oldest fetchable rows. Unlocked rows are row-locked with SKIP
+-- Path A, the window: the $6 oldest fetchable rows, unlocked ones read in order from
+-- idx_<t>_pending_window (the only index their predicate, {window:u}, implies), so the read
+-- stops at the LIMIT whatever the statistics. Unlocked rows are row-locked with SKIP
 -- LOCKED as they are read, so concurrent fetches read disjoint windows instead of colliding on
 -- the same one; rows under an expired lease (rare) are read without a lock, so a table full of
 -- them does not make the fetch lock twice the window, and fetch_take locks the ones it takes.
@@ -36,11 +38,7 @@ WITH RECURSIVE
 win_u AS MATERIALIZED (
     SELECT u.id, u.topic, u.partition_key, u.scheduled_at, u.created_at
       FROM {table} u
-     WHERE u.status = 'pending' AND u.locked_at IS NULL AND u.attempts_made < u.max_attempts
-       AND u.scheduled_at <= now()
-       AND ($3::text[] IS NULL OR u.topic = ANY($3::text[]))
-       AND ($4::text[] IS NULL OR u.aggregate_type = ANY($4::text[]))
-       AND ($5::uuid[] IS NULL OR u.aggregate_id = ANY($5::uuid[]))
+     WHERE {window:u} AND u.scheduled_at <= now() AND {filters:u}
      ORDER BY u.scheduled_at, u.created_at, u.id
      LIMIT $6::int8
        FOR UPDATE SKIP LOCKED
@@ -49,10 +47,8 @@ win_x AS MATERIALIZED (
     SELECT x.id, x.topic, x.partition_key, x.scheduled_at, x.created_at
       FROM {table} x
      WHERE x.locked_at < now() - $2::int8 * INTERVAL '1 microsecond'
-       AND x.status = 'pending' AND x.attempts_made < x.max_attempts AND x.scheduled_at <= now()
-       AND ($3::text[] IS NULL OR x.topic = ANY($3::text[]))
-       AND ($4::text[] IS NULL OR x.aggregate_type = ANY($4::text[]))
-       AND ($5::uuid[] IS NULL OR x.aggregate_id = ANY($5::uuid[]))
+       AND {pending:x} AND x.attempts_made < x.max_attempts AND x.scheduled_at <= now()
+       AND {filters:x}
      ORDER BY x.scheduled_at, x.created_at, x.id
      LIMIT $6::int8
 ),
@@ -66,14 +62,7 @@ heads_a AS MATERIALIZED (
       FROM (SELECT DISTINCT ON (d.topic, d.partition_key) d.*
               FROM win d
              ORDER BY d.topic, d.partition_key, d.created_at, d.id) c
-      LEFT JOIN LATERAL (
-           SELECT 1 AS found
-             FROM {table} e
-            WHERE e.status = 'pending' AND e.topic = c.topic AND e.partition_key = c.partition_key
-              AND e.created_at <= c.created_at AND (e.created_at < c.created_at OR e.id < c.id)
-              AND (e.scheduled_at <= now() OR e.last_error IS NOT NULL OR e.locked_at IS NOT NULL)
-            LIMIT 1
-      ) earlier ON true
+      LEFT JOIN LATERAL ({earlier:c}) earlier ON true
      WHERE earlier.found IS NULL
 ),
 walk AS (
@@ -84,9 +73,9 @@ walk AS (
                        k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
                        k.aggregate_id
                   FROM {table} k
-                 WHERE k.status = 'pending'
+                 WHERE {key_order:k}
                    AND (k.topic, k.partition_key) >= ($8::text, $9::text)
-                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                   AND {in_line:k}
                  ORDER BY k.topic, k.partition_key, k.created_at
                  FETCH FIRST 1 ROWS WITH TIES) s
             ORDER BY s.id LIMIT 1)
@@ -96,19 +85,14 @@ walk AS (
                        k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
                        k.aggregate_id
                   FROM {table} k
-                 WHERE k.status = 'pending'
-                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                 WHERE {key_order:k}
+                   AND {in_line:k}
                  ORDER BY k.topic, k.partition_key, k.created_at
                  FETCH FIRST 1 ROWS WITH TIES) s
             ORDER BY s.id LIMIT 1)
            LIMIT 1
       ) f
-     CROSS JOIN LATERAL (SELECT
-           f.scheduled_at <= now() AND f.attempts_made < f.max_attempts
-           AND (f.locked_at IS NULL OR f.locked_at < now() - $2::int8 * INTERVAL '1 microsecond')
-           AND ($3::text[] IS NULL OR f.topic = ANY($3::text[]))
-           AND ($4::text[] IS NULL OR f.aggregate_type = ANY($4::text[]))
-           AND ($5::uuid[] IS NULL OR f.aggregate_id = ANY($5::uuid[])) AS ok) o
+     CROSS JOIN LATERAL (SELECT {due:f} AND {filters:f} AS ok) o
      WHERE (SELECT count(*) FROM heads_a) < $1::int8
     UNION ALL
     SELECT p.depth + 1, n.*, o.ok, p.found + o.ok::int
@@ -119,9 +103,9 @@ walk AS (
                        k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
                        k.aggregate_id
                   FROM {table} k
-                 WHERE k.status = 'pending'
+                 WHERE {key_order:k}
                    AND (k.topic, k.partition_key) > (p.topic, p.partition_key)
-                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                   AND {in_line:k}
                  ORDER BY k.topic, k.partition_key, k.created_at
                  FETCH FIRST 1 ROWS WITH TIES) s
             ORDER BY s.id LIMIT 1)
@@ -131,19 +115,14 @@ walk AS (
                        k.attempts_made, k.max_attempts, k.locked_at, k.aggregate_type,
                        k.aggregate_id
                   FROM {table} k
-                 WHERE k.status = 'pending' AND NOT p.wrapped
-                   AND (k.scheduled_at <= now() OR k.last_error IS NOT NULL OR k.locked_at IS NOT NULL)
+                 WHERE {key_order:k} AND NOT p.wrapped
+                   AND {in_line:k}
                  ORDER BY k.topic, k.partition_key, k.created_at
                  FETCH FIRST 1 ROWS WITH TIES) s
             ORDER BY s.id LIMIT 1)
            LIMIT 1
      ) n
-     CROSS JOIN LATERAL (SELECT
-           n.scheduled_at <= now() AND n.attempts_made < n.max_attempts
-           AND (n.locked_at IS NULL OR n.locked_at < now() - $2::int8 * INTERVAL '1 microsecond')
-           AND ($3::text[] IS NULL OR n.topic = ANY($3::text[]))
-           AND ($4::text[] IS NULL OR n.aggregate_type = ANY($4::text[]))
-           AND ($5::uuid[] IS NULL OR n.aggregate_id = ANY($5::uuid[])) AS ok) o
+     CROSS JOIN LATERAL (SELECT {due:n} AND {filters:n} AS ok) o
      WHERE p.depth < $7::int8 AND p.found < $1::int8
        AND NOT (n.wrapped AND (n.topic, n.partition_key) >= ($8::text, $9::text))
 ),

@@ -19,7 +19,9 @@
 -- Heads: the candidates are taken one after the other in head order, each row-locked with
 -- SKIP LOCKED (fetchability checked again on the latest row version) and checked again for an
 -- earlier in-line row of its key, until $2 are taken; nothing is locked past the $2-th head,
--- and a candidate that another relay holds is passed over, never waited for.
+-- and a candidate that another relay holds is passed over, never waited for. Every lookup by
+-- id here (the heads, the run locks, the lease stamp) goes through the primary key: its
+-- predicates ({pending:...}, {due:...}) imply no partial index's predicate.
 --
 -- Runs: with H heads, each head is position 1 of its run; one read of the key's line after the
 -- head (never-tried future rows passed over) of at most min($4 - 1, $2 - H) rows, cut at the
@@ -33,25 +35,12 @@ taken AS MATERIALIZED (
       FROM (SELECT u.id, u.ord FROM unnest($8::uuid[]) WITH ORDINALITY AS u(id, ord)
              ORDER BY u.ord) c
      CROSS JOIN LATERAL (
-           SELECT l.id, l.topic, l.partition_key, l.created_at
-             FROM {table} l
-            WHERE l.id = c.id
-              AND l.status = 'pending' AND l.scheduled_at <= now()
-              AND l.attempts_made < l.max_attempts
-              AND (l.locked_at IS NULL OR l.locked_at < now() - $3::int8 * INTERVAL '1 microsecond')
-              AND ($5::text[] IS NULL OR l.topic = ANY($5::text[]))
-              AND ($6::text[] IS NULL OR l.aggregate_type = ANY($6::text[]))
-              AND ($7::uuid[] IS NULL OR l.aggregate_id = ANY($7::uuid[]))
+           SELECT hl.id, hl.topic, hl.partition_key, hl.created_at
+             FROM {table} hl
+            WHERE hl.id = c.id AND {pending:hl} AND {due:hl} AND {filters:hl}
               FOR UPDATE SKIP LOCKED
      ) h
-      LEFT JOIN LATERAL (
-           SELECT 1 AS found
-             FROM {table} e
-            WHERE e.status = 'pending' AND e.topic = h.topic AND e.partition_key = h.partition_key
-              AND e.created_at <= h.created_at AND (e.created_at < h.created_at OR e.id < h.id)
-              AND (e.scheduled_at <= now() OR e.last_error IS NOT NULL OR e.locked_at IS NOT NULL)
-            LIMIT 1
-      ) earlier ON true
+      LEFT JOIN LATERAL ({earlier:h}) earlier ON true
      WHERE earlier.found IS NULL
      LIMIT $2::int8
 ),
@@ -68,18 +57,12 @@ runs AS (
      CROSS JOIN LATERAL (
            SELECT q.id, 1 + row_number() OVER (ORDER BY q.created_at, q.id) AS pos, q.ok
              FROM (
-                  SELECT l.id, l.created_at,
-                         (l.scheduled_at <= now() AND l.attempts_made < l.max_attempts
-                          AND (l.locked_at IS NULL
-                               OR l.locked_at < now() - $3::int8 * INTERVAL '1 microsecond')
-                          AND ($5::text[] IS NULL OR l.topic = ANY($5::text[]))
-                          AND ($6::text[] IS NULL OR l.aggregate_type = ANY($6::text[]))
-                          AND ($7::uuid[] IS NULL OR l.aggregate_id = ANY($7::uuid[]))) AS ok
+                  SELECT l.id, l.created_at, ({due:l} AND {filters:l}) AS ok
                     FROM {table} l
-                   WHERE l.status = 'pending' AND l.topic = h.topic
+                   WHERE {key_order:l} AND l.topic = h.topic
                      AND l.partition_key = h.partition_key
                      AND l.created_at >= h.created_at AND (l.created_at > h.created_at OR l.id > h.id)
-                     AND (l.scheduled_at <= now() OR l.last_error IS NOT NULL OR l.locked_at IS NOT NULL)
+                     AND {in_line:l}
                    ORDER BY l.created_at, l.id
                    LIMIT LEAST($4::int8 - 1, $2::int8 - (SELECT count(*) FROM ranked))
              ) q
@@ -93,10 +76,7 @@ picked AS (
 ),
 locked AS (
     SELECT lk.id FROM {table} lk
-     WHERE lk.id = ANY(ARRAY(SELECT id FROM picked WHERE pos > 1))
-       AND lk.status = 'pending' AND lk.scheduled_at <= now()
-       AND lk.attempts_made < lk.max_attempts
-       AND (lk.locked_at IS NULL OR lk.locked_at < now() - $3::int8 * INTERVAL '1 microsecond')
+     WHERE lk.id = ANY(ARRAY(SELECT id FROM picked WHERE pos > 1)) AND {pending:lk} AND {due:lk}
        FOR UPDATE SKIP LOCKED
 ),
 final AS (

@@ -4,5 +4,5 @@
 -- released.
 UPDATE {table} t
    SET locked_at = NULL, locked_by = NULL, updated_at = now()
- WHERE t.id = ANY($1::uuid[]) AND t.status = 'pending' AND t.locked_by = $2::text
+ WHERE t.id = ANY($1::uuid[]) AND {pending:t} AND t.locked_by = $2::text
 RETURNING t.id, t.status::text, t.attempts_made, t.scheduled_at
