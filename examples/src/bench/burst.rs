@@ -1,4 +1,4 @@
-//! `outbox-bench burst`: the fresh-table burst of issue 19. The same backlog (by default
+//! `outbox-bench burst`: the fresh-table burst. The same backlog (by default
 //! 110,000 pending rows over 11,000 keys, 10 per key) drained by the same relays (2, no-op
 //! broker) on a table whose statistics are fresh (`--stats analyzed`), absent (`none`: created
 //! by the schema creation, filled, never analysed) or stale (`stale`: analysed when it held

@@ -1,4 +1,4 @@
-//! Sustained capacity (issue 19): writers in this process commit events at a fixed rate while
+//! Sustained capacity: writers in this process commit events at a fixed rate while
 //! relays deliver them, the way a production service loads the relay, instead of draining a
 //! preloaded table.
 //!
