@@ -13,7 +13,7 @@
 //! |---|---|
 //! | commit | `+ACK`, confirmed by the server (a double ack) |
 //! | rewind(d) | `-NAK {"delay": d}` (a plain `-NAK` for 0) |
-//! | term(reason) | `+TERM {reason}` |
+//! | term(reason) | `+TERM {reason}` (a plain `+TERM` on servers before 2.10.4, which ignore the reason form) |
 //! | renew | `+WPI` (in progress), every ack_wait / 2 |
 //! | dead-letter copy | a JetStream publish to `deadletter.` + subject with R140's headers |
 //!
@@ -179,6 +179,12 @@ struct Inner {
     dead_letter_prefix: String,
     ack_wait: Duration,
     max_deliver: Option<i64>,
+    /// Whether the server takes `+TERM {reason}` (2.10.4 and later); an earlier one ignores
+    /// that payload, so it gets a plain `+TERM`.
+    term_with_reason: bool,
+    /// Messages a pull brought after its caller stopped waiting (the runner's read is
+    /// cancelled when another branch of its loop wins); handed out by the next read.
+    buffer: std::sync::Mutex<std::collections::VecDeque<jetstream::Message>>,
 }
 
 /// The inbox's subscription on a NATS JetStream durable pull consumer (R133, R134). Cloning
@@ -295,6 +301,7 @@ impl NatsSubscription {
             c.ack_wait
         };
         let max_deliver = (c.max_deliver > 0).then_some(c.max_deliver);
+        let term_with_reason = version_at_least(&client.server_info().version, (2, 10, 4));
         Ok(Self {
             inner: Arc::new(Inner {
                 client,
@@ -305,6 +312,8 @@ impl NatsSubscription {
                 dead_letter_prefix: config.dead_letter_prefix,
                 ack_wait,
                 max_deliver,
+                term_with_reason,
+                buffer: std::sync::Mutex::default(),
             }),
         })
     }
@@ -362,8 +371,32 @@ impl NatsSubscription {
     }
 }
 
+/// Whether a server version `a.b.c…` is at least `min`.
+pub(crate) fn version_at_least(v: &str, min: (u64, u64, u64)) -> bool {
+    let p: Vec<u64> = v
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|x| !x.is_empty())
+        .take(3)
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    let at = |i: usize| p.get(i).copied().unwrap_or(0);
+    (at(0), at(1), at(2)) >= min
+}
+
 fn transient(what: &str, e: impl std::fmt::Display) -> SubscriptionError {
     SubscriptionError::transient(format!("NATS: {what} failed: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn versions_and_names() {
+        assert!(super::version_at_least("2.10.4", (2, 10, 4)));
+        assert!(super::version_at_least("2.11.0-beta", (2, 10, 4)));
+        assert!(!super::version_at_least("2.9.10", (2, 10, 4)));
+        assert_eq!(super::consumer_name_for("a.b c"), "a_b_c");
+        assert_eq!(super::consumer_name_for("x*>/\\\ty"), "x_____y");
+    }
 }
 
 #[async_trait]
@@ -386,37 +419,65 @@ impl Subscription for NatsSubscription {
         if max == 0 {
             return Ok(Vec::new());
         }
-        let mut batch = if wait.is_zero() {
-            self.inner
-                .consumer
-                .fetch()
-                .max_messages(max)
-                .messages()
+        if self.buffered() == 0 {
+            // The pull runs in a task of its own, so that a read the runner gives up on (its
+            // loop's select) does not drop messages the server already sent: they wait in the
+            // buffer for the next read instead of coming back only after ack_wait.
+            let inner = self.inner.clone();
+            tokio::spawn(async move { pull(&inner, max, wait).await })
                 .await
-                .map_err(|e| transient("a pull request", e))?
-        } else {
-            self.inner
-                .consumer
-                .batch()
-                .max_messages(max)
-                .expires(wait.max(Duration::from_millis(10)))
-                .messages()
-                .await
-                .map_err(|e| transient("a pull request", e))?
+                .map_err(|e| transient("a pull task", e))??;
+        }
+        let taken: Vec<jetstream::Message> = {
+            let mut b = self.inner.buffer.lock().expect("poisoned");
+            let n = b.len().min(max);
+            b.drain(..n).collect()
         };
-        let mut out = Vec::new();
-        while let Some(m) = batch.next().await {
-            match m {
-                Ok(m) => out.push(self.delivery(m)?),
-                Err(e) if out.is_empty() => return Err(transient("a pull", e)),
-                Err(e) => {
-                    tracing::debug!(error = %e, "NATS pull ended early");
-                    break;
-                }
+        taken.into_iter().map(|m| self.delivery(m)).collect()
+    }
+}
+
+impl NatsSubscription {
+    fn buffered(&self) -> usize {
+        self.inner.buffer.lock().expect("poisoned").len()
+    }
+}
+
+/// One pull of at most `max` messages, waiting at most `wait`, into the buffer.
+async fn pull(inner: &Inner, max: usize, wait: Duration) -> Result<(), SubscriptionError> {
+    let mut batch = if wait.is_zero() {
+        inner
+            .consumer
+            .fetch()
+            .max_messages(max)
+            .messages()
+            .await
+            .map_err(|e| transient("a pull request", e))?
+    } else {
+        inner
+            .consumer
+            .batch()
+            .max_messages(max)
+            .expires(wait.max(Duration::from_millis(10)))
+            .messages()
+            .await
+            .map_err(|e| transient("a pull request", e))?
+    };
+    let mut got = 0;
+    while let Some(m) = batch.next().await {
+        match m {
+            Ok(m) => {
+                got += 1;
+                inner.buffer.lock().expect("poisoned").push_back(m);
+            }
+            Err(e) if got == 0 => return Err(transient("a pull", e)),
+            Err(e) => {
+                tracing::debug!(error = %e, "NATS pull ended early");
+                break;
             }
         }
-        Ok(out)
     }
+    Ok(())
 }
 
 struct NatsAck {
@@ -452,12 +513,18 @@ impl AckHandle for NatsAck {
             .map_err(|e| transient("nak", e))
     }
 
-    /// `+TERM {reason}` to the reply subject (R134).
+    /// `+TERM {reason}` to the reply subject (R134); a plain `+TERM` on a server before 2.10.4,
+    /// which would ignore the longer payload and leave the message pending.
     async fn term(&self, reason: &str) -> Result<(), SubscriptionError> {
         let reply = self.reply()?;
+        let payload = if self.inner.term_with_reason {
+            format!("+TERM {reason}")
+        } else {
+            "+TERM".to_owned()
+        };
         self.inner
             .client
-            .publish(reply, format!("+TERM {reason}").into())
+            .publish(reply, payload.into())
             .await
             .map_err(|e| transient("term", e))?;
         self.inner
