@@ -185,6 +185,9 @@ struct Inner {
     /// Messages a pull brought after its caller stopped waiting (the runner's read is
     /// cancelled when another branch of its loop wins); handed out by the next read.
     buffer: std::sync::Mutex<std::collections::VecDeque<jetstream::Message>>,
+    /// Held by a pull task for its duration; a close waits for it.
+    reading: tokio::sync::Mutex<()>,
+    closed: std::sync::atomic::AtomicBool,
 }
 
 /// The inbox's subscription on a NATS JetStream durable pull consumer (R133, R134). Cloning
@@ -314,6 +317,8 @@ impl NatsSubscription {
                 max_deliver,
                 term_with_reason,
                 buffer: std::sync::Mutex::default(),
+                reading: tokio::sync::Mutex::new(()),
+                closed: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -416,7 +421,7 @@ impl Subscription for NatsSubscription {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        if max == 0 {
+        if max == 0 || self.inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
             return Ok(Vec::new());
         }
         if self.buffered() == 0 {
@@ -424,9 +429,15 @@ impl Subscription for NatsSubscription {
             // loop's select) does not drop messages the server already sent: they wait in the
             // buffer for the next read instead of coming back only after ack_wait.
             let inner = self.inner.clone();
-            tokio::spawn(async move { pull(&inner, max, wait).await })
-                .await
-                .map_err(|e| transient("a pull task", e))??;
+            tokio::spawn(async move {
+                let _reading = inner.reading.lock().await;
+                if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Ok(());
+                }
+                pull(&inner, max, wait).await
+            })
+            .await
+            .map_err(|e| transient("a pull task", e))??;
         }
         let taken: Vec<jetstream::Message> = {
             let mut b = self.inner.buffer.lock().expect("poisoned");
@@ -434,6 +445,27 @@ impl Subscription for NatsSubscription {
             b.drain(..n).collect()
         };
         taken.into_iter().map(|m| self.delivery(m)).collect()
+    }
+
+    /// No pull after this; waits for one in flight (at most its wait), and gives the messages
+    /// it brought back at once (a plain nak) rather than after ack_wait (R167).
+    async fn close(&self) {
+        self.inner
+            .closed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(self.inner.reading.lock().await);
+        let left: Vec<jetstream::Message> = self
+            .inner
+            .buffer
+            .lock()
+            .expect("poisoned")
+            .drain(..)
+            .collect();
+        for m in left {
+            if let Err(e) = m.ack_with(AckKind::Nak(None)).await {
+                tracing::warn!(error = %e, "giving back a pulled message at close failed");
+            }
+        }
     }
 }
 

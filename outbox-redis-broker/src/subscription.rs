@@ -197,6 +197,12 @@ struct Inner {
     config: RedisSubscriptionConfig,
     streams: Vec<String>,
     state: Mutex<State>,
+    /// Deliveries a read brought after its caller stopped waiting (the runner's read is
+    /// cancelled when another branch of its loop wins); handed out by the next read.
+    buffer: Mutex<std::collections::VecDeque<InboxDelivery>>,
+    /// Held by a read task for its duration; a close waits for it.
+    reading: tokio::sync::Mutex<()>,
+    closed: AtomicBool,
 }
 
 /// The inbox's subscription on a Redis Streams consumer group (R135, R136). Cloning shares it.
@@ -284,6 +290,9 @@ impl RedisSubscription {
                 config,
                 streams,
                 state: Mutex::new(state),
+                buffer: Mutex::default(),
+                reading: tokio::sync::Mutex::new(()),
+                closed: AtomicBool::new(false),
             }),
         })
     }
@@ -580,18 +589,8 @@ impl RedisSubscription {
     }
 }
 
-#[async_trait]
-impl Subscription for RedisSubscription {
-    fn capabilities(&self) -> SubscriptionCapabilities {
-        SubscriptionCapabilities {
-            name: "redis",
-            rewind: true,
-            last_delivery: false,
-            renew_every: Some(self.inner.config.claim_idle / 2),
-        }
-    }
-
-    async fn next(
+impl RedisSubscription {
+    async fn next_inner(
         &self,
         max: usize,
         wait: Duration,
@@ -612,9 +611,54 @@ impl Subscription for RedisSubscription {
         }
         Ok(out)
     }
+}
+
+#[async_trait]
+impl Subscription for RedisSubscription {
+    fn capabilities(&self) -> SubscriptionCapabilities {
+        SubscriptionCapabilities {
+            name: "redis",
+            rewind: true,
+            last_delivery: false,
+            renew_every: Some(self.inner.config.claim_idle / 2),
+        }
+    }
+
+    async fn next(
+        &self,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
+        if max == 0 || self.inner.closed.load(Ordering::SeqCst) {
+            return Ok(Vec::new());
+        }
+        if self.inner.buffer.lock().expect("poisoned").is_empty() {
+            // The read runs in a task of its own, so that a read the runner gives up on does
+            // not leave entries pending under this consumer unhandled until claim_idle.
+            let me = self.clone();
+            tokio::spawn(async move {
+                let _reading = me.inner.reading.lock().await;
+                if me.inner.closed.load(Ordering::SeqCst) {
+                    return Ok(());
+                }
+                let got = me.next_inner(max, wait).await?;
+                me.inner.buffer.lock().expect("poisoned").extend(got);
+                Ok::<(), SubscriptionError>(())
+            })
+            .await
+            .map_err(|e| err("a read task", e))??;
+        }
+        let mut b = self.inner.buffer.lock().expect("poisoned");
+        let n = b.len().min(max);
+        Ok(b.drain(..n).collect())
+    }
 
     /// Deletes the consumer from the group when it has no pending entry (R135, R167).
     async fn close(&self) {
+        // No read after this one; wait for one in flight (at most its BLOCK time), whose
+        // entries then stay pending under this consumer, which is then kept.
+        self.inner.closed.store(true, Ordering::SeqCst);
+        drop(self.inner.reading.lock().await);
         let cfg = &self.inner.config;
         let mut c = self.inner.ops.clone();
         for s in &self.inner.streams {
