@@ -392,18 +392,6 @@ fn transient(what: &str, e: impl std::fmt::Display) -> SubscriptionError {
     SubscriptionError::transient(format!("NATS: {what} failed: {e}"))
 }
 
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn versions_and_names() {
-        assert!(super::version_at_least("2.10.4", (2, 10, 4)));
-        assert!(super::version_at_least("2.11.0-beta", (2, 10, 4)));
-        assert!(!super::version_at_least("2.9.10", (2, 10, 4)));
-        assert_eq!(super::consumer_name_for("a.b c"), "a_b_c");
-        assert_eq!(super::consumer_name_for("x*>/\\\ty"), "x_____y");
-    }
-}
-
 #[async_trait]
 impl Subscription for NatsSubscription {
     fn capabilities(&self) -> SubscriptionCapabilities {
@@ -614,5 +602,17 @@ impl AckHandle for NatsAck {
         ack.await
             .map(|_| ())
             .map_err(|e| transient(&format!("the dead-letter copy to {subject}"), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn versions_and_names() {
+        assert!(super::version_at_least("2.10.4", (2, 10, 4)));
+        assert!(super::version_at_least("2.11.0-beta", (2, 10, 4)));
+        assert!(!super::version_at_least("2.9.10", (2, 10, 4)));
+        assert_eq!(super::consumer_name_for("a.b c"), "a_b_c");
+        assert_eq!(super::consumer_name_for("x*>/\\\ty"), "x_____y");
     }
 }

@@ -176,6 +176,9 @@ impl Touch {
     }
 }
 
+/// An entry to renew: stream, id, its touch.
+type Renewal = (String, String, Arc<Touch>);
+
 struct Rewind {
     stream: String,
     id: String,
@@ -431,7 +434,7 @@ impl RedisSubscription {
     async fn due_rewinds(&self, max: usize) -> Result<Vec<InboxDelivery>, SubscriptionError> {
         let now = Instant::now();
         let half = self.inner.config.claim_idle / 2;
-        let (due, renew): (Vec<Rewind>, Vec<(String, String, Arc<Touch>)>) = {
+        let (due, renew): (Vec<Rewind>, Vec<Renewal>) = {
             let mut st = self.lock();
             st.rewinds.sort_by_key(|r| r.due);
             let n = st
