@@ -4,6 +4,7 @@
 mod config;
 mod error;
 mod subject;
+mod subscription;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,6 +28,10 @@ pub use config::{
     NatsBrokerConfig, NatsTls, StreamSpec, StreamStorage,
 };
 pub use error::NatsBrokerError;
+pub use subscription::{
+    DEFAULT_ACK_WAIT, DEFAULT_DEAD_LETTER_PREFIX, NatsSubscription, NatsSubscriptionConfig,
+    consumer_name_for,
+};
 
 /// A [`Broker`] publishing to NATS JetStream and waiting for the acknowledgement.
 ///

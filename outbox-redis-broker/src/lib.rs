@@ -1,6 +1,12 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+mod subscription;
+
+pub use subscription::{
+    DEFAULT_CLAIM_IDLE, DEFAULT_DEAD_LETTER_SUFFIX, RedisSubscription, RedisSubscriptionConfig,
+};
+
 use std::collections::BTreeMap;
 use std::time::Duration;
 

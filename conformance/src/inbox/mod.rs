@@ -7,6 +7,7 @@
 //! inbox IDs), [`scenarios::dedup`] (D, I-06), [`scenarios::decoding`] (E),
 //! [`scenarios::visibility`] (A) and [`scenarios::stand`] (SI).
 
+pub mod broker_subs;
 pub mod ctx;
 pub mod harness;
 pub mod memory;

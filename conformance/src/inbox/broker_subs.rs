@@ -1,0 +1,373 @@
+//! Inbox trials on a live broker through a real subscription (scenarios.md section 22, G, and
+//! the broker-independent part of section 26, J), with the in-memory inbox.
+//!
+//! A broker crate implements [`SubscriptionUnderTest`] in its tests and invokes
+//! [`crate::inbox_broker_suite!`], as [`crate::broker`] serves the outbox adapters. Each trial
+//! gets a fresh stream or key prefix ([`SubscriptionUnderTest::trial`]); the runners run their
+//! real loops ([`outbox_core::inbox::Runner::run`]) on tokio's real clock, since the broker
+//! redelivers on its own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::backoff::{Backoff, SeededRng};
+use outbox_core::event::Status;
+use outbox_core::inbox::memory::InMemoryInbox;
+use outbox_core::inbox::repository::InboxRepository;
+use outbox_core::inbox::{DeliveryOutcome as O, OnFailure, Runner, RunnerBuilder, Subscription};
+use serde_json::json;
+use tokio::task::JoinHandle;
+
+use crate::inbox::ctx::{Recorder, g};
+use crate::inbox::harness::InboxHarness;
+use crate::inbox::memory::MemInboxHarness;
+use crate::inbox::script::{Act, Gate, ScriptedHandler};
+
+/// One fresh stream (NATS) or key prefix (Redis) of a trial.
+#[async_trait]
+pub trait SubscriptionTrial: Send + Sync {
+    /// Publishes one message on topic `src`: `attrs` as NATS headers or Redis fields, `body`
+    /// as the NATS body or the Redis `payload` field.
+    async fn publish(&self, attrs: &[(&str, &str)], body: &str);
+    /// A subscription of group `g` for runner `worker`, whose unended deliveries come back after
+    /// `redeliver_after` (NATS ack_wait, Redis claim_idle).
+    async fn subscription(&self, worker: &str, redeliver_after: Duration) -> Arc<dyn Subscription>;
+    /// Removes the trial's streams.
+    async fn cleanup(&self);
+}
+
+/// A broker under test.
+#[async_trait]
+pub trait SubscriptionUnderTest: Send + Sync {
+    /// A fresh, isolated trial.
+    async fn trial(&self) -> Box<dyn SubscriptionTrial>;
+}
+
+struct Bed {
+    h: Arc<MemInboxHarness>,
+    handler: Arc<ScriptedHandler<MemInboxHarness>>,
+    rec: Arc<Recorder>,
+    trial: Box<dyn SubscriptionTrial>,
+}
+
+struct Running {
+    runner: Arc<Runner<InMemoryInbox>>,
+    task: JoinHandle<()>,
+}
+
+impl Running {
+    async fn stop(self) {
+        self.runner.stop();
+        let _ = self.task.await;
+    }
+    /// `kill`: the loop is dropped with its deliveries unended.
+    fn kill(self) {
+        self.task.abort();
+    }
+}
+
+impl Bed {
+    async fn new<S: SubscriptionUnderTest + ?Sized>(s: &S) -> Self {
+        let h = Arc::new(MemInboxHarness::default());
+        Self {
+            handler: Arc::new(ScriptedHandler::new(h.clone())),
+            h,
+            rec: Arc::default(),
+            trial: s.trial().await,
+        }
+    }
+
+    async fn publish(&self, id: &str, key: &str, n: i64) {
+        let body = json!({"key": key, "n": n}).to_string();
+        self.trial
+            .publish(
+                &[
+                    ("event_id", id),
+                    ("topic", "src"),
+                    ("event_type", "e"),
+                    ("partition_key", key),
+                ],
+                &body,
+            )
+            .await;
+    }
+
+    async fn builder(
+        &self,
+        worker: &str,
+        redeliver_after: Duration,
+    ) -> RunnerBuilder<InMemoryInbox> {
+        let sub = self.trial.subscription(worker, redeliver_after).await;
+        Runner::builder(self.h.backend(), sub, "g")
+            .worker_id(worker)
+            .handler(self.handler.clone())
+            .process_stored(false)
+            .sources(["src"])
+            .concurrency(2)
+            .hooks(self.rec.clone())
+            .random_source(Box::new(SeededRng::new(7)))
+    }
+
+    fn run(&self, b: RunnerBuilder<InMemoryInbox>) -> Running {
+        let runner = Arc::new(b.build().expect("runner builds"));
+        runner.start();
+        let r = runner.clone();
+        let task = tokio::spawn(async move {
+            r.run().await.expect("runner runs");
+        });
+        Running { runner, task }
+    }
+
+    fn completed(&self) -> Vec<String> {
+        self.rec
+            .results()
+            .into_iter()
+            .filter(|r| r.outcome == O::Completed)
+            .filter_map(|r| r.message_id)
+            .collect()
+    }
+
+    async fn wait_for(&self, what: &str, within: Duration, f: impl Fn(&Self) -> bool) {
+        let deadline = tokio::time::Instant::now() + within;
+        while !f(self) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "timed out after {within:?} waiting for {what}; results: {:?}",
+                self.rec.results()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// G-01 on a broker: two runners of one group share its messages; each id's effect is written
+/// once, and both runners handled some (R110, R119).
+pub async fn g_01<S: SubscriptionUnderTest + ?Sized>(s: &S) {
+    let b = Bed::new(s).await;
+    b.handler.always(Act::Delay(Duration::from_millis(30)));
+    let mut ids = Vec::new();
+    for k in 0..4 {
+        for n in 0..5 {
+            let id = format!("m{k}-{n}");
+            b.publish(&id, &format!("k{k}"), n).await;
+            ids.push(id);
+        }
+    }
+    let (r1, r2) = (Arc::new(Recorder::default()), Arc::new(Recorder::default()));
+    let w1 = b.run(
+        b.builder("w1", Duration::from_secs(30))
+            .await
+            .hooks(r1.clone()),
+    );
+    let w2 = b.run(
+        b.builder("w2", Duration::from_secs(30))
+            .await
+            .hooks(r2.clone()),
+    );
+    b.wait_for("20 completions", Duration::from_secs(30), |b| {
+        b.completed().len() >= 20
+    })
+    .await;
+    w1.stop().await;
+    w2.stop().await;
+    let mut effects = b.h.effects().await;
+    effects.sort();
+    ids.sort();
+    assert_eq!(effects, ids, "each message's effect exactly once");
+    for id in &ids {
+        let row =
+            b.h.inbox
+                .get_by_message_id(id, &g())
+                .await
+                .unwrap()
+                .unwrap();
+        assert_eq!(row.status, Status::Completed, "{id}");
+    }
+    let done = |r: &Recorder| {
+        r.results()
+            .iter()
+            .filter(|x| x.outcome == O::Completed)
+            .count()
+    };
+    assert!(
+        done(&r1) > 0 && done(&r2) > 0,
+        "each runner handled some: w1 {}, w2 {}",
+        done(&r1),
+        done(&r2)
+    );
+    b.trial.cleanup().await;
+}
+
+/// G-03 on a broker (and the "killed runner" test of issue 22): a delivery left unended by a
+/// killed runner is handled by another runner of the group once the broker gives it back
+/// (ack_wait on NATS, claim_idle on Redis); the killed run left no row and no effect
+/// (R115, R119, R134, R136, R142).
+pub async fn g_03<S: SubscriptionUnderTest + ?Sized>(s: &S) {
+    let b = Bed::new(s).await;
+    let gate = Gate::new();
+    b.handler
+        .script("m1", vec![Act::Gate(gate.clone()), Act::Write]);
+    b.publish("m1", "k", 0).await;
+    let redeliver = Duration::from_secs(2);
+    let w1 = b.run(b.builder("w1", redeliver).await);
+    tokio::time::timeout(Duration::from_secs(10), gate.reached(1))
+        .await
+        .expect("w1 starts m1");
+    w1.kill();
+    let killed_at = tokio::time::Instant::now();
+    assert!(
+        b.h.inbox
+            .get_by_message_id("m1", &g())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(b.h.effects().await.is_empty());
+    let w2 = b.run(b.builder("w2", redeliver).await);
+    b.wait_for("m1 completed by w2", Duration::from_secs(15), |b| {
+        b.completed() == vec!["m1".to_string()]
+    })
+    .await;
+    assert!(
+        killed_at.elapsed() >= redeliver / 2,
+        "the message came back before the broker's redelivery time"
+    );
+    w2.stop().await;
+    assert_eq!(b.handler.runs_of("m1"), 2);
+    assert_eq!(b.h.effects().await, vec!["m1"]);
+    b.trial.cleanup().await;
+}
+
+/// A message whose handler always fails becomes `failed` after its budget (on_failure rewind,
+/// max_attempts 3: two rewinds, then the third delivery is recorded terminal, R128), and never
+/// blocks other keys: the messages of another key complete meanwhile. While it is rewound it
+/// has no row (R127), so it is not in blocked_keys then; once `failed` it is out of line, so
+/// neither blocked_keys lists its key nor does it hold a later message of that key (R145, R161).
+pub async fn poison_blocks_only_its_key<S: SubscriptionUnderTest + ?Sized>(s: &S) {
+    let b = Bed::new(s).await;
+    b.handler.script(
+        "bad",
+        vec![
+            Act::Fail("boom".into()),
+            Act::Fail("boom".into()),
+            Act::Fail("boom".into()),
+            Act::Fail("boom".into()),
+        ],
+    );
+    b.publish("bad", "k1", 0).await;
+    for n in 0..3 {
+        b.publish(&format!("other{n}"), "k2", n).await;
+    }
+    let w1 = b.run(
+        b.builder("w1", Duration::from_secs(30))
+            .await
+            .on_failure(OnFailure::Rewind)
+            .max_attempts(3)
+            .backoff(Backoff::new(0.2, 0.4).expect("backoff")),
+    );
+    b.wait_for("bad terminal", Duration::from_secs(20), |b| {
+        b.rec.results().iter().any(|r| r.terminal)
+    })
+    .await;
+    b.wait_for("other keys completed", Duration::from_secs(10), |b| {
+        b.completed()
+            .iter()
+            .filter(|m| m.starts_with("other"))
+            .count()
+            == 3
+    })
+    .await;
+    b.publish("next", "k1", 1).await;
+    b.wait_for("next landed", Duration::from_secs(10), |b| {
+        b.rec
+            .results()
+            .iter()
+            .any(|r| r.message_id.as_deref() == Some("next"))
+    })
+    .await;
+    w1.stop().await;
+    let bad =
+        b.h.inbox
+            .get_by_message_id("bad", &g())
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!((bad.status, bad.attempts_made), (Status::Failed, 3));
+    assert_eq!(b.handler.runs_of("bad"), 3, "three deliveries, three runs");
+    let next =
+        b.h.inbox
+            .get_by_message_id("next", &g())
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(
+        next.status,
+        Status::Completed,
+        "a failed row is out of line"
+    );
+    assert_eq!(b.handler.runs_of("next"), 1);
+    let blocked =
+        b.h.inbox
+            .blocked_keys(&g(), Duration::from_secs(300), 10)
+            .await
+            .unwrap();
+    assert!(blocked.is_empty(), "{blocked:?}");
+    let mut effects = b.h.effects().await;
+    effects.sort();
+    assert_eq!(effects, vec!["next", "other0", "other1", "other2"]);
+    b.trial.cleanup().await;
+}
+
+/// An invalid message on a broker is dead-lettered and ended; the next message goes on
+/// (R139, R140).
+pub async fn invalid_is_dead_lettered<S: SubscriptionUnderTest + ?Sized>(s: &S) {
+    let b = Bed::new(s).await;
+    b.trial
+        .publish(&[("event_id", "bad"), ("topic", "src")], "not json")
+        .await;
+    b.publish("good", "k", 0).await;
+    let w1 = b.run(b.builder("w1", Duration::from_secs(30)).await);
+    b.wait_for("good completed", Duration::from_secs(10), |b| {
+        b.completed() == vec!["good".to_string()]
+    })
+    .await;
+    w1.stop().await;
+    let inv: Vec<_> = b
+        .rec
+        .results()
+        .into_iter()
+        .filter(|r| r.outcome == O::Invalid)
+        .collect();
+    assert_eq!(inv.len(), 1, "{inv:?}");
+    assert_eq!(
+        inv[0].error.as_deref(),
+        Some("invalid message: body is not JSON")
+    );
+    assert!(
+        b.h.inbox
+            .get_by_message_id("bad", &g())
+            .await
+            .unwrap()
+            .is_none()
+    );
+    b.trial.cleanup().await;
+}
+
+/// Generates one `#[tokio::test]` per broker inbox trial; EXPR implements
+/// [`SubscriptionUnderTest`].
+#[macro_export]
+macro_rules! inbox_broker_suite {
+    ($f:expr) => {
+        $crate::inbox_broker_suite!(@tests $f; g_01, g_03, poison_blocks_only_its_key,
+            invalid_is_dead_lettered);
+    };
+    (@tests $f:expr; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $crate::inbox::broker_subs::$name(&$f).await;
+            }
+        )*
+    };
+}

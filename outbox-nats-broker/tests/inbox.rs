@@ -1,0 +1,422 @@
+//! The inbox's JetStream subscription against the machine's NATS (`NATS_URL`, default
+//! `nats://127.0.0.1:4222`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
+//! poison message, dead-lettering) and the NATS scenarios J-01, J-03, J-06 and J-07. Each trial
+//! uses a fresh stream `S…` with subjects `{prefix}>` and a dead-letter stream capturing
+//! `deadletter.{prefix}>`, deleted at the end.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use async_trait::async_trait;
+use futures::StreamExt;
+use outbox_conformance::broker::fresh_suffix;
+use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
+use outbox_conformance::inbox::ctx::g;
+use outbox_conformance::inbox::harness::InboxHarness;
+use outbox_conformance::inbox::memory::MemInboxHarness;
+use outbox_core::inbox::repository::InboxRepository;
+use outbox_core::inbox::{DeliveryOutcome, OnFailure, Runner, Subscription};
+use outbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
+
+fn url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+}
+
+struct Nats;
+
+struct Trial {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    stream: String,
+    dl_stream: String,
+    prefix: String,
+}
+
+impl Trial {
+    async fn new(with_dead_letter: bool) -> Self {
+        let suffix = fresh_suffix();
+        let stream = format!("INBOX_{suffix}");
+        let dl_stream = format!("INBOX_DL_{suffix}");
+        let prefix = format!("inboxtest.{suffix}.");
+        let client = async_nats::connect(url())
+            .await
+            .unwrap_or_else(|e| panic!("NATS at {} is unreachable: {e}", url()));
+        let js = jetstream::new(client.clone());
+        js.create_stream(jetstream::stream::Config {
+            name: stream.clone(),
+            subjects: vec![format!("{prefix}>")],
+            ..Default::default()
+        })
+        .await
+        .expect("create the trial's stream");
+        if with_dead_letter {
+            js.create_stream(jetstream::stream::Config {
+                name: dl_stream.clone(),
+                subjects: vec![format!("deadletter.{prefix}>")],
+                ..Default::default()
+            })
+            .await
+            .expect("create the dead-letter stream");
+        }
+        Self {
+            client,
+            js,
+            stream,
+            dl_stream,
+            prefix,
+        }
+    }
+
+    fn config(&self, group: &str, ack_wait: Duration) -> NatsSubscriptionConfig {
+        NatsSubscriptionConfig::new(&self.stream, group)
+            .subject_prefix(&self.prefix)
+            .topics(["src"])
+            .ack_wait(ack_wait)
+    }
+
+    async fn consumer_info(&self, name: &str) -> jetstream::consumer::Info {
+        self.js
+            .get_stream(&self.stream)
+            .await
+            .expect("stream")
+            .consumer_info(name)
+            .await
+            .expect("consumer info")
+    }
+}
+
+#[async_trait]
+impl SubscriptionTrial for Trial {
+    async fn publish(&self, attrs: &[(&str, &str)], body: &str) {
+        let mut h = async_nats::HeaderMap::new();
+        for (k, v) in attrs {
+            h.insert(*k, *v);
+        }
+        self.js
+            .publish_with_headers(format!("{}src", self.prefix), h, body.to_owned().into())
+            .await
+            .expect("publish")
+            .await
+            .expect("publish ack");
+    }
+
+    async fn subscription(
+        &self,
+        _worker: &str,
+        redeliver_after: Duration,
+    ) -> Arc<dyn Subscription> {
+        Arc::new(
+            NatsSubscription::bind(self.client.clone(), self.config("g", redeliver_after))
+                .await
+                .expect("bind the subscription"),
+        )
+    }
+
+    async fn cleanup(&self) {
+        let _ = self.js.delete_stream(&self.stream).await;
+        let _ = self.js.delete_stream(&self.dl_stream).await;
+    }
+}
+
+#[async_trait]
+impl SubscriptionUnderTest for Nats {
+    async fn trial(&self) -> Box<dyn SubscriptionTrial> {
+        Box::new(Trial::new(true).await)
+    }
+}
+
+outbox_conformance::inbox_broker_suite!(Nats);
+
+fn runner(
+    h: &MemInboxHarness,
+    sub: NatsSubscription,
+) -> outbox_core::inbox::RunnerBuilder<outbox_core::inbox::InMemoryInbox> {
+    Runner::builder(h.backend(), Arc::new(sub), "g")
+        .worker_id("w1")
+        .process_stored(false)
+        .sources(["src"])
+        .concurrency(1)
+}
+
+/// J-01: a commit is a confirmed ack: num_ack_pending 0 and no redelivery (R134).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_01() {
+    let t = Trial::new(false).await;
+    t.publish(&[("event_id", "m1"), ("topic", "src")], r#"{"n":1}"#)
+        .await;
+    let h = MemInboxHarness::default();
+    let sub = NatsSubscription::bind(t.client.clone(), t.config("g", Duration::from_secs(1)))
+        .await
+        .unwrap();
+    let r = runner(&h, sub.clone())
+        .handler(Arc::new(Noop))
+        .build()
+        .unwrap();
+    let res = r.handle_next().await.unwrap().expect("a delivery");
+    assert_eq!(
+        (res.outcome, res.committed),
+        (DeliveryOutcome::Completed, true)
+    );
+    assert_eq!(t.consumer_info("g").await.num_ack_pending, 0);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        sub.next(1, Duration::from_millis(300))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    t.cleanup().await;
+}
+
+struct Noop;
+
+#[async_trait]
+impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Noop {
+    async fn handle(
+        &self,
+        _row: &outbox_core::inbox::InboxEvent,
+        _tx: &mut outbox_core::inbox::MemInboxTx,
+    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
+        Ok(outbox_core::inbox::HandlerOutcome::completed())
+    }
+}
+
+/// J-03: an invalid message is copied to `deadletter.` + subject with R140's headers, then
+/// terminated (the MSG_TERMINATED advisory names the stream and sequence; servers from 2.10.4
+/// on add the reason). Variant: with no stream capturing the copy, the delivery is rewound 1 s
+/// and comes back with delivery count 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_03() {
+    let t = Trial::new(true).await;
+    let mut advisories = t
+        .client
+        .subscribe(format!(
+            "$JS.EVENT.ADVISORY.CONSUMER.MSG_TERMINATED.{}.g",
+            t.stream
+        ))
+        .await
+        .unwrap();
+    t.publish(&[("tenant", "acme")], "not json").await;
+    let h = MemInboxHarness::default();
+    let sub = NatsSubscription::bind(t.client.clone(), t.config("g", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let r = runner(&h, sub).handler(Arc::new(Noop)).build().unwrap();
+    let res = r.handle_next().await.unwrap().expect("a delivery");
+    assert_eq!(res.outcome, DeliveryOutcome::Invalid);
+    let reason = "invalid message: body is not JSON";
+    let dl = t.js.get_stream(&t.dl_stream).await.unwrap();
+    let m = dl
+        .get_last_raw_message_by_subject(&format!("deadletter.{}src", t.prefix))
+        .await
+        .expect("one dead-letter copy");
+    assert_eq!(&m.payload[..], b"not json");
+    let hv = |n: &str| m.headers.get(n).map(|v| v.as_str().to_owned());
+    assert_eq!(hv("tenant").as_deref(), Some("acme"));
+    assert_eq!(hv("Inbox-Invalid-Reason").as_deref(), Some(reason));
+    assert_eq!(hv("Inbox-Consumer-Group").as_deref(), Some("g"));
+    assert_eq!(
+        hv("Inbox-Original-Stream").as_deref(),
+        Some(t.stream.as_str())
+    );
+    assert_eq!(hv("Inbox-Original-Sequence").as_deref(), Some("1"));
+    assert_eq!(hv("Nats-Msg-Id"), Some(format!("{}:1:g", t.stream)));
+    // Servers before 2.10.4 end the message on `+TERM {reason}` without an advisory reason
+    // (the machine's may be older); from 2.10.4 on the advisory carries it.
+    let version = t.client.server_info().version;
+    if version_at_least(&version, (2, 10, 4)) {
+        let adv = tokio::time::timeout(Duration::from_secs(3), advisories.next())
+            .await
+            .expect("a MSG_TERMINATED advisory")
+            .expect("advisory");
+        let a: serde_json::Value = serde_json::from_slice(&adv.payload).unwrap();
+        assert_eq!(a["stream"], t.stream.as_str());
+        assert_eq!(a["stream_seq"], 1);
+        assert_eq!(a["reason"], reason);
+    } else {
+        eprintln!("NATS server {version}: the MSG_TERMINATED advisory's reason is not checked");
+    }
+    assert_eq!(t.consumer_info("g").await.num_ack_pending, 0);
+    t.cleanup().await;
+
+    // Variant: no stream captures the copy.
+    let t = Trial::new(false).await;
+    t.publish(&[], "not json").await;
+    let sub = NatsSubscription::bind(
+        t.client.clone(),
+        t.config("g", Duration::from_secs(5))
+            .timeout(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    let r = runner(&h, sub.clone())
+        .handler(Arc::new(Noop))
+        .build()
+        .unwrap();
+    let res = r.handle_next().await.unwrap().expect("a delivery");
+    assert_eq!(res.outcome, DeliveryOutcome::Invalid);
+    assert_eq!(res.rewind_delay, Some(Duration::from_secs(1)));
+    let start = tokio::time::Instant::now();
+    let again = sub.next(1, Duration::from_secs(3)).await.unwrap();
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0].delivery_number, 2);
+    assert!(start.elapsed() >= Duration::from_millis(300));
+    t.cleanup().await;
+}
+
+/// J-06: consumer requirements (R133): ack policy none or all refused, max_deliver below
+/// max_attempts refused under rewind; a created consumer of group `a.b c` is `a_b_c` with
+/// max_deliver −1; a record runner binds to a max_deliver 3 consumer; on a max_deliver 6
+/// consumer with max_attempts 6 the sixth delivery is the last and is recorded `failed`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_06() {
+    use jetstream::consumer::{AckPolicy, pull::Config};
+    let t = Trial::new(false).await;
+    let stream = t.js.get_stream(&t.stream).await.unwrap();
+    for (name, policy, max_deliver) in [
+        ("none", AckPolicy::None, -1),
+        ("all", AckPolicy::All, -1),
+        ("md3", AckPolicy::Explicit, 3),
+        ("md6", AckPolicy::Explicit, 6),
+    ] {
+        stream
+            .create_consumer(Config {
+                durable_name: Some(name.into()),
+                ack_policy: policy,
+                max_deliver,
+                ack_wait: Duration::from_secs(5),
+                filter_subject: format!("{}src", t.prefix),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    }
+    let bind = |c: &str, rewind: bool| {
+        let mut cfg = NatsSubscriptionConfig::new(&t.stream, "g")
+            .consumer(c)
+            .subject_prefix(&t.prefix);
+        if rewind {
+            cfg = cfg.rewinds_with_max_attempts(6);
+        }
+        NatsSubscription::bind(t.client.clone(), cfg)
+    };
+    for c in ["none", "all"] {
+        let e = bind(c, true).await.unwrap_err().to_string();
+        assert!(e.contains("ack_policy must be explicit"), "{e}");
+    }
+    let e = bind("md3", true).await.unwrap_err().to_string();
+    assert!(
+        e.contains("max_deliver (3) is below max_attempts (6)"),
+        "{e}"
+    );
+    bind("md3", false)
+        .await
+        .expect("a record runner binds to max_deliver 3");
+
+    let md6 = bind("md6", true).await.unwrap();
+    assert_eq!(md6.max_deliver(), Some(6));
+    t.publish(&[("event_id", "m1"), ("topic", "src")], r#"{"n":1}"#)
+        .await;
+    let h = MemInboxHarness::default();
+    let r = runner(&h, md6.clone())
+        .handler(Arc::new(AlwaysTransient))
+        .on_failure(OnFailure::Rewind)
+        .max_attempts(6)
+        .backoff(outbox_core::backoff::Backoff::new(1.0, 8.0).unwrap())
+        .build()
+        .unwrap();
+    let mut outcomes = Vec::new();
+    for _ in 0..20 {
+        if outcomes.len() == 6 {
+            break;
+        }
+        let ds = md6.next(1, Duration::from_secs(2)).await.unwrap();
+        for d in ds {
+            assert_eq!(d.delivery_number as usize, outcomes.len() + 1);
+            assert_eq!(d.is_last(), outcomes.len() == 5);
+            outcomes.push(r.handle_delivery(d).await.outcome);
+        }
+    }
+    assert_eq!(outcomes.len(), 6, "{outcomes:?}");
+    assert_eq!(&outcomes[..5], &[DeliveryOutcome::Rewound; 5]);
+    assert_eq!(outcomes[5], DeliveryOutcome::Recorded);
+    let row = h
+        .inbox
+        .get_by_message_id("m1", &g())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.status, outbox_core::event::Status::Failed);
+
+    let created = NatsSubscription::bind(
+        t.client.clone(),
+        NatsSubscriptionConfig::new(&t.stream, "a.b c")
+            .subject_prefix(&t.prefix)
+            .topics(["src"]),
+    )
+    .await
+    .unwrap();
+    assert_eq!(created.consumer_name(), "a_b_c");
+    assert_eq!(created.max_deliver(), None);
+    assert_eq!(t.consumer_info("a_b_c").await.config.max_deliver, -1);
+    t.cleanup().await;
+}
+
+fn version_at_least(v: &str, min: (u64, u64, u64)) -> bool {
+    let p: Vec<u64> = v
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|x| !x.is_empty())
+        .take(3)
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    (
+        p.first().copied().unwrap_or(0),
+        p.get(1).copied().unwrap_or(0),
+        p.get(2).copied().unwrap_or(0),
+    ) >= min
+}
+
+struct AlwaysTransient;
+
+#[async_trait]
+impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for AlwaysTransient {
+    async fn handle(
+        &self,
+        _row: &outbox_core::inbox::InboxEvent,
+        _tx: &mut outbox_core::inbox::MemInboxTx,
+    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
+        Err(outbox_core::inbox::HandlerError::transient("down"))
+    }
+}
+
+/// J-07: messages without id headers get `{stream}:{sequence}` as message_id (R138).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_07() {
+    let t = Trial::new(false).await;
+    for n in 1..=3 {
+        t.publish(&[], &format!("{{\"n\":{n}}}")).await;
+    }
+    let h = MemInboxHarness::default();
+    let sub = NatsSubscription::bind(t.client.clone(), t.config("g", Duration::from_secs(5)))
+        .await
+        .unwrap();
+    let r = runner(&h, sub).handler(Arc::new(Noop)).build().unwrap();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        ids.push(
+            r.handle_next()
+                .await
+                .unwrap()
+                .expect("a delivery")
+                .message_id
+                .unwrap(),
+        );
+    }
+    let s = &t.stream;
+    assert_eq!(
+        ids,
+        vec![format!("{s}:1"), format!("{s}:2"), format!("{s}:3")]
+    );
+    t.cleanup().await;
+}

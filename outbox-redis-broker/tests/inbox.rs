@@ -1,0 +1,277 @@
+//! The inbox's Redis Streams subscription against the machine's Redis (`REDIS_URL`, default
+//! `redis://127.0.0.1:6379`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
+//! poison message, dead-lettering) and the Redis scenarios J-08, J-12, J-13 and the clean-stop
+//! part of J-32. Each trial uses a fresh key prefix, deleted at the end.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_conformance::broker::fresh_suffix;
+use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
+use outbox_conformance::inbox::harness::InboxHarness;
+use outbox_conformance::inbox::memory::MemInboxHarness;
+use outbox_core::inbox::{DeliveryOutcome, Runner, Subscription};
+use outbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
+use redis::aio::MultiplexedConnection;
+
+fn url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+async fn admin() -> MultiplexedConnection {
+    redis::Client::open(url())
+        .expect("REDIS_URL parses")
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("Redis at {} is unreachable: {e}", url()))
+}
+
+struct Redis;
+
+struct Trial {
+    prefix: String,
+}
+
+impl Trial {
+    fn new() -> Self {
+        Self {
+            prefix: format!("inboxtest:{}:", fresh_suffix()),
+        }
+    }
+    fn stream(&self) -> String {
+        format!("{}src", self.prefix)
+    }
+    fn config(&self, worker: &str, claim_idle: Duration) -> RedisSubscriptionConfig {
+        RedisSubscriptionConfig::new(url(), "g", worker, ["src"])
+            .key_prefix(&self.prefix)
+            .claim_idle(claim_idle)
+    }
+    async fn sub(&self, worker: &str) -> RedisSubscription {
+        RedisSubscription::connect(self.config(worker, Duration::from_secs(30)))
+            .await
+            .expect("connect the subscription")
+    }
+    async fn pending(&self) -> Vec<(String, String, i64)> {
+        let mut c = admin().await;
+        let v: Vec<(String, String, i64, i64)> = redis::cmd("XPENDING")
+            .arg(self.stream())
+            .arg("g")
+            .arg("-")
+            .arg("+")
+            .arg(100)
+            .query_async(&mut c)
+            .await
+            .expect("XPENDING");
+        v.into_iter().map(|(id, c, _, n)| (id, c, n)).collect()
+    }
+    async fn consumers(&self) -> Vec<String> {
+        let mut c = admin().await;
+        let v: Vec<std::collections::HashMap<String, redis::Value>> = redis::cmd("XINFO")
+            .arg("CONSUMERS")
+            .arg(self.stream())
+            .arg("g")
+            .query_async(&mut c)
+            .await
+            .expect("XINFO CONSUMERS");
+        v.into_iter()
+            .filter_map(|m| match m.get("name") {
+                Some(redis::Value::BulkString(b)) => Some(String::from_utf8_lossy(b).into_owned()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+#[async_trait]
+impl SubscriptionTrial for Trial {
+    async fn publish(&self, attrs: &[(&str, &str)], body: &str) {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(self.stream()).arg("*");
+        for (k, v) in attrs {
+            cmd.arg(*k).arg(*v);
+        }
+        cmd.arg("payload").arg(body);
+        let mut c = admin().await;
+        let _: String = cmd.query_async(&mut c).await.expect("XADD");
+    }
+
+    async fn subscription(&self, worker: &str, redeliver_after: Duration) -> Arc<dyn Subscription> {
+        Arc::new(
+            RedisSubscription::connect(self.config(worker, redeliver_after))
+                .await
+                .expect("connect the subscription"),
+        )
+    }
+
+    async fn cleanup(&self) {
+        let mut c = admin().await;
+        let _: Result<i64, _> = redis::cmd("DEL")
+            .arg(self.stream())
+            .arg(format!("{}:dead-letter", self.stream()))
+            .query_async(&mut c)
+            .await;
+    }
+}
+
+#[async_trait]
+impl SubscriptionUnderTest for Redis {
+    async fn trial(&self) -> Box<dyn SubscriptionTrial> {
+        Box::new(Trial::new())
+    }
+}
+
+outbox_conformance::inbox_broker_suite!(Redis);
+
+struct Noop;
+
+#[async_trait]
+impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Noop {
+    async fn handle(
+        &self,
+        _row: &outbox_core::inbox::InboxEvent,
+        _tx: &mut outbox_core::inbox::MemInboxTx,
+    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
+        Ok(outbox_core::inbox::HandlerOutcome::completed())
+    }
+}
+
+fn runner(
+    h: &MemInboxHarness,
+    sub: RedisSubscription,
+    worker: &str,
+) -> Runner<outbox_core::inbox::InMemoryInbox> {
+    Runner::builder(h.backend(), Arc::new(sub), "g")
+        .worker_id(worker)
+        .process_stored(false)
+        .sources(["src"])
+        .concurrency(1)
+        .handler(Arc::new(Noop))
+        .build()
+        .expect("runner")
+}
+
+/// J-08: a commit is XACK; the group has no pending entry (R136).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_08() {
+    let t = Trial::new();
+    let sub = t.sub("w1").await;
+    t.publish(&[("event_id", "m1"), ("topic", "src")], r#"{"n":1}"#)
+        .await;
+    let h = MemInboxHarness::default();
+    let r = runner(&h, sub, "w1");
+    let res = r.handle_next().await.unwrap().expect("a delivery");
+    assert_eq!(
+        (res.outcome, res.committed),
+        (DeliveryOutcome::Completed, true)
+    );
+    assert!(t.pending().await.is_empty());
+    t.cleanup().await;
+}
+
+/// J-12: an entry whose payload is not JSON is copied to `{stream}:dead-letter` with its fields
+/// plus invalid_reason, consumer_group, original_stream and original_id, and acknowledged
+/// (R140).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_12() {
+    let t = Trial::new();
+    let sub = t.sub("w1").await;
+    t.publish(&[("tenant", "acme")], "not json").await;
+    let h = MemInboxHarness::default();
+    let r = runner(&h, sub, "w1");
+    let res = r.handle_next().await.unwrap().expect("a delivery");
+    assert_eq!(res.outcome, DeliveryOutcome::Invalid);
+    let mut c = admin().await;
+    let v: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(format!("{}:dead-letter", t.stream()))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut c)
+        .await
+        .expect("XRANGE");
+    assert_eq!(v.len(), 1);
+    let f: std::collections::HashMap<_, _> = v[0].1.iter().cloned().collect();
+    assert_eq!(f["tenant"], "acme");
+    assert_eq!(f["payload"], "not json");
+    assert_eq!(f["invalid_reason"], "invalid message: body is not JSON");
+    assert_eq!(f["consumer_group"], "g");
+    assert_eq!(f["original_stream"], t.stream());
+    assert!(!f["original_id"].is_empty());
+    assert!(t.pending().await.is_empty());
+    t.cleanup().await;
+}
+
+/// J-13: entries written before the group exists are read (group created at 0); after a
+/// restart the runner reads its own pending entries first, then new ones (R135).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_13() {
+    let t = Trial::new();
+    for n in 1..=3 {
+        t.publish(&[("event_id", &format!("m{n}"))], &format!("{{\"n\":{n}}}"))
+            .await;
+    }
+    let h = MemInboxHarness::default();
+    let r = runner(&h, t.sub("w1").await, "w1");
+    for n in 1..=3 {
+        let res = r.handle_next().await.unwrap().expect("a delivery");
+        assert_eq!(res.message_id.as_deref(), Some(format!("m{n}").as_str()));
+    }
+    for n in 4..=5 {
+        t.publish(&[("event_id", &format!("m{n}"))], &format!("{{\"n\":{n}}}"))
+            .await;
+    }
+    // w1 reads both and is killed before handling them.
+    let killed = t.sub("w1").await;
+    let held = killed.next(2, Duration::from_millis(200)).await.unwrap();
+    assert_eq!(held.len(), 2);
+    drop(held);
+    drop(killed);
+    t.publish(&[("event_id", "m6")], r#"{"n":6}"#).await;
+    let r = runner(&h, t.sub("w1").await, "w1");
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let res = r.handle_next().await.unwrap().expect("a delivery");
+        ids.push(res.message_id.unwrap());
+    }
+    assert_eq!(ids, vec!["m4", "m5", "m6"]);
+    assert!(t.pending().await.is_empty());
+    t.cleanup().await;
+}
+
+/// J-32 (clean stops): after a clean stop the group has no consumer `w1`; a runner `w2` killed
+/// while it holds an entry stays listed with its pending entry (R135).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_32_clean_stop() {
+    let t = Trial::new();
+    t.publish(&[("event_id", "m1")], r#"{"n":1}"#).await;
+    let h = MemInboxHarness::default();
+    let w1 = Arc::new(runner(&h, t.sub("w1").await, "w1"));
+    w1.start();
+    let run = tokio::spawn({
+        let w1 = w1.clone();
+        async move { w1.run().await.unwrap() }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !t.consumers().await.contains(&"w1".to_string()) || !t.pending().await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "w1 never handled m1"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w1.stop();
+    run.await.unwrap();
+    assert!(!t.consumers().await.contains(&"w1".to_string()));
+
+    t.publish(&[("event_id", "m2")], r#"{"n":2}"#).await;
+    let w2 = t.sub("w2").await;
+    let held = w2.next(1, Duration::from_millis(200)).await.unwrap();
+    assert_eq!(held.len(), 1);
+    drop(held);
+    drop(w2);
+    assert!(t.consumers().await.contains(&"w2".to_string()));
+    let p = t.pending().await;
+    assert_eq!(p.len(), 1);
+    assert_eq!(p[0].1, "w2");
+    t.cleanup().await;
+}
