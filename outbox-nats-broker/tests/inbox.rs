@@ -420,3 +420,29 @@ async fn j_07() {
     );
     t.cleanup().await;
 }
+
+/// J-02: a rewind is a nak with a delay: redelivered 0.5 s to 2 s after it with delivery count
+/// 2, then completed (R127, R134).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_02() {
+    outbox_conformance::inbox::broker_subs::rewind_is_redelivered_later(&Nats).await;
+}
+
+/// J-04: a killed runner's message comes back to runner B with delivery count 2 within 3 s
+/// (ack_wait 2 s) and is completed once (R119, R134).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_04() {
+    outbox_conformance::inbox::broker_subs::killed_runner_message_comes_back(
+        &Nats,
+        Duration::from_secs(2),
+        Duration::from_secs(3),
+    )
+    .await;
+}
+
+/// J-05: with ack_wait 1 s, in-progress renewals keep a 3 s run's message: one delivery, one
+/// run, completed (R134).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_05() {
+    outbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Nats).await;
+}

@@ -275,3 +275,30 @@ async fn j_32_clean_stop() {
     assert_eq!(p[0].1, "w2");
     t.cleanup().await;
 }
+
+/// J-09: a rewind keeps the entry pending; it is claimed again 0.5 s to 2 s after the rewind
+/// with delivery count 2, then XACKed (R127, R136).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_09() {
+    outbox_conformance::inbox::broker_subs::rewind_is_redelivered_later(&Redis).await;
+}
+
+/// J-10: a dead consumer's entry is claimed by w2 no sooner than claim_idle (2 s) after w1's
+/// last renewal, with delivery count 2, and completed once. The bound after the kill is
+/// claim_idle plus one claim period (claim_idle / 2) plus a second of slack (R119, R136).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_10() {
+    outbox_conformance::inbox::broker_subs::killed_runner_message_comes_back(
+        &Redis,
+        Duration::from_secs(2),
+        Duration::from_secs(4),
+    )
+    .await;
+}
+
+/// J-11: with claim_idle 1 s, renewals keep a 3 s run's entry: w2 never claims it; one run,
+/// completed (R136).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_11() {
+    outbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Redis).await;
+}

@@ -354,6 +354,270 @@ pub async fn invalid_is_dead_lettered<S: SubscriptionUnderTest + ?Sized>(s: &S) 
     b.trial.cleanup().await;
 }
 
+/// What a [`Spy`] saw: each delivery (position, delivery number, when) and each touch of a
+/// delivery through its ack handle (operation, when).
+#[derive(Default)]
+struct Seen {
+    deliveries: std::sync::Mutex<Vec<(String, u32, tokio::time::Instant)>>,
+    acks: std::sync::Mutex<Vec<(&'static str, tokio::time::Instant)>>,
+}
+
+/// A subscription that records what it hands out and how its deliveries are ended.
+struct Spy {
+    inner: Arc<dyn Subscription>,
+    seen: Arc<Seen>,
+}
+
+struct SpyAck {
+    inner: Arc<dyn outbox_core::inbox::AckHandle>,
+    seen: Arc<Seen>,
+}
+
+impl SpyAck {
+    fn note(&self, op: &'static str) {
+        self.seen
+            .acks
+            .lock()
+            .expect("poisoned")
+            .push((op, tokio::time::Instant::now()));
+    }
+}
+
+#[async_trait]
+impl outbox_core::inbox::AckHandle for SpyAck {
+    async fn commit(&self) -> Result<(), outbox_core::inbox::SubscriptionError> {
+        let r = self.inner.commit().await;
+        self.note("commit");
+        r
+    }
+    async fn rewind(&self, delay: Duration) -> Result<(), outbox_core::inbox::SubscriptionError> {
+        let r = self.inner.rewind(delay).await;
+        self.note("rewind");
+        r
+    }
+    async fn term(&self, reason: &str) -> Result<(), outbox_core::inbox::SubscriptionError> {
+        let r = self.inner.term(reason).await;
+        self.note("term");
+        r
+    }
+    async fn renew(&self) -> Result<(), outbox_core::inbox::SubscriptionError> {
+        let r = self.inner.renew().await;
+        self.note("renew");
+        r
+    }
+    async fn dead_letter(
+        &self,
+        reason: &str,
+        group: &str,
+    ) -> Result<(), outbox_core::inbox::SubscriptionError> {
+        self.inner.dead_letter(reason, group).await
+    }
+}
+
+#[async_trait]
+impl Subscription for Spy {
+    fn capabilities(&self) -> outbox_core::inbox::subscription::SubscriptionCapabilities {
+        self.inner.capabilities()
+    }
+    async fn next(
+        &self,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<outbox_core::inbox::InboxDelivery>, outbox_core::inbox::SubscriptionError> {
+        let mut v = self.inner.next(max, wait).await?;
+        let now = tokio::time::Instant::now();
+        for d in &mut v {
+            self.seen.deliveries.lock().expect("poisoned").push((
+                d.message.position(),
+                d.delivery_number,
+                now,
+            ));
+            d.ack = Arc::new(SpyAck {
+                inner: d.ack.clone(),
+                seen: self.seen.clone(),
+            });
+        }
+        Ok(v)
+    }
+    async fn close(&self) {
+        self.inner.close().await
+    }
+}
+
+impl Bed {
+    /// A builder whose subscription is watched by the returned [`Seen`].
+    async fn spied(
+        &self,
+        worker: &str,
+        redeliver_after: Duration,
+    ) -> (RunnerBuilder<InMemoryInbox>, Arc<Seen>) {
+        let seen = Arc::new(Seen::default());
+        let sub: Arc<dyn Subscription> = Arc::new(Spy {
+            inner: self.trial.subscription(worker, redeliver_after).await,
+            seen: seen.clone(),
+        });
+        let b = Runner::builder(self.h.backend(), sub, "g")
+            .worker_id(worker)
+            .handler(self.handler.clone())
+            .process_stored(false)
+            .sources(["src"])
+            .concurrency(2)
+            .hooks(self.rec.clone())
+            .random_source(Box::new(SeededRng::new(7)));
+        (b, seen)
+    }
+}
+
+/// J-02 (NATS) and J-09 (Redis): with on_failure rewind a failed run rewinds its delivery
+/// (nak with a delay on NATS; on Redis the entry stays pending and is claimed again); it comes
+/// back no sooner than 0.5 s after the rewind and within 2 s (backoff base 1 s, cap 8 s), with
+/// delivery number 2, and then completes (R127, R134, R136).
+pub async fn rewind_is_redelivered_later<S: SubscriptionUnderTest + ?Sized>(s: &S) {
+    let b = Bed::new(s).await;
+    b.handler
+        .script("m1", vec![Act::Fail("x".into()), Act::Write]);
+    b.publish("m1", "k", 0).await;
+    let (builder, seen) = b.spied("w1", Duration::from_secs(30)).await;
+    let w1 = b.run(
+        builder
+            .on_failure(OnFailure::Rewind)
+            .backoff(Backoff::new(1.0, 8.0).expect("backoff")),
+    );
+    b.wait_for("m1 completed", Duration::from_secs(10), |b| {
+        b.completed() == vec!["m1".to_string()]
+    })
+    .await;
+    w1.stop().await;
+    let deliveries = seen.deliveries.lock().expect("poisoned").clone();
+    let acks = seen.acks.lock().expect("poisoned").clone();
+    assert_eq!(deliveries.len(), 2, "{deliveries:?}");
+    assert_eq!(
+        deliveries[0].0, deliveries[1].0,
+        "the same message came back"
+    );
+    assert_eq!((deliveries[0].1, deliveries[1].1), (1, 2));
+    let rewound = acks
+        .iter()
+        .find(|(op, _)| *op == "rewind")
+        .map(|(_, t)| *t)
+        .expect("the first run rewound its delivery");
+    let after = deliveries[1].2.duration_since(rewound);
+    assert!(
+        after >= Duration::from_millis(500) && after <= Duration::from_secs(2),
+        "redelivered {after:?} after the rewind"
+    );
+    assert!(acks.iter().any(|(op, _)| *op == "commit"));
+    assert_eq!(b.handler.runs_of("m1"), 2);
+    assert_eq!(
+        b.h.effects().await,
+        vec!["m1"],
+        "the failed run's effect was rolled back"
+    );
+    let row =
+        b.h.inbox
+            .get_by_message_id("m1", &g())
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(row.status, Status::Completed);
+    b.trial.cleanup().await;
+}
+
+/// J-04 (NATS) and J-10 (Redis): runner w1 starts a message and is killed; w2 gets it again
+/// with delivery number 2 no sooner than `redeliver` after w1 last touched it (its delivery or
+/// its last renewal; 0.2 s allowed for the round trip) and within `within` of the kill, and
+/// completes it; one effect (R119, R134, R136).
+pub async fn killed_runner_message_comes_back<S: SubscriptionUnderTest + ?Sized>(
+    s: &S,
+    redeliver: Duration,
+    within: Duration,
+) {
+    let b = Bed::new(s).await;
+    let gate = Gate::new();
+    b.handler
+        .script("m1", vec![Act::Gate(gate.clone()), Act::Write]);
+    b.publish("m1", "k", 0).await;
+    let (builder, seen1) = b.spied("w1", redeliver).await;
+    let w1 = b.run(builder);
+    tokio::time::timeout(Duration::from_secs(10), gate.reached(1))
+        .await
+        .expect("w1 starts m1");
+    // Let w1 renew at least once before it dies.
+    tokio::time::sleep(redeliver).await;
+    w1.kill();
+    let killed_at = tokio::time::Instant::now();
+    let (builder, seen2) = b.spied("w2", redeliver).await;
+    let w2 = b.run(builder);
+    b.wait_for("m1 completed by w2", within + Duration::from_secs(5), |b| {
+        b.completed() == vec!["m1".to_string()]
+    })
+    .await;
+    w2.stop().await;
+    let last_touch = {
+        let d = seen1.deliveries.lock().expect("poisoned");
+        let a = seen1.acks.lock().expect("poisoned");
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert!(a.iter().any(|(op, _)| *op == "renew"), "w1 renewed: {a:?}");
+        a.iter()
+            .filter(|(op, _)| *op == "renew")
+            .map(|(_, t)| *t)
+            .chain(std::iter::once(d[0].2))
+            .max()
+            .expect("a touch")
+    };
+    let d2 = seen2.deliveries.lock().expect("poisoned").clone();
+    assert_eq!(d2.len(), 1, "{d2:?}");
+    assert_eq!(d2[0].1, 2, "delivery number on w2");
+    let gap = d2[0].2.duration_since(last_touch);
+    assert!(
+        gap + Duration::from_millis(200) >= redeliver,
+        "w2 got it {gap:?} after w1's last renewal"
+    );
+    let since_kill = d2[0].2.duration_since(killed_at);
+    assert!(
+        since_kill <= within,
+        "w2 got it {since_kill:?} after the kill"
+    );
+    assert_eq!(b.handler.runs_of("m1"), 2);
+    assert_eq!(b.h.effects().await, vec!["m1"]);
+    b.trial.cleanup().await;
+}
+
+/// J-05 (NATS, ack_wait 1 s) and J-11 (Redis, claim_idle 1 s): a run of 3 s keeps its delivery
+/// by renewals while a second runner of the group runs: one delivery in all (no redelivery),
+/// one run, completed (R134, R136).
+pub async fn renewal_keeps_slow_run<S: SubscriptionUnderTest + ?Sized>(s: &S) {
+    let b = Bed::new(s).await;
+    b.handler
+        .script("m1", vec![Act::Delay(Duration::from_secs(3))]);
+    b.publish("m1", "k", 0).await;
+    let redeliver = Duration::from_secs(1);
+    let (builder, seen1) = b.spied("w1", redeliver).await;
+    let w1 = b.run(builder);
+    b.wait_for("w1 holds m1", Duration::from_secs(10), |_| {
+        !seen1.deliveries.lock().expect("poisoned").is_empty()
+    })
+    .await;
+    let (builder, seen2) = b.spied("w2", redeliver).await;
+    let w2 = b.run(builder);
+    b.wait_for("m1 completed", Duration::from_secs(10), |b| {
+        b.completed() == vec!["m1".to_string()]
+    })
+    .await;
+    // Past one more redelivery time: nothing comes back.
+    tokio::time::sleep(redeliver * 2).await;
+    w1.stop().await;
+    w2.stop().await;
+    let d1 = seen1.deliveries.lock().expect("poisoned").clone();
+    let d2 = seen2.deliveries.lock().expect("poisoned").clone();
+    assert_eq!(d1.len(), 1, "w1: {d1:?}");
+    assert_eq!(d1[0].1, 1);
+    assert!(d2.is_empty(), "w2 never got it: {d2:?}");
+    assert_eq!(b.handler.runs_of("m1"), 1);
+    assert_eq!(b.h.effects().await, vec!["m1"]);
+    b.trial.cleanup().await;
+}
+
 /// Generates one `#[tokio::test]` per broker inbox trial; EXPR implements
 /// [`SubscriptionUnderTest`].
 #[macro_export]
