@@ -1,6 +1,6 @@
 //! The inbox's JetStream subscription against the machine's NATS (`NATS_URL`, default
 //! `nats://127.0.0.1:4222`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
-//! poison message, dead-lettering) and the NATS scenarios J-01, J-03, J-06 and J-07. Each trial
+//! poison message, dead-lettering) and the NATS scenarios J-01 to J-07 and J-31. Each trial
 //! uses a fresh stream `S…` with subjects `{prefix}>` and a dead-letter stream capturing
 //! `deadletter.{prefix}>`, deleted at the end.
 
@@ -445,4 +445,95 @@ async fn j_04() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_05() {
     outbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Nats).await;
+}
+
+/// A handler that takes 1.5 s and counts its runs per message.
+#[derive(Default)]
+struct Slow {
+    runs: std::sync::Mutex<std::collections::HashMap<String, u32>>,
+}
+
+#[async_trait]
+impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Slow {
+    async fn handle(
+        &self,
+        row: &outbox_core::inbox::InboxEvent,
+        _tx: &mut outbox_core::inbox::MemInboxTx,
+    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
+        *self
+            .runs
+            .lock()
+            .unwrap()
+            .entry(row.message_id.clone())
+            .or_default() += 1;
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        Ok(outbox_core::inbox::HandlerOutcome::completed())
+    }
+}
+
+/// J-31: with ack_wait 1 s and concurrency 2, a runner pulls only what it can hold: six 1.5 s
+/// runs on six keys all complete once, num_redelivered stays 0 and num_ack_pending is never
+/// above 2 (read every 0.2 s) (R134, R166).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_31() {
+    let t = Trial::new(false).await;
+    for n in 1..=6 {
+        let (id, key) = (format!("m{n}"), format!("k{n}"));
+        t.publish(
+            &[("event_id", &id), ("topic", "src"), ("partition_key", &key)],
+            &format!("{{\"n\":{n}}}"),
+        )
+        .await;
+    }
+    let h = MemInboxHarness::default();
+    let sub = NatsSubscription::bind(t.client.clone(), t.config("g", Duration::from_secs(1)))
+        .await
+        .unwrap();
+    let slow = Arc::new(Slow::default());
+    let r = Arc::new(
+        runner(&h, sub)
+            .concurrency(2)
+            .handler(slow.clone())
+            .build()
+            .unwrap(),
+    );
+    r.start();
+    let task = tokio::spawn({
+        let r = r.clone();
+        async move { r.run().await.unwrap() }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let mut max_pending = 0;
+    loop {
+        let info = t.consumer_info("g").await;
+        max_pending = max_pending.max(info.num_ack_pending);
+        assert_eq!(
+            info.num_redelivered, 0,
+            "a pulled message waited past ack_wait"
+        );
+        let done = slow.runs.lock().unwrap().len() == 6 && info.num_ack_pending == 0;
+        if done && info.num_pending == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "six runs not done: {info:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    r.stop();
+    task.await.unwrap();
+    assert!(max_pending <= 2, "num_ack_pending reached {max_pending}");
+    let runs = slow.runs.lock().unwrap().clone();
+    assert!(runs.values().all(|n| *n == 1), "{runs:?}");
+    for n in 1..=6 {
+        let row = h
+            .inbox
+            .get_by_message_id(&format!("m{n}"), &g())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, outbox_core::event::Status::Completed);
+    }
+    t.cleanup().await;
 }

@@ -1,6 +1,6 @@
 //! The inbox's Redis Streams subscription against the machine's Redis (`REDIS_URL`, default
 //! `redis://127.0.0.1:6379`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
-//! poison message, dead-lettering) and the Redis scenarios J-08, J-12, J-13 and the clean-stop
+//! poison message, dead-lettering) and the Redis scenarios J-08 to J-13 and the clean-stop
 //! part of J-32. Each trial uses a fresh key prefix, deleted at the end.
 
 use std::sync::Arc;
