@@ -302,3 +302,30 @@ async fn j_10() {
 async fn j_11() {
     outbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Redis).await;
 }
+
+/// J-09 (XPENDING at once): right after a rewind the entry is still pending under consumer
+/// `w1`, delivered once; the next claim of it is delivery 2 to `w1` (R127, R136).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_09_pending_after_rewind() {
+    let t = Trial::new();
+    let sub = t.sub("w1").await;
+    t.publish(&[("event_id", "m1")], r#"{"n":1}"#).await;
+    let d = sub.next(1, Duration::from_millis(200)).await.unwrap();
+    assert_eq!(d.len(), 1);
+    d[0].ack.rewind(Duration::from_millis(500)).await.unwrap();
+    let p = t.pending().await;
+    assert_eq!(p.len(), 1, "{p:?}");
+    assert_eq!((p[0].1.as_str(), p[0].2), ("w1", 1));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let again = loop {
+        let v = sub.next(1, Duration::from_millis(100)).await.unwrap();
+        if let Some(x) = v.into_iter().next() {
+            break x;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never came back");
+    };
+    assert_eq!(again.delivery_number, 2);
+    again.ack.commit().await.unwrap();
+    assert!(t.pending().await.is_empty());
+    t.cleanup().await;
+}
