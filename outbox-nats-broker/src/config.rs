@@ -3,6 +3,8 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use outbox_core::cloudevents::{self, MessageFormat};
+
 use crate::error::NatsBrokerError;
 use crate::subject::{subject_problem, token_problem};
 
@@ -123,6 +125,8 @@ pub struct NatsBrokerConfig {
     pub(crate) client_name: Option<String>,
     pub(crate) credentials_file: Option<PathBuf>,
     pub(crate) tls: NatsTls,
+    pub(crate) message_format: MessageFormat,
+    pub(crate) cloudevents_source: Option<String>,
 }
 
 /// TLS settings of a NATS connection (rustls; no OpenSSL). A `tls://` URL, or a server that
@@ -152,6 +156,8 @@ impl std::fmt::Debug for NatsBrokerConfig {
             .field("client_name", &self.client_name)
             .field("credentials_file", &self.credentials_file)
             .field("tls", &self.tls)
+            .field("message_format", &self.message_format)
+            .field("cloudevents_source", &self.cloudevents_source)
             .finish()
     }
 }
@@ -180,7 +186,23 @@ impl NatsBrokerConfig {
             client_name: None,
             credentials_file: None,
             tls: NatsTls::default(),
+            message_format: MessageFormat::Plain,
+            cloudevents_source: None,
         }
+    }
+
+    /// `plain` (default) or `cloudevents` (R91, NATS binding, working draft 1.0.3: `ce-`
+    /// headers with percent-encoded values, and `ce-datacontenttype`); the latter needs
+    /// [`cloudevents_source`](Self::cloudevents_source). Checked by scenario K-18.
+    pub fn message_format(mut self, f: MessageFormat) -> Self {
+        self.message_format = f;
+        self
+    }
+
+    /// The CloudEvents `source` of every event (a URI-reference, e.g. `/orders-service`).
+    pub fn cloudevents_source(mut self, source: impl Into<String>) -> Self {
+        self.cloudevents_source = Some(source.into());
+        self
     }
 
     /// Authenticates with a NATS credentials file (`.creds`: a user JWT and its NKey seed, as
@@ -337,6 +359,10 @@ impl NatsBrokerConfig {
         if self.connect_timeout.is_zero() {
             return bad("connect_timeout must be > 0".into());
         }
+        if self.message_format == MessageFormat::CloudEvents {
+            cloudevents::check_source(self.cloudevents_source.as_deref())
+                .map_err(NatsBrokerError::Config)?;
+        }
         if let Some(s) = &self.ensure_stream {
             if s.name.is_empty()
                 || s.name.chars().any(|c| {
@@ -418,6 +444,24 @@ mod tests {
             e.contains("TLS root certificates /nonexistent/ca.pem"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn cloudevents_needs_a_valid_source() {
+        let c = NatsBrokerConfig::new("nats://127.0.0.1:4222")
+            .message_format(MessageFormat::CloudEvents);
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("needs a cloudevents_source"), "{e}");
+        let e = c
+            .clone()
+            .cloudevents_source("/a b")
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cloudevents_source \"/a b\""), "{e}");
+        assert!(c.cloudevents_source("/orders-service").validate().is_ok());
+        // The default format needs no source.
+        assert!(NatsBrokerConfig::new("nats://x").validate().is_ok());
     }
 
     #[test]

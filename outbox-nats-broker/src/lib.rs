@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+mod cloudevents;
 mod config;
 mod error;
 mod subject;
@@ -23,11 +24,13 @@ use tokio::time::Instant;
 /// The async-nats this crate is built with: name its types as `outbox_nats_broker::async_nats::…`
 /// (a client to read the stream back, a header map), whatever async-nats you depend on.
 pub use async_nats;
+pub use cloudevents::{CLOUDEVENTS_HEADER_PREFIX, percent_encode};
 pub use config::{
     BodyFormat, DEFAULT_CONNECT_TIMEOUT, DEFAULT_RECONNECT_DELAY_MAX, DEFAULT_TIMEOUT, KeyToken,
     NatsBrokerConfig, NatsTls, StreamSpec, StreamStorage,
 };
 pub use error::NatsBrokerError;
+pub use outbox_core::cloudevents::MessageFormat;
 pub use subscription::{
     DEFAULT_ACK_WAIT, DEFAULT_DEAD_LETTER_PREFIX, NatsSubscription, NatsSubscriptionConfig,
     consumer_name_for,
@@ -273,7 +276,8 @@ impl NatsBroker {
 
     /// The headers of a message: every attribute of R50 plus `Nats-Msg-Id` = event id. The
     /// stored W3C trace context is among them as the header `traceparent`
-    /// ([`Message::traceparent`]), so a consumer continues the producer's trace.
+    /// ([`Message::traceparent`]), so a consumer continues the producer's trace. With
+    /// [`MessageFormat::CloudEvents`] also the `ce-` attribute headers of R91.
     pub fn headers(&self, m: &Message) -> Result<HeaderMap, BrokerError> {
         let mut h = HeaderMap::new();
         for (k, v) in &m.attributes {
@@ -293,6 +297,14 @@ impl NatsBroker {
                 ))
             })?;
             h.insert(name, value);
+        }
+        if self.config.message_format == MessageFormat::CloudEvents {
+            let source = self
+                .config
+                .cloudevents_source
+                .as_deref()
+                .unwrap_or_default();
+            cloudevents::add_headers(&mut h, m, source);
         }
         Ok(h)
     }

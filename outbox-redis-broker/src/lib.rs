@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::{Ack, Broker, BrokerError, Message};
+
+pub use outbox_core::cloudevents::MessageFormat;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 use thiserror::Error;
@@ -75,6 +77,7 @@ pub struct RedisBrokerConfig {
     max_len: Option<u64>,
     timeout: Duration,
     connect_timeout: Duration,
+    message_format: MessageFormat,
 }
 
 impl std::fmt::Debug for RedisBrokerConfig {
@@ -85,6 +88,7 @@ impl std::fmt::Debug for RedisBrokerConfig {
             .field("max_len", &self.max_len)
             .field("timeout", &self.timeout)
             .field("connect_timeout", &self.connect_timeout)
+            .field("message_format", &self.message_format)
             .finish()
     }
 }
@@ -99,7 +103,16 @@ impl RedisBrokerConfig {
             max_len: None,
             timeout: DEFAULT_TIMEOUT,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            message_format: MessageFormat::Plain,
         }
+    }
+
+    /// Only `plain` (the default) is accepted: Redis Streams has no CloudEvents binding, so
+    /// [`validate`](Self::validate) (and every constructor) fails on `cloudevents` with
+    /// `message_format cloudevents has no Redis Streams binding` (R91, scenario K-18).
+    pub fn message_format(mut self, f: MessageFormat) -> Self {
+        self.message_format = f;
+        self
     }
 
     /// The stream key: the pattern with `{topic}` (required) and `{partition_key}` (optional)
@@ -168,6 +181,12 @@ impl RedisBrokerConfig {
         }
         if self.connect_timeout.is_zero() {
             return bad("connect_timeout must be > 0".into());
+        }
+        if self.message_format == MessageFormat::CloudEvents {
+            return bad(
+                "message_format cloudevents has no Redis Streams binding; use plain (the default)"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -419,6 +438,36 @@ mod tests {
         // Lazy: nothing connects; without rustls the client refuses the scheme at once.
         let b = RedisBroker::connect_lazy(RedisBrokerConfig::new("rediss://127.0.0.1:6380"));
         assert!(b.is_ok(), "{:?}", b.err());
+    }
+
+    /// K-18, Redis case: Redis Streams has no CloudEvents binding, so an adapter with
+    /// message_format `cloudevents` is not built (by any constructor); `plain` is the default.
+    #[tokio::test]
+    async fn k_18_cloudevents_has_no_redis_streams_binding() {
+        let url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+        let ce = RedisBrokerConfig::new(&url).message_format(MessageFormat::CloudEvents);
+        let text = "message_format cloudevents has no Redis Streams binding";
+        let e = ce.validate().unwrap_err().to_string();
+        assert!(e.contains(text), "{e}");
+        let e = RedisBroker::connect(ce.clone()).await.unwrap_err();
+        assert!(
+            matches!(&e, RedisBrokerError::Config(m) if m.contains(text)),
+            "{e}"
+        );
+        let e = RedisBroker::connect_lazy(ce).unwrap_err();
+        assert!(e.to_string().contains(text), "{e}");
+        let plain = RedisBrokerConfig::new(&url);
+        assert_eq!(plain.message_format, MessageFormat::Plain);
+        assert!(
+            plain
+                .clone()
+                .message_format(MessageFormat::Plain)
+                .validate()
+                .is_ok()
+        );
+        RedisBroker::connect(plain)
+            .await
+            .expect("a plain adapter connects to the machine's Redis");
     }
 
     #[test]
