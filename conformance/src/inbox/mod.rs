@@ -11,6 +11,7 @@ pub mod broker_subs;
 pub mod ctx;
 pub mod harness;
 pub mod memory;
+pub mod peer;
 pub mod scenarios;
 pub mod script;
 
