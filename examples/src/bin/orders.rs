@@ -157,35 +157,33 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .fetch_one(&pool)
             .await?;
             for seq in (last as u32 + 1)..=(last as u32 + orders) {
-                let order = Uuid::now_v7();
-                let total = 100 + i64::from(seq) * 25;
-                let mut tx = pool.begin().await?;
-                sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "INSERT INTO {table} (id, customer, seq, total_cents) VALUES ($1, $2, $3, $4)"
-                )))
-                .bind(order)
-                .bind(&customer)
-                .bind(seq as i32)
-                .bind(total)
-                .execute(&mut *tx)
-                .await?;
-                let event = NewEvent::builder()
-                    .event_type("order.placed")
-                    .aggregate("order", order)
-                    .topic("orders")
-                    .partition_key(customer.clone())
-                    .payload_json(json!({
-                        "order": order, "customer": customer, "seq": seq, "total_cents": total
-                    }))
-                    .build()?;
-                writer.write(&mut tx, vec![event]).await?;
-                tx.commit().await?;
-                println!("orders: placed order {order} for {customer} (#{seq}, {total} cents)");
+                // A failed write is tried again (the database restarting, say); a retry that
+                // finds the order placed means the failed attempt's commit went through.
+                let mut tries = 0u32;
+                let order = loop {
+                    match place(&pool, &writer, &table, &customer, seq).await {
+                        Ok(order) => break Some(order),
+                        Err(e) if is_unique_violation(&e) => break None,
+                        Err(e) if tries < 60 => {
+                            tries += 1;
+                            eprintln!("orders: placing {customer} #{seq} failed ({e}); retrying");
+                            tokio::time::sleep(Duration::from_millis(500)).await;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                };
+                let total = total_cents(seq);
+                match order {
+                    Some(order) => println!(
+                        "orders: placed order {order} for {customer} (#{seq}, {total} cents)"
+                    ),
+                    None => println!("orders: {customer} #{seq} was placed by the failed attempt"),
+                }
                 if !interval.is_zero() {
                     tokio::time::sleep(interval).await;
                 }
             }
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            Ok::<_, BoxError>(())
         }));
     }
     for c in customers {
@@ -220,6 +218,52 @@ impl outbox_core::PipelineStep for PrintPublished {
             );
         }
     }
+}
+
+fn total_cents(seq: u32) -> i64 {
+    100 + i64::from(seq) * 25
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Places one order: its row and its event in one transaction.
+async fn place(
+    pool: &PgPool,
+    writer: &outbox_postgres::PgOutboxWriter,
+    table: &str,
+    customer: &str,
+    seq: u32,
+) -> Result<Uuid, BoxError> {
+    let order = Uuid::now_v7();
+    let total = total_cents(seq);
+    let mut tx = pool.begin().await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (id, customer, seq, total_cents) VALUES ($1, $2, $3, $4)"
+    )))
+    .bind(order)
+    .bind(customer)
+    .bind(seq as i32)
+    .bind(total)
+    .execute(&mut *tx)
+    .await?;
+    let event = NewEvent::builder()
+        .event_type("order.placed")
+        .aggregate("order", order)
+        .topic("orders")
+        .partition_key(customer)
+        .payload_json(json!({
+            "order": order, "customer": customer, "seq": seq, "total_cents": total
+        }))
+        .build()?;
+    writer.write(&mut tx, vec![event]).await?;
+    tx.commit().await?;
+    Ok(order)
+}
+
+fn is_unique_violation(e: &BoxError) -> bool {
+    e.downcast_ref::<sqlx::Error>()
+        .and_then(|e| e.as_database_error())
+        .is_some_and(|d| d.code().as_deref() == Some("23505"))
 }
 
 async fn broker(
