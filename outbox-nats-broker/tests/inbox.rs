@@ -1,8 +1,9 @@
 //! The inbox's JetStream subscription against the machine's NATS (`NATS_URL`, default
-//! `nats://127.0.0.1:4222`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
-//! poison message, dead-lettering) and the NATS scenarios J-01 to J-07 and J-31. Each trial
-//! uses a fresh stream `S…` with subjects `{prefix}>` and a dead-letter stream capturing
-//! `deadletter.{prefix}>`, deleted at the end.
+//! `nats://127.0.0.1:4222`): the shared broker trials of `outbox-conformance` (G-01 to G-06,
+//! G-08, G-09, the poison message, dead-lettering), its end-to-end trials (J-14, J-15, SI-03)
+//! and the NATS scenarios J-01 to J-07 and J-31. Each trial uses a fresh stream `INBOX_…` with
+//! subjects `{prefix}>` (and a dead-letter stream capturing `deadletter.{prefix}>`), deleted at
+//! the end.
 
 use std::sync::Arc;
 use std::time::Duration;

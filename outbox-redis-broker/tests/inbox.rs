@@ -1,7 +1,7 @@
 //! The inbox's Redis Streams subscription against the machine's Redis (`REDIS_URL`, default
-//! `redis://127.0.0.1:6379`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
-//! poison message, dead-lettering) and the Redis scenarios J-08 to J-13 and the clean-stop
-//! part of J-32. Each trial uses a fresh key prefix, deleted at the end.
+//! `redis://127.0.0.1:6379`): the shared broker trials of `outbox-conformance` (G-01 to G-06,
+//! G-08, G-09, the poison message, dead-lettering), its end-to-end trials (J-14, J-15, SI-03)
+//! and the Redis scenarios J-08 to J-13 and the clean-stop part of J-32. Each trial uses a fresh key prefix, deleted at the end.
 
 use std::sync::Arc;
 use std::time::Duration;
