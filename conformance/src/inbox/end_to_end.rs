@@ -10,7 +10,7 @@
 //! the outbox adapter publishing there and inbox subscriptions of group `g` reading it back.
 //! Then it invokes the macro:
 //!
-//! ```ignore
+//! ```text
 //! struct MyBroker;
 //! #[async_trait::async_trait]
 //! impl outbox_conformance::inbox::end_to_end::EndToEndUnderTest for MyBroker {
