@@ -656,9 +656,9 @@ fn outcomes(r: &Recorder, message_id: &str) -> Vec<(O, bool)> {
 /// same event id, without a broker-level message id, which NATS would drop): w1 (concurrency 1) starts m1 and waits at
 /// its gate; m1 is published again and reaches w2, which starts landing it; 200 ms later w2 has
 /// reported nothing (its landing waits for w1's transaction); then the gate opens. w1:
-/// completed, committed; w2: duplicate, committed; effects [m1]. Variant (w1's run fails,
+/// completed, committed; w2: duplicate, committed; effects `[m1]`. Variant (w1's run fails,
 /// on_failure rewind): w1 rewinds and stores nothing, w2 lands m1 and completes it; w1's
-/// rewound delivery comes back as a duplicate; effects [m1] (R110, R119).
+/// rewound delivery comes back as a duplicate; effects `[m1]` (R110, R119).
 pub async fn g_02<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     for variant in [false, true] {
         let b = Bed::new(s).await;
@@ -730,7 +730,7 @@ pub async fn g_02<S: SubscriptionUnderTest + ?Sized>(s: &S) {
 /// G-04 on a broker: w1 handles m1 and its acknowledgement is lost (the commit never reaches
 /// the broker and fails transiently); m1 is then published again. w1 stops; the broker gives
 /// m1 back after the redelivery time and w2 gets it and the duplicate: both duplicate,
-/// committed. w1: completed with commit_failed; one row; effects [m1] (R109, R119, R131).
+/// committed. w1: completed with commit_failed; one row; effects `[m1]` (R109, R119, R131).
 pub async fn g_04<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     let b = Bed::new(s).await;
     b.publish("m1", "k", 0).await;
@@ -811,7 +811,7 @@ impl Bed {
 
 /// G-05 on a broker: a processor (w2) runs stored m1 and waits at its gate; m1 comes from the
 /// broker to runner w1: landed, committed (acknowledged), its handler not called; the cycle
-/// completes m1; effects [m1] (R116, R130, R152).
+/// completes m1; effects `[m1]` (R116, R130, R152).
 pub async fn g_05<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     let b = Bed::new(s).await;
     let row = b.land("m1", "k").await;
@@ -848,7 +848,7 @@ pub async fn g_05<S: SubscriptionUnderTest + ?Sized>(s: &S) {
 /// G-06 on a broker: processor w2 takes stored m1 (fetch_and_lock) and does nothing more; m1
 /// comes from the broker to runner w1: landed, committed. The store's clock moves 301 s (the
 /// lease is the store's, not the broker's); m1 comes again: w1 completes it. w2's late run is
-/// lease lost, its handler not called; effects [m1] (R116, R152, R156).
+/// lease lost, its handler not called; effects `[m1]` (R116, R152, R156).
 pub async fn g_06<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     use outbox_core::event::WorkerId;
     use outbox_core::inbox::RowReport;
@@ -937,9 +937,9 @@ pub async fn g_08<S: SubscriptionUnderTest + ?Sized>(s: &S) {
 
 /// G-09 on a broker: w1 (concurrency 1) starts m1 on k and waits at its gate; m2 on k reaches
 /// w2, which starts landing it; 200 ms later no row of m2 exists (w2 waits for the key); the
-/// gate opens: w1 completes m1, then w2 lands and completes m2; effects [m1, m2]. Variant
+/// gate opens: w1 completes m1, then w2 lands and completes m2; effects `[m1, m2]`. Variant
 /// (m1's run fails, on_failure record): m1 is recorded (pending, 1, `boom`); w2 lands m2 behind
-/// it (landed, committed, not run); effects [] (R116, R144, R145).
+/// it (landed, committed, not run); effects `[]` (R116, R144, R145).
 pub async fn g_09<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     for variant in [false, true] {
         let b = Bed::new(s).await;
