@@ -1,8 +1,9 @@
 //! The inbox's JetStream subscription against the machine's NATS (`NATS_URL`, default
-//! `nats://127.0.0.1:4222`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
-//! poison message, dead-lettering) and the NATS scenarios J-01 to J-07 and J-31. Each trial
-//! uses a fresh stream `S…` with subjects `{prefix}>` and a dead-letter stream capturing
-//! `deadletter.{prefix}>`, deleted at the end.
+//! `nats://127.0.0.1:4222`): the shared broker trials of `outbox-conformance` (G-01 to G-06,
+//! G-08, G-09, the poison message, dead-lettering), its end-to-end trials (J-14, J-15, SI-03)
+//! and the NATS scenarios J-01 to J-07 and J-31. Each trial uses a fresh stream `INBOX_…` with
+//! subjects `{prefix}>` (and a dead-letter stream capturing `deadletter.{prefix}>`), deleted at
+//! the end.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,9 +11,10 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_trait::async_trait;
 use futures::StreamExt;
-use outbox_conformance::broker::fresh_suffix;
+use outbox_conformance::broker::{BrokerKind, fresh_suffix};
 use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
 use outbox_conformance::inbox::ctx::g;
+use outbox_conformance::inbox::end_to_end::{EndToEndTrial, EndToEndUnderTest};
 use outbox_conformance::inbox::harness::InboxHarness;
 use outbox_conformance::inbox::memory::MemInboxHarness;
 use outbox_core::inbox::repository::InboxRepository;
@@ -537,3 +539,76 @@ async fn j_31() {
     }
     t.cleanup().await;
 }
+
+/// The end-to-end trials (J-14, J-15, SI-03): the outbox adapter (subject prefix `{prefix}`)
+/// and the subscription on one fresh trial stream `INBOX_…` capturing `{prefix}>`, with
+/// JetStream's default 2 min duplicate window (J-15).
+struct NatsEndToEnd;
+
+struct EndToEnd {
+    trial: Trial,
+    adapter: outbox_nats_broker::NatsBroker,
+    adapter_config: outbox_nats_broker::NatsBrokerConfig,
+}
+
+#[async_trait]
+impl EndToEndTrial for EndToEnd {
+    fn adapter(&self) -> Arc<dyn outbox_core::Broker> {
+        Arc::new(self.adapter.clone())
+    }
+
+    async fn another_adapter(&self) -> Arc<dyn outbox_core::Broker> {
+        Arc::new(
+            outbox_nats_broker::NatsBroker::connect(self.adapter_config.clone())
+                .await
+                .expect("connect another adapter"),
+        )
+    }
+
+    async fn subscription(
+        &self,
+        _worker: &str,
+        topics: &[&str],
+        redeliver_after: Duration,
+    ) -> Arc<dyn Subscription> {
+        Arc::new(
+            NatsSubscription::bind(
+                self.trial.client.clone(),
+                NatsSubscriptionConfig::new(&self.trial.stream, "g")
+                    .subject_prefix(&self.trial.prefix)
+                    .topics(topics.iter().copied())
+                    .ack_wait(redeliver_after),
+            )
+            .await
+            .expect("bind the subscription"),
+        )
+    }
+
+    async fn cleanup(&self) {
+        SubscriptionTrial::cleanup(&self.trial).await;
+    }
+}
+
+#[async_trait]
+impl EndToEndUnderTest for NatsEndToEnd {
+    fn kind(&self) -> BrokerKind {
+        BrokerKind::Nats
+    }
+
+    async fn trial(&self) -> Box<dyn EndToEndTrial> {
+        let trial = Trial::new(false).await;
+        let adapter_config = outbox_nats_broker::NatsBrokerConfig::new(url())
+            .subject_prefix(&trial.prefix)
+            .timeout(Duration::from_secs(5));
+        let adapter = outbox_nats_broker::NatsBroker::connect(adapter_config.clone())
+            .await
+            .expect("connect the adapter");
+        Box::new(EndToEnd {
+            trial,
+            adapter,
+            adapter_config,
+        })
+    }
+}
+
+outbox_conformance::inbox_end_to_end_suite!(NatsEndToEnd);

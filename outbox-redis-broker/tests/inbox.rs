@@ -1,14 +1,15 @@
 //! The inbox's Redis Streams subscription against the machine's Redis (`REDIS_URL`, default
-//! `redis://127.0.0.1:6379`): the shared broker trials of `outbox-conformance` (G-01, G-03, the
-//! poison message, dead-lettering) and the Redis scenarios J-08 to J-13 and the clean-stop
-//! part of J-32. Each trial uses a fresh key prefix, deleted at the end.
+//! `redis://127.0.0.1:6379`): the shared broker trials of `outbox-conformance` (G-01 to G-06,
+//! G-08, G-09, the poison message, dead-lettering), its end-to-end trials (J-14, J-15, SI-03)
+//! and the Redis scenarios J-08 to J-13 and the clean-stop part of J-32. Each trial uses a fresh key prefix, deleted at the end.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_conformance::broker::fresh_suffix;
+use outbox_conformance::broker::{BrokerKind, fresh_suffix};
 use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
+use outbox_conformance::inbox::end_to_end::{EndToEndTrial, EndToEndUnderTest};
 use outbox_conformance::inbox::harness::InboxHarness;
 use outbox_conformance::inbox::memory::MemInboxHarness;
 use outbox_core::inbox::{DeliveryOutcome, Runner, Subscription};
@@ -329,3 +330,81 @@ async fn j_09_pending_after_rewind() {
     assert!(t.pending().await.is_empty());
     t.cleanup().await;
 }
+
+/// The end-to-end trials (J-14, J-15, SI-03): the outbox adapter and the subscriptions on one
+/// fresh key prefix; every key under it is deleted at the end.
+struct RedisEndToEnd;
+
+struct EndToEnd {
+    prefix: String,
+    adapter: outbox_redis_broker::RedisBroker,
+    adapter_config: outbox_redis_broker::RedisBrokerConfig,
+}
+
+#[async_trait]
+impl EndToEndTrial for EndToEnd {
+    fn adapter(&self) -> Arc<dyn outbox_core::Broker> {
+        Arc::new(self.adapter.clone())
+    }
+
+    async fn another_adapter(&self) -> Arc<dyn outbox_core::Broker> {
+        Arc::new(
+            outbox_redis_broker::RedisBroker::connect(self.adapter_config.clone())
+                .await
+                .expect("connect another adapter"),
+        )
+    }
+
+    async fn subscription(
+        &self,
+        worker: &str,
+        topics: &[&str],
+        redeliver_after: Duration,
+    ) -> Arc<dyn Subscription> {
+        Arc::new(
+            RedisSubscription::connect(
+                RedisSubscriptionConfig::new(url(), "g", worker, topics.iter().copied())
+                    .key_prefix(&self.prefix)
+                    .claim_idle(redeliver_after),
+            )
+            .await
+            .expect("connect the subscription"),
+        )
+    }
+
+    async fn cleanup(&self) {
+        let mut c = admin().await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{}*", self.prefix))
+            .query_async(&mut c)
+            .await
+            .unwrap_or_default();
+        if !keys.is_empty() {
+            let _: Result<i64, _> = redis::cmd("DEL").arg(keys).query_async(&mut c).await;
+        }
+    }
+}
+
+#[async_trait]
+impl EndToEndUnderTest for RedisEndToEnd {
+    fn kind(&self) -> BrokerKind {
+        BrokerKind::Redis
+    }
+
+    async fn trial(&self) -> Box<dyn EndToEndTrial> {
+        let prefix = format!("inboxe2e:{}:", fresh_suffix());
+        let adapter_config = outbox_redis_broker::RedisBrokerConfig::new(url())
+            .key_prefix(&prefix)
+            .timeout(Duration::from_secs(5));
+        let adapter = outbox_redis_broker::RedisBroker::connect(adapter_config.clone())
+            .await
+            .unwrap_or_else(|e| panic!("Redis at {} is unreachable: {e}", url()));
+        Box::new(EndToEnd {
+            prefix,
+            adapter,
+            adapter_config,
+        })
+    }
+}
+
+outbox_conformance::inbox_end_to_end_suite!(RedisEndToEnd);

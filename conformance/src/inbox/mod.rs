@@ -9,6 +9,7 @@
 
 pub mod broker_subs;
 pub mod ctx;
+pub mod end_to_end;
 pub mod harness;
 pub mod memory;
 pub mod peer;
