@@ -440,9 +440,13 @@ impl KafkaSubscription {
             .client_id
             .clone()
             .unwrap_or_else(|| c.client_id.clone());
+        // The dead-letter producer's delivery timeout must cover linger + one request.
+        let request_timeout = (c.delivery_timeout - c.linger - Duration::from_millis(5))
+            .min(Duration::from_secs(30));
         let mut b = Kafka::builder(c.brokers.clone())
             .client_id(client_id)
-            .connect_timeout(c.connect_timeout)
+            .request_timeout(request_timeout)
+            .connect_timeout(c.connect_timeout.min(request_timeout))
             .allow_auto_create_topics(false);
         if let Some(a) = crate::auth_config(c) {
             b = b.security(a);
@@ -487,6 +491,7 @@ impl KafkaSubscription {
             .producer()
             .acks(Acks::All)
             .idempotent(c.idempotence == Idempotence::On)
+            .linger(c.linger)
             .delivery_timeout(c.delivery_timeout)
             .metrics_push(false)
             .build()
