@@ -253,6 +253,10 @@ impl State {
         }
         self.queue = kept;
         if let Some(p) = self.parts.get_mut(tp) {
+            // They are read again: the next read, and so the commit, stops at the first.
+            if let Some(first) = dropped.iter().min() {
+                p.next_read = Some(p.next_read.map_or(*first, |n| n.min(*first)));
+            }
             for o in dropped {
                 p.close_one(o);
             }
@@ -441,8 +445,8 @@ impl KafkaSubscription {
             .clone()
             .unwrap_or_else(|| c.client_id.clone());
         // The dead-letter producer's delivery timeout must cover linger + one request.
-        let request_timeout = (c.delivery_timeout - c.linger - Duration::from_millis(5))
-            .min(Duration::from_secs(30));
+        let request_timeout =
+            (c.delivery_timeout - c.linger - Duration::from_millis(5)).min(Duration::from_secs(30));
         let mut b = Kafka::builder(c.brokers.clone())
             .client_id(client_id)
             .request_timeout(request_timeout)
