@@ -476,7 +476,7 @@ impl KafkaSubscription {
                 IsolationLevel::ReadUncommitted
             })
             .session_timeout(config.session_timeout)
-            .heartbeat_interval(config.session_timeout / 4)
+            .heartbeat_interval((config.session_timeout / 4).min(Duration::from_millis(500)))
             .fetch_max_wait(Duration::from_millis(100))
             .metrics_push(false)
             .rebalance_listener(Listener {

@@ -161,14 +161,23 @@ impl SubscriptionTrial for Topic {
     }
 
     /// The session timeout stands for the broker's redelivery time (at least 2 s).
+    /// Returns once the member holds partitions, so that runners built one after the other
+    /// share the topic's two partitions before either runs.
     async fn subscription(&self, worker: &str, redeliver_after: Duration) -> Arc<dyn Subscription> {
-        Arc::new(
-            KafkaSubscription::connect(self.config(worker).session_timeout(
-                redeliver_after.clamp(Duration::from_secs(2), Duration::from_secs(10)),
-            ))
-            .await
-            .expect("connect the subscription"),
-        )
+        let sub = KafkaSubscription::connect(self.config(worker).session_timeout(
+            redeliver_after.clamp(Duration::from_secs(2), Duration::from_secs(10)),
+        ))
+        .await
+        .expect("connect the subscription");
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while sub.assignment().await.is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{worker} got no partition within 15 s"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Arc::new(sub)
     }
 
     async fn cleanup(&self) {
@@ -179,7 +188,8 @@ impl SubscriptionTrial for Topic {
 #[async_trait]
 impl SubscriptionUnderTest for Tansu {
     async fn trial(&self) -> Box<dyn SubscriptionTrial> {
-        Box::new(Topic::new(1).await)
+        // Two partitions: the trials' keys k0 to k2 hash to partition 1, k3 and k to 0.
+        Box::new(Topic::new(2).await)
     }
 }
 
@@ -547,7 +557,14 @@ async fn j_21() {
     w2.stop().await;
     b.wait_for("200 completed", Duration::from_secs(60), |b| done(b) >= 200)
         .await;
-    assert_eq!(w1.sub.assignment().await.len(), 4, "w1 holds all four");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while w1.sub.assignment().await.len() < 4 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "w1 holds all four within 15 s of w2's stop"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let w2 = b.run(c4(b.builder("w2").await));
     publish(20..22).await;
     b.wait_for("10 of the new ones", Duration::from_secs(60), |b| {
