@@ -78,6 +78,7 @@ pub struct KafkaSubscriptionConfig {
     revoke_timeout: Duration,
     dead_letter_suffix: String,
     max_buffered: usize,
+    at_most_once: bool,
 }
 
 impl KafkaSubscriptionConfig {
@@ -100,7 +101,15 @@ impl KafkaSubscriptionConfig {
             revoke_timeout: DEFAULT_REVOKE_TIMEOUT,
             dead_letter_suffix: DEFAULT_DEAD_LETTER_SUFFIX.into(),
             max_buffered: DEFAULT_MAX_BUFFERED,
+            at_most_once: false,
         }
+    }
+
+    /// The runner runs at_most_once (R129): a commit then returns only once an OffsetCommit that
+    /// passes its record is confirmed (R176), not as soon as the record ended.
+    pub fn at_most_once(mut self, on: bool) -> Self {
+        self.at_most_once = on;
+        self
     }
 
     /// The client id, the runner's worker id (R175; default the connection's client id).
@@ -270,6 +279,7 @@ struct Shared {
     commit_lock: tokio::sync::Mutex<()>,
     consumer: OnceLock<Weak<Consumer>>,
     revoke_timeout: Duration,
+    at_most_once: bool,
 }
 
 impl Shared {
@@ -314,6 +324,7 @@ impl Shared {
             p.committed = Some(p.committed.map_or(target, |c| c.max(target)));
             p.started.retain(|o, _| *o >= target);
         }
+        self.changed.notify_waiters();
         Ok(())
     }
 }
@@ -462,6 +473,7 @@ impl KafkaSubscription {
             commit_lock: tokio::sync::Mutex::new(()),
             consumer: OnceLock::new(),
             revoke_timeout: config.revoke_timeout,
+            at_most_once: config.at_most_once,
         });
         let consumer = kafka
             .consumer(config.group.clone())
@@ -787,10 +799,7 @@ impl KafkaAck {
                 p.close_one(self.record.offset);
                 Ok(())
             }
-            _ => Err(SubscriptionError::transient(format!(
-                "Kafka: partition {}-{} moved to another member of the group; its new owner reads offset {} again",
-                self.tp.0, self.tp.1, self.record.offset
-            ))),
+            _ => Err(self.moved()),
         }
     }
 
@@ -798,7 +807,33 @@ impl KafkaAck {
         let r = self.end();
         self.inner.shared.changed.notify_waiters();
         r?;
-        self.inner.shared.commit_progress(&self.tp).await
+        self.inner.shared.commit_progress(&self.tp).await?;
+        if !self.inner.shared.at_most_once {
+            return Ok(());
+        }
+        // at_most_once: confirmed only once a commit passes the record (R176); the runner
+        // bounds the wait by commit_timeout.
+        let shared = &self.inner.shared;
+        loop {
+            let notified = shared.changed.notified();
+            let passed = match shared.lock().parts.get(&self.tp) {
+                Some(p) if p.epoch == self.epoch => {
+                    p.committed.is_some_and(|c| c > self.record.offset)
+                }
+                _ => return Err(self.moved()),
+            };
+            if passed {
+                return Ok(());
+            }
+            notified.await;
+        }
+    }
+
+    fn moved(&self) -> SubscriptionError {
+        SubscriptionError::transient(format!(
+            "Kafka: partition {}-{} moved to another member of the group; its new owner reads offset {} again",
+            self.tp.0, self.tp.1, self.record.offset
+        ))
     }
 }
 
