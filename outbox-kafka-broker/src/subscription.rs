@@ -51,6 +51,8 @@ pub const DEFAULT_DEAD_LETTER_SUFFIX: &str = ".dead-letter";
 pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default bound on the wait for runs in flight when a partition is taken away.
 pub const DEFAULT_REVOKE_TIMEOUT: Duration = Duration::from_secs(60);
+/// The bound on the metadata request that checks the dead-letter topic exists.
+const DEAD_LETTER_METADATA_WAIT: Duration = Duration::from_secs(2);
 /// Default number of records read ahead of the runner.
 pub const DEFAULT_MAX_BUFFERED: usize = 100;
 
@@ -884,6 +886,20 @@ impl AckHandle for KafkaAck {
     async fn dead_letter(&self, reason: &str, group: &str) -> Result<(), SubscriptionError> {
         let r = &self.record;
         let topic = format!("{}{}", r.topic, self.inner.dead_letter_suffix);
+        // The topic must exist (a broker that creates topics on request does not get to).
+        let known = tokio::time::timeout(
+            DEAD_LETTER_METADATA_WAIT,
+            self.inner.producer.partitions_for(&topic),
+        )
+        .await;
+        match known {
+            Ok(Ok(p)) if !p.is_empty() => {}
+            Ok(Ok(_)) | Ok(Err(_)) | Err(_) => {
+                return Err(SubscriptionError::transient(format!(
+                    "Kafka: the dead-letter topic {topic:?} does not exist (or no broker answered within {DEAD_LETTER_METADATA_WAIT:?}); create it"
+                )));
+            }
+        }
         let mut out = Record::new(topic.clone(), Vec::<u8>::new()).without_key();
         out = match &r.value {
             Some(v) => out.value(v.clone()),

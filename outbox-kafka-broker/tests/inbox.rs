@@ -35,12 +35,16 @@ struct Topic {
 
 impl Topic {
     async fn new(partitions: i32) -> Self {
+        let t = Self::without_dead_letter(partitions).await;
+        create_topic(&t.dead_letter(), 1, &[]).await;
+        t
+    }
+    async fn without_dead_letter(partitions: i32) -> Self {
         let t = Self {
             r: fresh_suffix(),
             partitions,
         };
         create_topic(&t.name(), partitions, &[]).await;
-        create_topic(&t.dead_letter(), 1, &[]).await;
         t
     }
     /// The topic under the prefix `in.`.
@@ -225,12 +229,22 @@ impl Running {
 
 impl Bed {
     async fn new(partitions: i32) -> Self {
+        Self {
+            t: Topic::new(partitions).await,
+            ..Self::new_without_topic()
+        }
+    }
+    /// A bed whose topic the caller gives (a placeholder topic name that is never created).
+    fn new_without_topic() -> Self {
         let h = Arc::new(MemInboxHarness::default());
         Self {
             handler: Arc::new(ScriptedHandler::new(h.clone())),
             h,
             rec: Arc::default(),
-            t: Topic::new(partitions).await,
+            t: Topic {
+                r: String::new(),
+                partitions: 1,
+            },
         }
     }
 
@@ -442,8 +456,9 @@ async fn j_18() {
 }
 
 /// J-20: an invalid value and a tombstone are copied to `in.src-{r}.dead-letter` as received
-/// with R140's headers; m3 completes; no rows; committed 3 (R139, R140, R176, R179). The variant
-/// without the dead-letter topic needs `no_auto_create`.
+/// with R140's headers; m3 completes; no rows; committed 3 (R139, R140, R176, R179). Variant,
+/// needs `no_auto_create`: without the dead-letter topic r1 is rewound 1.0 s again and again,
+/// r2 and m3 wait, and the committed offset stays 0.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_20() {
     let b = Bed::new(1).await;
@@ -480,14 +495,46 @@ async fn j_20() {
     assert!(b.status("r2").await.is_none());
     assert_eq!(b.h.effects().await, vec!["m3"]);
     b.t.cleanup().await;
-    if !capabilities()
-        .await
-        .contains(&KafkaCapability::NoAutoCreate)
-    {
+    let caps = capabilities().await;
+    if !caps.contains(&KafkaCapability::NoAutoCreate) {
         report(
             "SKIPPED J-20 (variant without the dead-letter topic): needs no_auto_create, which the broker under test does not declare",
         );
+        return;
     }
+    // Variant: no dead-letter topic. r1 is rewound 1.0 s again and again and holds the
+    // partition: r2 and m3 are not handled, and the committed offset stays 0.
+    let b = Bed {
+        t: Topic::without_dead_letter(1).await,
+        ..Bed::new_without_topic()
+    };
+    b.handler.always(Act::Write);
+    b.t.send(Some(0), &[("tenant", "acme")], None, Some("not json"))
+        .await;
+    b.t.send(Some(0), &[("event_id", "r2")], Some("k"), None)
+        .await;
+    b.t.event("m3", "c").await;
+    let w1 = b.run(b.builder("w1").await);
+    let rewinds = |b: &Bed| {
+        b.rec
+            .results()
+            .iter()
+            .filter(|r| r.outcome == O::Invalid && r.rewind_delay == Some(Duration::from_secs(1)))
+            .count()
+    };
+    b.wait_for("r1 rewound twice", WITHIN, |b| rewinds(b) >= 2)
+        .await;
+    w1.stop().await;
+    let results = b.rec.results();
+    assert!(
+        results
+            .iter()
+            .all(|r| r.error.as_deref() == Some("invalid message: body is not JSON")),
+        "only r1 was read: {results:?}"
+    );
+    assert_eq!(b.t.committed(0).await.unwrap_or(0), 0);
+    assert!(b.h.effects().await.is_empty());
+    b.t.cleanup().await;
 }
 
 /// J-21: two runners of one group share 4 partitions; a stop hands w2's partitions to w1, a

@@ -381,8 +381,11 @@ fn decode_kafka(
             .unwrap_or_else(|| source.clone()),
     };
     let cloudevents = attr("ce_specversion").is_some();
+    let mut seen = std::collections::HashSet::new();
+    // A repeated name is refused below with its own reason; its first value stands until then.
     let stored: Vec<(String, String)> = present
         .iter()
+        .filter(|(k, _)| seen.insert(*k))
         .filter(|(k, _)| {
             !MAPPED_NAMES.contains(k)
                 && !KAFKA_READ_NAMES.contains(k)
