@@ -256,7 +256,7 @@ impl State {
         let mut kept = VecDeque::with_capacity(self.queue.len());
         let mut dropped = Vec::new();
         for r in self.queue.drain(..) {
-            if &*r.topic == tp.0 && r.partition == tp.1 && from.is_none_or(|f| r.offset >= f) {
+            if *r.topic == *tp.0 && r.partition == tp.1 && from.is_none_or(|f| r.offset >= f) {
                 dropped.push(r.offset);
             } else {
                 kept.push_back(r);

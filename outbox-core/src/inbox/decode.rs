@@ -387,10 +387,10 @@ fn decode_kafka(
         .iter()
         .filter(|(k, _)| seen.insert(*k))
         .filter(|(k, _)| {
-            !MAPPED_NAMES.contains(k)
-                && !KAFKA_READ_NAMES.contains(k)
-                && !k.starts_with("ce_")
-                && !(cloudevents && k.eq_ignore_ascii_case("content-type"))
+            let read = MAPPED_NAMES.contains(k) || KAFKA_READ_NAMES.contains(k);
+            let cloudevents_attr =
+                k.starts_with("ce_") || (cloudevents && k.eq_ignore_ascii_case("content-type"));
+            !(read || cloudevents_attr)
         })
         .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
         .collect();
