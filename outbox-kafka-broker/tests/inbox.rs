@@ -16,7 +16,8 @@ use outbox_conformance::inbox::ctx::{Recorder, g};
 use outbox_conformance::inbox::harness::InboxHarness;
 use outbox_conformance::inbox::memory::MemInboxHarness;
 use outbox_conformance::inbox::script::{Act, Gate, ScriptedHandler};
-use outbox_conformance::kafka::{KafkaCapability, report};
+use outbox_conformance::kafka::{KafkaCapability, KafkaUnderTest, report};
+use outbox_conformance::kafka_proxy::{DropFirstProduceAnswer, Mode, OFFSET_COMMIT};
 use outbox_core::backoff::SeededRng;
 use outbox_core::event::Status;
 use outbox_core::inbox::repository::InboxRepository;
@@ -31,6 +32,7 @@ use tokio::task::JoinHandle;
 struct Topic {
     r: String,
     partitions: i32,
+    bootstrap: String,
 }
 
 impl Topic {
@@ -40,11 +42,16 @@ impl Topic {
         t
     }
     async fn without_dead_letter(partitions: i32) -> Self {
+        Self::at(&brokers(), partitions).await
+    }
+    /// A topic (without dead-letter topic) on the broker bootstrapped at `bootstrap`.
+    async fn at(bootstrap: &str, partitions: i32) -> Self {
         let t = Self {
             r: fresh_suffix(),
             partitions,
+            bootstrap: bootstrap.to_owned(),
         };
-        create_topic(&t.name(), partitions, &[]).await;
+        create_topic_at(bootstrap, &t.name(), partitions, &[]).await;
         t
     }
     /// The topic under the prefix `in.`.
@@ -62,7 +69,7 @@ impl Topic {
     }
     fn config(&self, worker: &str) -> KafkaSubscriptionConfig {
         KafkaSubscriptionConfig::new(
-            KafkaBrokerConfig::new(brokers())
+            KafkaBrokerConfig::new(self.bootstrap.clone())
                 .topic_prefix("in.")
                 .idempotence(Idempotence::Off),
             self.group(),
@@ -85,7 +92,7 @@ impl Topic {
         key: Option<&str>,
         value: Option<&str>,
     ) {
-        let kafka = admin_client().await;
+        let kafka = client_at(&self.bootstrap).await;
         let p = kafka
             .producer()
             .idempotent(false)
@@ -129,7 +136,7 @@ impl Topic {
     }
     /// The group's committed offset of partition `p`, read by a client outside the group.
     async fn committed(&self, p: i32) -> Option<i64> {
-        let kafka = admin_client().await;
+        let kafka = client_at(&self.bootstrap).await;
         let c = kafka
             .consumer(self.group())
             .build()
@@ -145,8 +152,10 @@ impl Topic {
             .filter(|o| *o >= 0)
     }
     async fn cleanup(&self) {
-        delete_topic(&self.name()).await;
-        delete_topic(&self.dead_letter()).await;
+        let admin = client_at(&self.bootstrap).await.admin();
+        let _ = admin
+            .delete_topics([self.name(), self.dead_letter()], Default::default())
+            .await;
     }
 }
 
@@ -244,6 +253,7 @@ impl Bed {
             t: Topic {
                 r: String::new(),
                 partitions: 1,
+                bootstrap: brokers(),
             },
         }
     }
@@ -319,8 +329,11 @@ impl Bed {
 
 const WITHIN: Duration = Duration::from_secs(20);
 
-/// J-16 (without its proxy part): the committed offset is 1, 2 and 3 after m1, m2 and m3, and
-/// each time the row was committed before the offset moved (R115, R176).
+/// J-16: the committed offset is 1, 2 and 3 after m1, m2 and m3, and each time the row was
+/// committed before the offset moved; then, through a proxy that discards OffsetCommit
+/// requests, m4 is commit_failed after commit_timeout (1 s), and after a kill the next owner
+/// reads it again as a duplicate (R115, R131, R176). The proxy part runs against a private
+/// Tansu the test starts (it advertises the proxy's address).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_16() {
     let b = Bed::new(1).await;
@@ -338,9 +351,64 @@ async fn j_16() {
     w1.stop().await;
     assert_eq!(b.h.effects().await, vec!["m1", "m2", "m3"]);
     b.t.cleanup().await;
-    report(
-        "NOT RUN J-16 (proxy part): needs the framing proxy's drop(OffsetCommit) mode, which the suite's Kafka proxy does not have",
+    // With the proxy: an OffsetCommit that gets no answer is commit_failed after commit_timeout;
+    // the next owner reads the record again, as a duplicate.
+    let (listener, proxy_addr) = DropFirstProduceAnswer::bind().await;
+    let Some(private) = TestKafka.private_broker(proxy_addr).await else {
+        report("SKIPPED J-16 (proxy part): needs a broker the test can start behind its proxy");
+        return;
+    };
+    let proxy = DropFirstProduceAnswer::with_mode(
+        listener,
+        private.listen,
+        Mode::DropRequests(OFFSET_COMMIT),
     );
+    let b = Bed {
+        t: Topic::at(&proxy.addr().to_string(), 1).await,
+        ..Bed::new_without_topic()
+    };
+    b.handler.always(Act::Write);
+    let (bl, sub) = b.builder("w1").await;
+    let w1 = b.run((bl.commit_timeout(Duration::from_secs(1)), sub));
+    for (i, id) in ["m1", "m2", "m3"].into_iter().enumerate() {
+        b.t.event(id, &format!("k{i}")).await;
+        b.wait_committed(0, i as i64 + 1, WITHIN).await;
+    }
+    proxy.set_dropping(true);
+    let sent = tokio::time::Instant::now();
+    b.t.event("m4", "k3").await;
+    b.wait_for("m4 ended", WITHIN, |b| !b.outcomes("m4").is_empty())
+        .await;
+    let took = sent.elapsed();
+    let r4 = b
+        .rec
+        .results()
+        .into_iter()
+        .find(|r| r.message_id.as_deref() == Some("m4"))
+        .unwrap();
+    assert_eq!(
+        (r4.outcome, r4.commit_failed),
+        (O::Completed, true),
+        "{r4:?}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "commit_failed after {took:?}"
+    );
+    assert!(
+        proxy.produce_requests() >= 1,
+        "an OffsetCommit was discarded"
+    );
+    w1.kill().await;
+    proxy.set_dropping(false);
+    let w2 = b.run(b.builder("w2").await);
+    b.wait_committed(0, 4, Duration::from_secs(30)).await;
+    w2.stop().await;
+    assert_eq!(b.outcomes("m4"), vec![O::Completed, O::Duplicate]);
+    assert_eq!(b.h.effects().await, vec!["m1", "m2", "m3", "m4"]);
+    b.t.cleanup().await;
+    drop(proxy);
+    drop(private);
 }
 
 /// J-17: with concurrency 4 the commit does not pass m1 while it runs; after a kill the next
