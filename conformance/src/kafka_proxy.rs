@@ -30,11 +30,19 @@ pub enum Mode {
     DropFirstProduceAnswer,
     /// Answer every InitProducerId with error code -1 (UNKNOWN_SERVER_ERROR).
     RefuseInitProducerId,
+    /// Forward everything until [`DropFirstProduceAnswer::set_dropping`] turns dropping on;
+    /// then discard the requests with this API key (client to broker), unanswered (J-16's
+    /// `drop(OffsetCommit request, client to broker)`).
+    DropRequests(i16),
 }
+
+/// The OffsetCommit request's API key.
+pub const OFFSET_COMMIT: i16 = 8;
 
 /// The proxy; dropping it stops it.
 pub struct DropFirstProduceAnswer {
     addr: SocketAddr,
+    armed: Arc<AtomicBool>,
     task: JoinHandle<()>,
     dropped: Arc<AtomicUsize>,
     produce_requests: Arc<AtomicUsize>,
@@ -58,7 +66,8 @@ impl DropFirstProduceAnswer {
     /// Forwards connections accepted on `listener` to `upstream` in `mode`.
     pub fn with_mode(listener: TcpListener, upstream: SocketAddr, mode: Mode) -> Self {
         let addr = listener.local_addr().expect("addr");
-        let armed = Arc::new(AtomicBool::new(true));
+        let armed = Arc::new(AtomicBool::new(!matches!(mode, Mode::DropRequests(_))));
+        let switch = armed.clone();
         let dropped = Arc::new(AtomicUsize::new(0));
         let produce_requests = Arc::new(AtomicUsize::new(0));
         let (d, p) = (dropped.clone(), produce_requests.clone());
@@ -83,6 +92,7 @@ impl DropFirstProduceAnswer {
         });
         Self {
             addr,
+            armed: switch,
             task,
             dropped,
             produce_requests,
@@ -99,7 +109,12 @@ impl DropFirstProduceAnswer {
         self.dropped.load(Ordering::SeqCst)
     }
 
-    /// Produce requests seen so far.
+    /// In [`Mode::DropRequests`]: whether requests of its API key are discarded from now on.
+    pub fn set_dropping(&self, on: bool) {
+        self.armed.store(on, Ordering::SeqCst);
+    }
+
+    /// Produce requests seen so far (in [`Mode::DropRequests`]: the requests discarded).
     pub fn produce_requests(&self) -> usize {
         self.produce_requests.load(Ordering::SeqCst)
     }
@@ -156,6 +171,10 @@ async fn requests(
                 (Mode::RefuseInitProducerId, INIT_PRODUCER_ID) => {
                     // InitProducerId is flexible from version 2.
                     state.lock().await.refuse.push((correlation, version >= 2));
+                }
+                (Mode::DropRequests(k), key) if k == key && armed.load(Ordering::SeqCst) => {
+                    produce.fetch_add(1, Ordering::SeqCst);
+                    continue;
                 }
                 _ => {}
             }

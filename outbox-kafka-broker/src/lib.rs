@@ -4,6 +4,7 @@
 mod config;
 mod error;
 pub mod record;
+pub mod subscription;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -25,6 +26,7 @@ pub use error::{KafkaBrokerError, code_name, code_text};
 /// its types.
 pub use krafka;
 pub use outbox_core::cloudevents::MessageFormat;
+pub use subscription::{KafkaSubscription, KafkaSubscriptionConfig, OffsetReset};
 
 /// A [`Broker`] sending each row as one Kafka record with acks = all and, unless turned off, an
 /// idempotent producer (R86 to R88). Cloning shares the producer.
@@ -128,34 +130,7 @@ impl KafkaBroker {
     }
 
     fn auth(&self) -> Option<AuthConfig> {
-        let c = &self.inner.config;
-        let tls = c.tls.enabled.then(|| {
-            let mut t = TlsConfig::new();
-            if let Some(ca) = &c.tls.root_certificates {
-                t = t.with_ca_cert(ca.display().to_string());
-            } else {
-                t = t.with_native_roots();
-            }
-            if let Some((cert, key)) = &c.tls.client_certificate {
-                t = t.with_client_cert(cert.display().to_string(), key.display().to_string());
-            }
-            t
-        });
-        let sasl = c.sasl.as_ref().map(|s| match s {
-            KafkaSasl::Plain { username, password } => AuthConfig::sasl_plain(username, password),
-            KafkaSasl::ScramSha256 { username, password } => {
-                AuthConfig::sasl_scram_sha256(username, password)
-            }
-            KafkaSasl::ScramSha512 { username, password } => {
-                AuthConfig::sasl_scram_sha512(username, password)
-            }
-        });
-        match (sasl, tls) {
-            (Some(s), Some(t)) => Some(s.with_tls(t)),
-            (Some(s), None) => Some(s),
-            (None, Some(t)) => Some(AuthConfig::ssl(t)),
-            (None, None) => None,
-        }
+        auth_config(&self.inner.config)
     }
 
     /// The producer, or a new one (connect, and under idempotence on InitProducerId), within
@@ -244,6 +219,37 @@ impl KafkaBroker {
 
     fn idempotent(&self) -> bool {
         self.inner.config.idempotence == Idempotence::On
+    }
+}
+
+/// The client's TLS and SASL settings (shared by the adapter and the inbox subscription).
+pub(crate) fn auth_config(c: &KafkaBrokerConfig) -> Option<AuthConfig> {
+    let tls = c.tls.enabled.then(|| {
+        let mut t = TlsConfig::new();
+        if let Some(ca) = &c.tls.root_certificates {
+            t = t.with_ca_cert(ca.display().to_string());
+        } else {
+            t = t.with_native_roots();
+        }
+        if let Some((cert, key)) = &c.tls.client_certificate {
+            t = t.with_client_cert(cert.display().to_string(), key.display().to_string());
+        }
+        t
+    });
+    let sasl = c.sasl.as_ref().map(|s| match s {
+        KafkaSasl::Plain { username, password } => AuthConfig::sasl_plain(username, password),
+        KafkaSasl::ScramSha256 { username, password } => {
+            AuthConfig::sasl_scram_sha256(username, password)
+        }
+        KafkaSasl::ScramSha512 { username, password } => {
+            AuthConfig::sasl_scram_sha512(username, password)
+        }
+    });
+    match (sasl, tls) {
+        (Some(s), Some(t)) => Some(s.with_tls(t)),
+        (Some(s), None) => Some(s),
+        (None, Some(t)) => Some(AuthConfig::ssl(t)),
+        (None, None) => None,
     }
 }
 

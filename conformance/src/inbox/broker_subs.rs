@@ -107,6 +107,10 @@ impl Bed {
         redeliver_after: Duration,
     ) -> RunnerBuilder<InMemoryInbox> {
         let sub = self.trial.subscription(worker, redeliver_after).await;
+        self.builder_on(sub, worker)
+    }
+
+    fn builder_on(&self, sub: Arc<dyn Subscription>, worker: &str) -> RunnerBuilder<InMemoryInbox> {
         Runner::builder(self.h.backend(), sub, "g")
             .worker_id(worker)
             .handler(self.handler.clone())
@@ -163,16 +167,17 @@ pub async fn g_01<S: SubscriptionUnderTest + ?Sized>(s: &S) {
         }
     }
     let (r1, r2) = (Arc::new(Recorder::default()), Arc::new(Recorder::default()));
-    let w1 = b.run(
-        b.builder("w1", Duration::from_secs(30))
-            .await
-            .hooks(r1.clone()),
-    );
-    let w2 = b.run(
-        b.builder("w2", Duration::from_secs(30))
-            .await
-            .hooks(r2.clone()),
-    );
+    // Both subscriptions first (on Kafka both members then hold partitions), then both loops.
+    let b1 = b
+        .builder("w1", Duration::from_secs(30))
+        .await
+        .hooks(r1.clone());
+    let b2 = b
+        .builder("w2", Duration::from_secs(30))
+        .await
+        .hooks(r2.clone());
+    let w1 = b.run(b1);
+    let w2 = b.run(b2);
     b.wait_for("20 completions", Duration::from_secs(30), |b| {
         b.completed().len() >= 20
     })
@@ -252,6 +257,8 @@ pub async fn g_03<S: SubscriptionUnderTest + ?Sized>(s: &S) {
 /// blocks other keys: the messages of another key complete meanwhile. While it is rewound it
 /// has no row (R127), so it is not in blocked_keys then; once `failed` it is out of line, so
 /// neither blocked_keys lists its key nor does it hold a later message of that key (R145, R161).
+/// On Kafka, which refuses the rewind policy (R175), the failures are recorded instead and the
+/// embedded processor runs the row again until the same budget is spent (R126).
 pub async fn poison_blocks_only_its_key<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     let b = Bed::new(s).await;
     b.handler.script(
@@ -267,17 +274,51 @@ pub async fn poison_blocks_only_its_key<S: SubscriptionUnderTest + ?Sized>(s: &S
     for n in 0..3 {
         b.publish(&format!("other{n}"), "k2", n).await;
     }
-    let w1 = b.run(
-        b.builder("w1", Duration::from_secs(30))
+    let sub = b.trial.subscription("w1", Duration::from_secs(30)).await;
+    // Kafka refuses the rewind policy (R175): there the failure is recorded and the embedded
+    // processor tries the row again until its budget is spent.
+    let rewinds = sub.capabilities().rewind;
+    let builder = b
+        .builder_on(sub, "w1")
+        .max_attempts(3)
+        .backoff(Backoff::new(0.2, 0.4).expect("backoff"));
+    let w1 = b.run(if rewinds {
+        builder.on_failure(OnFailure::Rewind)
+    } else {
+        builder.on_failure(OnFailure::Record).process_stored(true)
+    });
+    if rewinds {
+        b.wait_for("bad terminal", Duration::from_secs(20), |b| {
+            b.rec.results().iter().any(|r| r.terminal)
+        })
+        .await;
+    } else {
+        // The rows' clock stands still: it is moved on until the retries came due.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while b.handler.runs_of("bad") < 3 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "bad ran {} times",
+                b.handler.runs_of("bad")
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            b.h.advance(Duration::from_millis(500)).await;
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while b
+            .h
+            .inbox
+            .get_by_message_id("bad", &g())
             .await
-            .on_failure(OnFailure::Rewind)
-            .max_attempts(3)
-            .backoff(Backoff::new(0.2, 0.4).expect("backoff")),
-    );
-    b.wait_for("bad terminal", Duration::from_secs(20), |b| {
-        b.rec.results().iter().any(|r| r.terminal)
-    })
-    .await;
+            .unwrap()
+            .map(|r| r.status)
+            != Some(Status::Failed)
+        {
+            assert!(tokio::time::Instant::now() < deadline, "bad is not failed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            b.h.advance(Duration::from_millis(500)).await;
+        }
+    }
     b.wait_for("other keys completed", Duration::from_secs(10), |b| {
         b.completed()
             .iter()

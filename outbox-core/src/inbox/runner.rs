@@ -316,10 +316,16 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         let policy = policy::resolve(self.on_failure, self.at_most_once, self.ancestor)?;
         let caps = self.subscription.capabilities();
         if policy.on_failure == OnFailure::Rewind && !policy.at_most_once && !caps.rewind {
-            return Err(ConfigError::new(format!(
-                "on_failure = rewind is not possible on {}: it cannot rewind one message (use record)",
-                caps.name
-            )));
+            return Err(ConfigError::new(match caps.name {
+                // R175's text.
+                "kafka" => {
+                    "on_failure rewind is refused on Kafka: a rewind holds its whole partition"
+                        .to_owned()
+                }
+                name => format!(
+                    "on_failure = rewind is not possible on {name}: it cannot rewind one message (use record)"
+                ),
+            }));
         }
         let group = ConsumerGroup::new(&self.group)?;
         let worker = match self.worker {

@@ -111,11 +111,30 @@ fn key_of(m: &BrokerMessage) -> Option<String> {
     let attrs = match m {
         BrokerMessage::Nats { headers, .. } => headers,
         BrokerMessage::Redis { fields, .. } => fields,
+        BrokerMessage::Kafka { .. } => return kafka_key_of(m),
     };
     attrs
         .iter()
         .find(|(k, _)| k == "partition_key")
         .map(|(_, v)| v.clone())
+}
+
+/// A Kafka record's inbox key as decoding gives it (R137, R179), for the router.
+fn kafka_key_of(m: &BrokerMessage) -> Option<String> {
+    let BrokerMessage::Kafka { headers, key, .. } = m else {
+        return None;
+    };
+    let text = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, v)| {
+                k == name && v.as_deref().is_some_and(|v| std::str::from_utf8(v).is_ok())
+            })
+            .and_then(|(_, v)| String::from_utf8(v.clone()?).ok())
+    };
+    text("partition_key")
+        .or_else(|| text("ce_partitionkey"))
+        .or_else(|| crate::inbox::decode::kafka_key_partition_key(key.as_deref()))
 }
 
 impl ScriptedSubscription {
@@ -450,6 +469,30 @@ impl MessageFactory {
                 .iter()
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
+        }
+    }
+
+    /// A Kafka record on `in.src` (topic prefix `in.`) of partition `partition`, at the next
+    /// offset (from 0), with these headers (a none value is a null header value), key and value
+    /// (none: a tombstone).
+    pub fn kafka(
+        &self,
+        partition: i32,
+        headers: &[(&str, Option<&[u8]>)],
+        key: Option<&[u8]>,
+        value: Option<&str>,
+    ) -> BrokerMessage {
+        BrokerMessage::Kafka {
+            topic: "in.src".into(),
+            topic_prefix: "in.".into(),
+            partition,
+            offset: i64::try_from(self.next_seq() - 1).unwrap_or(i64::MAX),
+            key: key.map(<[u8]>::to_vec),
+            headers: headers
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), v.map(<[u8]>::to_vec)))
+                .collect(),
+            value: value.map(|v| v.as_bytes().to_vec()),
         }
     }
 }

@@ -506,3 +506,120 @@ pub async fn e_10<F: InboxFactory>(f: &F) {
         Some(l[0].row.id)
     );
 }
+
+/// `sha256:` + the lowercase hex SHA-256 of `bytes`, computed here independently of the adapter's
+/// helper (FIPS 180-4 test vectors pin it, see the unit test of `outbox_core::inbox::decode`).
+fn sha256_key(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(bytes);
+    let hex: String = d.iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
+}
+
+/// E-11: Kafka records (R137, R139, R140, R179): the record key as the inbox key, hashed when it
+/// is not short text; repeated and non-UTF-8 headers; a tombstone dead-lettered.
+pub async fn e_11<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = Some("{\"n\": 1}");
+    let id = |v: &'static str| Some(v.as_bytes());
+    let pk =
+        |headers: &[(&str, Option<&[u8]>)], key: Option<&[u8]>| c.msgs.kafka(0, headers, key, body);
+    let cases: Vec<(BrokerMessage, Result<Option<String>, &str>)> = vec![
+        (
+            pk(&[("event_id", id("k1"))], Some(b"acct-1")),
+            Ok(Some("acct-1".into())),
+        ),
+        (
+            pk(
+                &[("event_id", id("k2")), ("partition_key", id("p"))],
+                Some(b"acct-1"),
+            ),
+            Ok(Some("p".into())),
+        ),
+        (
+            pk(&[("event_id", id("k3"))], Some("a".repeat(300).as_bytes())),
+            Ok(Some(sha256_key("a".repeat(300).as_bytes()))),
+        ),
+        (
+            pk(&[("event_id", id("k4"))], Some(&[0xff, 0x00])),
+            Ok(Some(sha256_key(&[0xff, 0x00]))),
+        ),
+        (
+            pk(&[("event_id", id("k5"))], Some(&[0, 0, 0, 0x2a])),
+            Ok(Some(sha256_key(&[0, 0, 0, 0x2a]))),
+        ),
+        (
+            pk(&[("message_id", Some(b"a\0b"))], Some(b"acct-1")),
+            Err("invalid message: message_id: contains U+0000"),
+        ),
+        (pk(&[("event_id", id("k6"))], Some(b"")), Ok(None)),
+        (pk(&[("event_id", id("k7"))], None), Ok(None)),
+        (
+            pk(
+                &[
+                    ("event_id", id("k8")),
+                    ("tenant", id("a")),
+                    ("tenant", id("b")),
+                ],
+                None,
+            ),
+            Err("invalid message: headers: repeated key tenant"),
+        ),
+    ];
+    for (m, want) in cases {
+        let got = land_msg(&c, m.clone(), false)
+            .await
+            .map(|r| r.partition_key);
+        assert_eq!(
+            got.as_ref().map_err(String::as_str),
+            want.as_ref().map_err(|e| *e),
+            "{m:?}"
+        );
+    }
+    // Values that are not UTF-8, and null values, are neither read nor stored.
+    let row = land_msg(
+        &c,
+        pk(
+            &[
+                ("event_id", id("k9")),
+                ("x-bin", Some(&[0xff, 0xfe])),
+                ("x-null", None),
+                ("tenant", id("acme")),
+            ],
+            None,
+        ),
+        false,
+    )
+    .await
+    .expect("landed");
+    assert_eq!(
+        row.headers,
+        Some(own(&[("tenant", "acme")]).into_iter().collect())
+    );
+    // A tombstone: invalid, dead-lettered as received, then terminated.
+    let tomb = c.msgs.kafka(0, &[("event_id", id("t1"))], Some(b"k"), None);
+    let before = c.sub.dead_letters().len();
+    let i = c.sub.push(tomb.clone());
+    let res = c.handle(&c.runner().build().unwrap()).await;
+    assert_eq!(res.outcome, O::Invalid);
+    let reason = "invalid message: record has no value";
+    assert_eq!(res.error.as_deref(), Some(reason));
+    assert_eq!(c.sub.acks(i), vec![AckOp::Term(reason.into())]);
+    let dl = c.sub.dead_letters();
+    assert_eq!(dl.len(), before + 1, "one copy, of the tombstone");
+    assert_eq!(
+        (
+            &dl[before].message,
+            dl[before].reason.as_str(),
+            dl[before].group.as_str()
+        ),
+        (&tomb, reason, "g")
+    );
+    assert!(
+        c.backend()
+            .get_by_message_id("t1", &g())
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
