@@ -75,6 +75,8 @@ pub enum BrokerMessage {
         headers: Vec<(String, AmqpValue)>,
         /// The body.
         body: Vec<u8>,
+        /// Whether RabbitMQ set the redelivered flag (not decoded; for n and logs, R178).
+        redelivered: bool,
     },
 }
 
@@ -551,6 +553,7 @@ mod tests {
             kind: kind.map(str::to_owned),
             headers: headers.into_iter().map(|(k, v)| (k.into(), v)).collect(),
             body: b"{\"n\":1}".to_vec(),
+            redelivered: false,
         }
     }
 

@@ -467,6 +467,7 @@ impl MessageFactory {
                 .map(|(k, v)| (k.to_owned(), v))
                 .collect(),
             body: body.as_bytes().to_vec(),
+            redelivered: false,
         }
     }
 
