@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+pub mod amqp_proxy;
 pub mod broker;
 pub mod ctx;
 pub mod harness;

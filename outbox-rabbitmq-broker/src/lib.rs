@@ -23,13 +23,13 @@ pub use config::{
     RabbitMqBrokerConfig, RabbitMqTls,
 };
 pub use error::RabbitMqBrokerError;
+/// The AMQP client this adapter is built on, for applications that name its types.
+pub use lapin;
+pub use outbox_core::cloudevents::MessageFormat;
 pub use subscription::{
     DEAD_LETTER_SUFFIX, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_HOLD_MAX, DeadLetterMode, QueueType,
     RabbitSubscription, RabbitSubscriptionConfig, amqp_value,
 };
-/// The AMQP client this adapter is built on, for applications that name its types.
-pub use lapin;
-pub use outbox_core::cloudevents::MessageFormat;
 
 /// The AMQP reply code of a channel closed for a resource error (R90: transient).
 const RESOURCE_ERROR: u16 = 506;

@@ -270,6 +270,7 @@ struct Inner {
     tx: mpsc::UnboundedSender<Received>,
     /// Reader tasks alive; none means the consumers must be opened again.
     readers: Arc<std::sync::atomic::AtomicUsize>,
+    reading_stopped: AtomicBool,
     closed: AtomicBool,
 }
 
@@ -326,6 +327,7 @@ impl RabbitSubscription {
                 rx: tokio::sync::Mutex::new(rx),
                 tx,
                 readers: Arc::default(),
+                reading_stopped: AtomicBool::new(false),
                 closed: AtomicBool::new(false),
             }),
         };
@@ -347,10 +349,11 @@ impl RabbitSubscription {
             uri: uri.clone(),
             message,
         };
-        let conn = tokio::time::timeout(cfg.connection.connect_timeout, crate::open(&cfg.connection))
-            .await
-            .map_err(|_| connect_err("no connection within the connect timeout".into()))?
-            .map_err(connect_err)?;
+        let conn =
+            tokio::time::timeout(cfg.connection.connect_timeout, crate::open(&cfg.connection))
+                .await
+                .map_err(|_| connect_err("no connection within the connect timeout".into()))?
+                .map_err(connect_err)?;
         let conn = Arc::new(conn);
         let channel_err =
             |e: lapin::Error| connect_err(outbox_core::redact::secrets(&e.to_string()));
@@ -562,7 +565,7 @@ impl Subscription for RabbitSubscription {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        if max == 0 || self.inner.closed.load(Ordering::SeqCst) {
+        if max == 0 || self.inner.reading_stopped.load(Ordering::SeqCst) {
             return Ok(Vec::new());
         }
         let mut rx = self.inner.rx.lock().await;
@@ -573,7 +576,11 @@ impl Subscription for RabbitSubscription {
         }
         let first = match tokio::time::timeout(wait, rx.recv()).await {
             Err(_) => return Ok(Vec::new()),
-            Ok(None) => return Err(SubscriptionError::transient("RabbitMQ: the consumers ended")),
+            Ok(None) => {
+                return Err(SubscriptionError::transient(
+                    "RabbitMQ: the consumers ended",
+                ));
+            }
             Ok(Some(r)) => r,
         };
         let mut out = vec![self.delivery(first)];
@@ -586,25 +593,41 @@ impl Subscription for RabbitSubscription {
         Ok(out)
     }
 
-    /// Stops consuming, gives back with basic.nack (requeue) what was received and not handed
-    /// over, returns held rewinds at once with basic.reject (requeue), and closes the
-    /// connection (R167, R178).
-    async fn close(&self) {
-        if self.inner.closed.swap(true, Ordering::SeqCst) {
+    /// Cancels every consumer (basic.cancel), so that nothing more arrives and nothing given
+    /// back returns to this runner (R167); what arrived before stays buffered for
+    /// [`close`](Subscription::close) to give back.
+    async fn stop_reading(&self) {
+        if self.inner.reading_stopped.swap(true, Ordering::SeqCst) {
             return;
         }
-        let consumers = std::mem::take(&mut *self.inner.consumers.lock().await);
-        for c in &consumers {
+        let consumers = self.inner.consumers.lock().await;
+        for c in consumers.iter() {
             if let Err(e) = c
                 .channel
                 .basic_cancel(c.tag.clone(), BasicCancelOptions::default())
                 .await
             {
-                tracing::debug!(queue = c.queue, error = %e, "basic.cancel at close failed");
+                tracing::debug!(queue = c.queue, error = %e, "basic.cancel at stop failed");
             }
         }
-        // Let the readers pass on what arrived before the cancel.
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(consumers);
+        // The deliveries sent before basic.cancel-ok reach the buffer before the readers end.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while self.inner.readers.load(Ordering::SeqCst) > 0
+            && tokio::time::Instant::now() < deadline
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Stops reading, gives back with basic.nack (requeue) what was received and not handed
+    /// over, returns held rewinds at once with basic.reject (requeue), and closes the
+    /// connection (R167, R178).
+    async fn close(&self) {
+        self.stop_reading().await;
+        if self.inner.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
         self.inner.shared.closing.cancel();
         let mut rx = self.inner.rx.lock().await;
         while let Ok(r) = rx.try_recv() {
@@ -627,6 +650,7 @@ impl Subscription for RabbitSubscription {
         for h in holds {
             let _ = h.await;
         }
+        let consumers = std::mem::take(&mut *self.inner.consumers.lock().await);
         for c in &consumers {
             let _ = c.channel.close(200, "inbox runner stopped".into()).await;
         }
@@ -765,27 +789,25 @@ impl AckHandle for RabbitAck {
         let x = cfg.dead_letter_exchange.as_str();
         let dest = format!("exchange {x:?}, routing key {key:?}");
         let mut slot = self.shared.publisher.lock().await;
-        let ch = match slot.as_ref() {
-            Some(c) if c.status().connected() => c.clone(),
-            _ => {
-                let conn = self
-                    .shared
-                    .connection
-                    .lock()
-                    .await
-                    .clone()
-                    .ok_or_else(|| SubscriptionError::transient("RabbitMQ: not connected"))?;
-                let c = conn
-                    .create_channel()
-                    .await
-                    .map_err(|e| transient("opening the dead-letter channel", e))?;
-                c.confirm_select(ConfirmSelectOptions::default())
-                    .await
-                    .map_err(|e| transient("confirm.select on the dead-letter channel", e))?;
-                *slot = Some(c.clone());
-                c
-            }
-        };
+        let ch =
+            match slot.as_ref() {
+                Some(c) if c.status().connected() => c.clone(),
+                _ => {
+                    let conn =
+                        self.shared.connection.lock().await.clone().ok_or_else(|| {
+                            SubscriptionError::transient("RabbitMQ: not connected")
+                        })?;
+                    let c = conn
+                        .create_channel()
+                        .await
+                        .map_err(|e| transient("opening the dead-letter channel", e))?;
+                    c.confirm_select(ConfirmSelectOptions::default())
+                        .await
+                        .map_err(|e| transient("confirm.select on the dead-letter channel", e))?;
+                    *slot = Some(c.clone());
+                    c
+                }
+            };
         let options = BasicPublishOptions {
             mandatory: true,
             ..Default::default()
@@ -840,7 +862,9 @@ mod tests {
             AmqpValue::Integer(3)
         );
         assert_eq!(
-            amqp_value(&AMQPValue::Boolean(true)).stored_text().as_deref(),
+            amqp_value(&AMQPValue::Boolean(true))
+                .stored_text()
+                .as_deref(),
             Some("true")
         );
         assert_eq!(amqp_value(&AMQPValue::Void).stored_text(), None);
@@ -857,14 +881,20 @@ mod tests {
     #[test]
     fn settings_checked() {
         let e = cfg().concurrency(4).prefetch(2).validate().unwrap_err();
-        assert!(e.to_string().contains("prefetch (2) is below concurrency (4)"));
+        assert!(
+            e.to_string()
+                .contains("prefetch (2) is below concurrency (4)")
+        );
         assert_eq!(cfg().concurrency(4).prefetch_value(), 8);
         let e = cfg()
             .max_attempts(6)
             .delivery_limit(3)
             .validate()
             .unwrap_err();
-        assert!(e.to_string().contains("delivery_limit (3) is below max_attempts (6)"));
+        assert!(
+            e.to_string()
+                .contains("delivery_limit (3) is below max_attempts (6)")
+        );
         assert!(cfg().hold_max(DEFAULT_CONSUMER_TIMEOUT).validate().is_err());
         assert!(cfg().validate().is_ok());
     }

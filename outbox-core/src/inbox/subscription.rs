@@ -125,6 +125,11 @@ pub trait Subscription: Send + Sync {
         wait: Duration,
     ) -> Result<Vec<InboxDelivery>, SubscriptionError>;
 
+    /// Ends reading as the runner begins to stop (R167), before it gives back the deliveries it
+    /// holds and has not started: no more messages come to this runner, so none given back
+    /// returns to it (RabbitMQ cancels its consumers). The default does nothing.
+    async fn stop_reading(&self) {}
+
     /// Closes the subscription after the runner stopped (R167).
     async fn close(&self) {}
 }
