@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use outbox_core::event::Status;
-use outbox_core::inbox::decode::BrokerMessage;
+use outbox_core::inbox::decode::{AmqpValue, BrokerMessage};
 use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
 use outbox_core::inbox::scripted::AckOp;
 use outbox_core::inbox::{DeliveryOutcome as O, InboxEvent, NewInboxEvent, OnFailure};
@@ -505,4 +505,82 @@ pub async fn e_10<F: InboxFactory>(f: &F) {
         b.get_by_message_id("m1", &g()).await.unwrap().map(|r| r.id),
         Some(l[0].row.id)
     );
+}
+
+/// E-12: RabbitMQ header values: strings as they are, integers and booleans as their text,
+/// tables, timestamps and RabbitMQ's own headers not stored, and only string values read
+/// (R137, R141).
+pub async fn e_12<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = "{\"n\": 1}";
+    let stored = |row: &InboxEvent| row.headers.clone().unwrap_or_default();
+    let want = |h: &[(&str, &str)]| -> BTreeMap<String, String> { own(h).into_iter().collect() };
+    let m = c.msgs.rabbitmq(
+        Some("r1"),
+        None,
+        vec![
+            ("retries", AmqpValue::Integer(3)),
+            ("flag", AmqpValue::Boolean(true)),
+        ],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(stored(&row), want(&[("retries", "3"), ("flag", "true")]));
+    let m = c.msgs.rabbitmq(
+        Some("r2"),
+        None,
+        vec![
+            ("nested", AmqpValue::Other("table".into())),
+            ("when", AmqpValue::Other("timestamp".into())),
+        ],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(stored(&row), want(&[]));
+    let m = c.msgs.rabbitmq(
+        Some("r3"),
+        None,
+        vec![
+            ("x-death", AmqpValue::Other("array".into())),
+            ("x-delivery-count", AmqpValue::Integer(2)),
+            ("x-first-death-queue", AmqpValue::Text("q0".into())),
+        ],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(stored(&row), want(&[]));
+    let m = c.msgs.rabbitmq(
+        Some("p"),
+        None,
+        vec![("event_id", AmqpValue::Integer(5))],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(row.message_id, "p", "only string values are read");
+    assert_eq!(stored(&row), want(&[]), "event_id is a name R137 reads");
+}
+
+/// E-13 (RabbitMQ rows): a delivery whose only id is the CloudEvents `id` attribute, under
+/// either separator of the AMQP binding, lands under it, and no attribute header is stored
+/// (R137, R180).
+pub async fn e_13<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    for sep in [":", "_"] {
+        let (spec, id) = (
+            format!("cloudEvents{sep}specversion"),
+            format!("cloudEvents{sep}id"),
+        );
+        let m = c.msgs.rabbitmq(
+            None,
+            None,
+            vec![
+                (spec.as_str(), AmqpValue::Text("1.0".into())),
+                (id.as_str(), AmqpValue::Text(format!("c1{sep}"))),
+            ],
+            "{\"n\": 1}",
+        );
+        let row = land_msg(&c, m, false).await.expect("landed");
+        assert_eq!(row.message_id, format!("c1{sep}"));
+        assert_eq!(row.headers.unwrap_or_default(), BTreeMap::new(), "{sep}");
+    }
 }
