@@ -253,18 +253,21 @@ struct Seen {
     at: tokio::time::Instant,
 }
 
+/// An ack operation: its name, the message's id, when.
+type Op = (&'static str, Option<String>, tokio::time::Instant);
+
 /// A subscription that records what it hands out and every ack operation (op, id, when).
 struct Spy {
     inner: Arc<dyn Subscription>,
     seen: Arc<Mutex<Vec<Seen>>>,
-    ops: Arc<Mutex<Vec<(&'static str, Option<String>, tokio::time::Instant)>>>,
+    ops: Arc<Mutex<Vec<Op>>>,
 }
 
 impl Spy {
     fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
     }
-    fn ops(&self) -> Vec<(&'static str, Option<String>, tokio::time::Instant)> {
+    fn ops(&self) -> Vec<Op> {
         self.ops.lock().unwrap().clone()
     }
     fn seen_of(&self, id: &str) -> Vec<Seen> {
@@ -278,7 +281,7 @@ impl Spy {
 struct SpyAck {
     inner: Arc<dyn AckHandle>,
     id: Option<String>,
-    ops: Arc<Mutex<Vec<(&'static str, Option<String>, tokio::time::Instant)>>>,
+    ops: Arc<Mutex<Vec<Op>>>,
 }
 
 impl SpyAck {
