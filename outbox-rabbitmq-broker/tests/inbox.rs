@@ -743,6 +743,67 @@ async fn j_26() {
     bed.b.cleanup().await;
 }
 
+/// J-26, variant: the database is down when the sixth delivery (the last) arrives. It is not
+/// returned: the runner tries again every 1.0 s, and once the database is back records it as
+/// (m1, failed, 6, `down`); no delivery carried `x-delivery-count` 6 (R132, R178, R182).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_26_db_down() {
+    let bed = Bed::new(&[quorum(), ("x-delivery-limit", AMQPValue::LongLongInt(6))]).await;
+    bed.handler.always(Act::Transient("down".into()));
+    bed.b.publish_event("m1", Some("k1"), 0).await;
+    let w1 = bed
+        .run_with("w1", bed.config().max_attempts(6).delivery_limit(6), |b| {
+            b.on_failure(OnFailure::Rewind)
+                .max_attempts(6)
+                .backoff(Backoff::new(0.4, 8.0).expect("backoff"))
+        })
+        .await;
+    bed.wait_for("the fifth rewind", Duration::from_secs(15), |b| {
+        b.results_of("m1").len() == 5
+    })
+    .await;
+    bed.h.set_db_down(true);
+    bed.wait_for("the sixth delivery", Duration::from_secs(5), |_| {
+        w1.spy.seen_of("m1").len() == 6
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        bed.results_of("m1").len(),
+        5,
+        "the last delivery is still being tried in place"
+    );
+    bed.h.set_db_down(false);
+    bed.wait_for("m1 failed", Duration::from_secs(5), |b| {
+        b.rec.results().iter().any(|r| r.terminal)
+    })
+    .await;
+    let spy = w1.stop().await;
+    let seen = spy.seen_of("m1");
+    assert_eq!(
+        seen.len(),
+        6,
+        "the last delivery was kept, not returned: {seen:?}"
+    );
+    assert!(seen.iter().all(|s| s.delivery_count != Some(6)));
+    assert_eq!(seen[5].n, 6);
+    let row = bed
+        .h
+        .inbox
+        .get_by_message_id("m1", &g())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (Status::Failed, 6, Some("down"))
+    );
+    let rewinds = spy.ops().iter().filter(|(op, ..)| *op == "rewind").count();
+    assert_eq!(rewinds, 5, "the sixth delivery was never rewound");
+    assert_eq!(bed.b.ready(&bed.b.q).await, 0);
+    bed.b.cleanup().await;
+}
+
 /// J-27: an invalid message is copied to `q.dead-letter` with the body, message_id and headers
 /// as received plus R140's headers, then acked; no row. (a) Without a dead-letter queue the copy
 /// is returned: the delivery is held 1.0 s, returned, and comes back redelivered; nothing stored.
