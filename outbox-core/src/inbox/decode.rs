@@ -164,6 +164,8 @@ pub fn decode(
     if let BrokerMessage::RabbitMq { .. } = msg {
         return decode_rabbitmq(msg, group, opts);
     }
+    let (nats_ce, ce_problem) = nats_cloudevents(msg);
+    let msg = nats_ce.as_ref().unwrap_or(msg);
     // The payload first (R139's order).
     let body: &[u8] = match msg {
         BrokerMessage::Nats { body, .. } | BrokerMessage::RabbitMq { body, .. } => body,
@@ -175,7 +177,7 @@ pub fn decode(
     let payload: Value = serde_json::from_slice(body)
         .map_err(|_| InvalidMessage::new(InvalidLabel::NotJson, "body is not JSON"))?;
     let id_names: &[&str] = match msg {
-        BrokerMessage::Nats { .. } => &["message_id", "event_id", "Nats-Msg-Id"],
+        BrokerMessage::Nats { .. } => &["message_id", "event_id", "Nats-Msg-Id", "ce-id"],
         BrokerMessage::Redis { .. } | BrokerMessage::RabbitMq { .. } => &["message_id", "event_id"],
     };
     let message_id = match msg.first_of(id_names) {
@@ -205,7 +207,10 @@ pub fn decode(
             BrokerMessage::RabbitMq { .. } => rabbitmq_source(msg),
         },
     };
-    let event_type = match msg.attr("event_type") {
+    let event_type = match msg
+        .attr("event_type")
+        .or_else(|| nats_ce_fallback(msg, "event_type"))
+    {
         Some(t) => t.to_owned(),
         None => payload
             .get("event_type")
@@ -235,7 +240,7 @@ pub fn decode(
         "causation_id",
         "schema_version",
     ] {
-        if let Some(v) = msg.attr(name) {
+        if let Some(v) = msg.attr(name).or_else(|| nats_ce_fallback(msg, name)) {
             b = match name {
                 "partition_key" => b.partition_key(v),
                 "trace_id" => b.trace_id(v),
@@ -246,7 +251,7 @@ pub fn decode(
         }
     }
     let event = b.build()?;
-    if let Some(p) = headers_problem {
+    if let Some(p) = ce_problem.or(headers_problem) {
         return Err(p);
     }
     if opts.require_message_id && msg.first_of(id_names).is_none() {
@@ -269,7 +274,8 @@ fn stored_headers(msg: &BrokerMessage) -> (Vec<(String, String)>, Option<Invalid
             let mut problem = None;
             let mut out = Vec::new();
             for (k, v) in headers {
-                if mapped(k) || k.to_ascii_lowercase().starts_with("nats-") {
+                let lower = k.to_ascii_lowercase();
+                if mapped(k) || lower.starts_with("nats-") || lower.starts_with(NATS_CE_PREFIX) {
                     continue;
                 }
                 if !seen.insert(k.clone()) {
@@ -303,6 +309,83 @@ fn stored_headers(msg: &BrokerMessage) -> (Vec<(String, String)>, Option<Invalid
         }
         BrokerMessage::RabbitMq { .. } => (rabbitmq_headers(msg), None),
     }
+}
+
+// ---- NATS CloudEvents attributes (brokers.md R137, R180) ----
+
+/// The prefix of CloudEvents attribute headers on NATS, in any case (R180).
+const NATS_CE_PREFIX: &str = "ce-";
+
+/// A NATS message whose CloudEvents attribute headers (`ce-` + attribute, in any case) are
+/// named in lowercase and percent-decoded, or none when it has none (or is no NATS message);
+/// and the problem of a value that does not decode to UTF-8 (R139, R180).
+fn nats_cloudevents(msg: &BrokerMessage) -> (Option<BrokerMessage>, Option<InvalidMessage>) {
+    let BrokerMessage::Nats { headers, .. } = msg else {
+        return (None, None);
+    };
+    if !headers
+        .iter()
+        .any(|(k, _)| k.to_ascii_lowercase().starts_with(NATS_CE_PREFIX))
+    {
+        return (None, None);
+    }
+    let mut problem = None;
+    let mut out = msg.clone();
+    if let BrokerMessage::Nats { headers, .. } = &mut out {
+        for (k, v) in headers.iter_mut() {
+            let lower = k.to_ascii_lowercase();
+            if !lower.starts_with(NATS_CE_PREFIX) {
+                continue;
+            }
+            match percent_decode(v) {
+                Some(d) => *v = d,
+                None => {
+                    problem.get_or_insert_with(|| {
+                        InvalidMessage::new(
+                            InvalidLabel::Headers,
+                            format!("headers: {k} is not percent-encoded UTF-8"),
+                        )
+                    });
+                }
+            }
+            *k = lower;
+        }
+    }
+    (Some(out), problem)
+}
+
+/// The CloudEvents attribute a NATS message falls back to for a row field (R137's NATS
+/// column): `ce-type`, `ce-partitionkey`, `ce-correlationid`, `ce-causationid`.
+fn nats_ce_fallback<'a>(msg: &'a BrokerMessage, field: &str) -> Option<&'a str> {
+    if !matches!(msg, BrokerMessage::Nats { .. }) {
+        return None;
+    }
+    let attr = match field {
+        "event_type" => "ce-type",
+        "partition_key" => "ce-partitionkey",
+        "correlation_id" => "ce-correlationid",
+        "causation_id" => "ce-causationid",
+        _ => return None,
+    };
+    msg.attr(attr)
+}
+
+/// Percent-decodes a value to UTF-8; none for a malformed escape or bytes that are not UTF-8.
+fn percent_decode(v: &str) -> Option<String> {
+    let b = v.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }
 
 // ---- RabbitMQ (brokers.md R137's RabbitMQ column, R138, R141, R180) ----
@@ -555,6 +638,36 @@ mod tests {
             body: b"{\"n\":1}".to_vec(),
             redelivered: false,
         }
+    }
+
+    #[test]
+    fn nats_cloudevents_attributes() {
+        let o = DecodeOptions::default();
+        let e = decode(
+            &nats(
+                &[
+                    ("CE-SpecVersion", "1.0"),
+                    ("ce-id", "c1"),
+                    ("ce-type", "order%20paid"),
+                    ("Ce-PartitionKey", "k%2F9"),
+                    ("tenant", "acme"),
+                ],
+                "{\"n\":1}",
+            ),
+            &g(),
+            o,
+        )
+        .unwrap();
+        assert_eq!(
+            (e.message_id(), e.event_type(), e.partition_key()),
+            ("c1", "order paid", Some("k/9"))
+        );
+        let r = decode(&nats(&[("ce-type", "%C0%A0")], "{\"n\":1}"), &g(), o).unwrap_err();
+        assert_eq!(
+            r.to_string(),
+            "invalid message: headers: ce-type is not percent-encoded UTF-8"
+        );
+        assert_eq!(percent_decode("a%2"), None);
     }
 
     #[test]

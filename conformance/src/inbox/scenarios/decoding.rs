@@ -560,11 +560,38 @@ pub async fn e_12<F: InboxFactory>(f: &F) {
     assert_eq!(stored(&row), want(&[]), "event_id is a name R137 reads");
 }
 
-/// E-13 (RabbitMQ rows): a delivery whose only id is the CloudEvents `id` attribute, under
-/// either separator of the AMQP binding, lands under it, and no attribute header is stored
-/// (R137, R180).
+/// E-13 (NATS and RabbitMQ rows): CloudEvents attribute headers are read where R137 puts them
+/// (NATS names in any case, values percent-decoded; RabbitMQ under either separator of the AMQP
+/// binding) and never stored; a NATS value that is not percent-encoded UTF-8 is invalid
+/// (R137, R139, R180).
 pub async fn e_13<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
+    let m = c.msgs.nats(
+        &[
+            ("CE-SpecVersion", "1.0"),
+            ("ce-id", "c1"),
+            ("ce-type", "order%20paid"),
+            ("tenant", "acme"),
+        ],
+        "{\"n\": 1}",
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(
+        (row.message_id.as_str(), row.event_type.as_str()),
+        ("c1", "order paid")
+    );
+    assert_eq!(
+        row.headers,
+        Some(own(&[("tenant", "acme")]).into_iter().collect()),
+        "no ce- header stored"
+    );
+    let m = c
+        .msgs
+        .nats(&[("event_id", "n2"), ("ce-type", "%C0%A0")], "{\"n\": 1}");
+    assert_eq!(
+        land_msg(&c, m, false).await.map(|r| r.message_id),
+        Err("invalid message: headers: ce-type is not percent-encoded UTF-8".to_owned())
+    );
     for sep in [":", "_"] {
         let (spec, id) = (
             format!("cloudEvents{sep}specversion"),
