@@ -768,11 +768,16 @@ async fn j_26_db_down() {
     })
     .await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(
-        bed.results_of("m1").len(),
-        5,
-        "the last delivery is still being tried in place"
+    // While the database is down, each failed try of the last delivery is a persistence
+    // failure and nothing is rewound.
+    let tries = bed.results_of("m1")[5..].to_vec();
+    assert!(
+        tries
+            .iter()
+            .all(|r| r.outcome == O::PersistFailed && r.rewind_delay.is_none()),
+        "the last delivery is tried in place: {tries:?}"
     );
+    assert_eq!(w1.spy.seen_of("m1").len(), 6, "and not returned");
     bed.h.set_db_down(false);
     bed.wait_for("m1 failed", Duration::from_secs(5), |b| {
         b.rec.results().iter().any(|r| r.terminal)
