@@ -21,7 +21,8 @@
 //! in it); without it, on a quorum queue n = 1, and on a classic queue n = 1 when the redelivered
 //! flag is clear, else the larger of 2 and 1 + the rewinds of that message id this subscription
 //! counted (a lower bound). With `delivery_limit` set (the queue's `x-delivery-limit`), a delivery
-//! with n ≥ delivery_limit is the last (R182). A closed subscription gives the deliveries it
+//! with n ≥ delivery_limit is the last (R182); one still unended after hold_max is returned with
+//! basic.nack with requeue (R178). A closed subscription gives the deliveries it
 //! received but did not hand over back with basic.nack with requeue, and returns held rewinds at
 //! once with basic.reject with requeue.
 //!
@@ -476,6 +477,10 @@ impl RabbitSubscription {
             body: d.data.clone(),
             redelivered: d.redelivered,
         };
+        let ended = CancellationToken::new();
+        if last {
+            self.bound_last_delivery(&d, ended.clone());
+        }
         InboxDelivery {
             message,
             delivery_number: n,
@@ -485,8 +490,34 @@ impl RabbitSubscription {
                 queue: r.queue,
                 id_key,
                 delivery: d,
+                ended,
             }),
         }
+    }
+}
+
+impl RabbitSubscription {
+    /// R178: a last delivery is kept and tried again in place (R182) for at most hold_max, well
+    /// within the consumer timeout; then it is returned with basic.nack with requeue (not counted
+    /// from RabbitMQ 4.3), so that it comes back, again as the last delivery. The runner's later
+    /// end of it then fails (commit_failed) and the delivery that comes back is a duplicate or
+    /// is landed.
+    fn bound_last_delivery(&self, d: &lapin::message::Delivery, ended: CancellationToken) {
+        let acker = d.acker.clone();
+        let closing = self.inner.shared.closing.clone();
+        let hold_max = self.inner.shared.config.hold_max;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = ended.cancelled() => {}
+                _ = closing.cancelled() => {}
+                _ = tokio::time::sleep(hold_max) => {
+                    let nack = BasicNackOptions { multiple: false, requeue: true };
+                    if let Ok(true) = acker.nack(nack).await {
+                        tracing::warn!(?hold_max, "a last delivery still unended after hold_max is returned to RabbitMQ (basic.nack)");
+                    }
+                }
+            }
+        });
     }
 }
 
@@ -665,7 +696,13 @@ struct RabbitAck {
     queue: String,
     id_key: Option<String>,
     delivery: lapin::message::Delivery,
+    /// Cancelled when the runner ends the delivery (ends a last delivery's hold_max bound).
+    ended: CancellationToken,
 }
+
+/// At most this many message ids with counted rewinds are remembered (classic queues' n is a
+/// lower bound anyway, R178).
+const MAX_COUNTED_REWINDS: usize = 10_000;
 
 impl RabbitAck {
     fn forget_rewinds(&self) {
@@ -689,6 +726,7 @@ impl RabbitAck {
 impl AckHandle for RabbitAck {
     /// basic.ack, confirmed once written on the open channel (R178).
     async fn commit(&self) -> Result<(), SubscriptionError> {
+        self.ended.cancel();
         let r = self.delivery.acker.ack(BasicAckOptions::default()).await;
         self.forget_rewinds();
         Self::ended(r, "basic.ack")
@@ -698,6 +736,7 @@ impl AckHandle for RabbitAck {
     /// hold does not keep the caller. d = 0: basic.nack with requeue at once (a give-back at a
     /// stop, R167).
     async fn rewind(&self, delay: Duration) -> Result<(), SubscriptionError> {
+        self.ended.cancel();
         if delay.is_zero() {
             let nack = BasicNackOptions {
                 multiple: false,
@@ -706,13 +745,11 @@ impl AckHandle for RabbitAck {
             return Self::ended(self.delivery.acker.nack(nack).await, "basic.nack");
         }
         if let Some(k) = &self.id_key {
-            *self
-                .shared
-                .rewinds
-                .lock()
-                .expect("rewinds")
-                .entry(k.clone())
-                .or_default() += 1;
+            let mut counted = self.shared.rewinds.lock().expect("rewinds");
+            if counted.len() >= MAX_COUNTED_REWINDS && !counted.contains_key(k) {
+                counted.clear();
+            }
+            *counted.entry(k.clone()).or_default() += 1;
         }
         let hold = delay.min(self.shared.config.hold_max);
         let acker = self.delivery.acker.clone();
@@ -736,6 +773,7 @@ impl AckHandle for RabbitAck {
     /// `copy`: basic.ack (the copy was made); `broker`: basic.reject without requeue, to the
     /// queue's own dead-letter exchange (R178).
     async fn term(&self, reason: &str) -> Result<(), SubscriptionError> {
+        self.ended.cancel();
         self.forget_rewinds();
         tracing::info!(queue = self.queue, reason, "RabbitMQ delivery terminated");
         match self.shared.config.dead_letter {

@@ -809,6 +809,65 @@ async fn j_26_db_down() {
     bed.b.cleanup().await;
 }
 
+/// J-34 (added by the suite): hold_max bounds the in-place retries of a last delivery. With
+/// delivery_limit 1 every delivery is the last; the database is down when m1 arrives, so the
+/// runner keeps it and tries again every 1.0 s; after hold_max (1 s) the subscription returns
+/// it with basic.nack with requeue and RabbitMQ delivers it again. Once the database is back,
+/// m1 is completed once: one row, one effect, the queue empty (R178, R182).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_34() {
+    let bed = Bed::new(&[quorum()]).await;
+    let proxy = AmqpProxy::start(server_addr(), Mode::Forward).await;
+    bed.handler.always(Act::Write);
+    bed.h.set_db_down(true);
+    bed.b.publish_event("m1", Some("k1"), 0).await;
+    let cfg = sub_config(&bed.b.q, url_at(proxy.addr()))
+        .max_attempts(1)
+        .delivery_limit(1)
+        .hold_max(Duration::from_secs(1));
+    let w1 = bed.run_with("w1", cfg, |b| b.max_attempts(1)).await;
+    bed.wait_for("the first delivery", Duration::from_secs(5), |_| {
+        !w1.spy.seen_of("m1").is_empty()
+    })
+    .await;
+    let first_at = w1.spy.seen_of("m1")[0].at;
+    bed.wait_for("m1 delivered again", Duration::from_secs(5), |_| {
+        w1.spy.seen_of("m1").len() >= 2
+    })
+    .await;
+    let nacks = proxy.frames_of("basic.nack");
+    let delivers = proxy.frames_of("basic.deliver");
+    assert!(
+        !nacks.is_empty() && nacks[0].flag && nacks[0].tag == delivers[0].tag,
+        "the first delivery was returned with basic.nack (requeue): {nacks:?}"
+    );
+    let held = nacks[0].at.duration_since(first_at);
+    assert!(
+        held >= Duration::from_millis(900) && held <= Duration::from_secs(3),
+        "returned {held:?} after it was handed over"
+    );
+    assert!(proxy.frames_of("basic.reject").is_empty());
+    bed.h.set_db_down(false);
+    bed.wait_for("m1 completed", Duration::from_secs(10), |b| {
+        b.completed() == ["m1"]
+    })
+    .await;
+    // Let the deliveries still held end (each a duplicate once the row is there).
+    bed.wait_for("m1 acked", Duration::from_secs(10), |b| {
+        b.results_of("m1").iter().any(|r| r.committed)
+    })
+    .await;
+    w1.stop().await;
+    assert_eq!(bed.h.effects().await, ["m1"]);
+    assert_eq!(bed.h.inbox.rows().len(), 1);
+    assert_eq!(
+        bed.row_status("m1").await.map(|r| r.0),
+        Some(Status::Completed)
+    );
+    assert_eq!(bed.b.ready(&bed.b.q).await, 0);
+    bed.b.cleanup().await;
+}
+
 /// J-27: an invalid message is copied to `q.dead-letter` with the body, message_id and headers
 /// as received plus R140's headers, then acked; no row. (a) Without a dead-letter queue the copy
 /// is returned: the delivery is held 1.0 s, returned, and comes back redelivered; nothing stored.
