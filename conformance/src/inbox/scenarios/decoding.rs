@@ -138,6 +138,23 @@ pub async fn e_02<F: InboxFactory>(f: &F) {
     };
     let want = format!("in:src:{entry_id}");
     assert_eq!(land_msg(&c, m, false).await.unwrap().message_id, want);
+    e_02_rabbitmq(&c).await;
+}
+
+/// E-02's RabbitMQ rows: the message_id property, an `event_id` header before it, and no id at
+/// all, which is invalid whatever require_message_id says (R137, R138, R139).
+async fn e_02_rabbitmq<H: InboxHarness>(c: &Ictx<H>) {
+    let body = "{\"n\": 1}";
+    let m = c.msgs.rabbitmq(Some("p"), None, vec![], body);
+    assert_eq!(land_msg(c, m, false).await.unwrap().message_id, "p");
+    let b = vec![("event_id", AmqpValue::Text("b".into()))];
+    let m = c.msgs.rabbitmq(Some("p2"), None, b, body);
+    assert_eq!(land_msg(c, m, false).await.unwrap().message_id, "b");
+    let m = c.msgs.rabbitmq(None, None, vec![], body);
+    assert_eq!(
+        land_msg(c, m, false).await.map(|r| r.message_id),
+        Err("invalid message: message_id: missing".to_owned())
+    );
 }
 
 /// E-03: source and event_type (R137).
@@ -177,6 +194,29 @@ pub async fn e_03<F: InboxFactory>(f: &F) {
             "case {i}"
         );
     }
+    e_03_rabbitmq(&c).await;
+}
+
+/// E-03's RabbitMQ rows: the routing key without its prefix and the type property; with an
+/// empty routing key (a fanout exchange), the queue name (R137).
+async fn e_03_rabbitmq<H: InboxHarness>(c: &Ictx<H>) {
+    let body = "{\"n\": 1}";
+    let routed = |id: &str, kind: Option<&str>, key: &str| {
+        let mut m = c.msgs.rabbitmq(Some(id), kind, vec![], body);
+        if let BrokerMessage::RabbitMq { routing_key, .. } = &mut m {
+            *routing_key = key.to_owned();
+        }
+        m
+    };
+    let row = land_msg(c, routed("r3-1", Some("order.paid"), "in.orders"), false)
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.source.as_str(), row.event_type.as_str()),
+        ("orders", "order.paid")
+    );
+    let row = land_msg(c, routed("r3-2", None, ""), false).await.unwrap();
+    assert_eq!((row.source.as_str(), row.event_type.as_str()), ("q", "q"));
 }
 
 fn with_field<'a>(id: &'a str, field: &'a str, v: &'a str) -> Vec<(&'a str, &'a str)> {
