@@ -109,7 +109,9 @@ impl AmqpValue {
 }
 
 impl BrokerMessage {
-    /// The broker position: `{stream}:{sequence}` or `{stream key}:{entry id}` (R138).
+    /// The broker position: `{stream}:{sequence}` or `{stream key}:{entry id}` (R138); a
+    /// RabbitMQ delivery has none, so for it this names the queue and the message_id property,
+    /// for logs only.
     pub fn position(&self) -> String {
         match self {
             BrokerMessage::Nats {
