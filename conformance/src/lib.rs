@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+pub mod amqp_proxy;
 pub mod broker;
 pub mod ctx;
 pub mod harness;
@@ -158,7 +159,8 @@ macro_rules! inbox_suite {
             groups::g_07, groups::g_08, groups::g_09,
             dedup::i_06, dedup::d_01, dedup::d_02, dedup::d_07, dedup::d_08,
             decoding::e_01, decoding::e_02, decoding::e_03, decoding::e_04, decoding::e_05,
-            decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10, decoding::e_11,
+            decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
+            decoding::e_11, decoding::e_12, decoding::e_13,
             visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02
         );
     };

@@ -33,6 +33,13 @@ pub enum RabbitMqBrokerError {
         /// What the broker said, and the fix.
         message: String,
     },
+    /// A queue the inbox subscription is to consume does not exist (R177). Not transient:
+    /// declare and bind it, then start again.
+    #[error("RabbitMQ queue {queue:?} does not exist")]
+    NoQueue {
+        /// The queue.
+        queue: String,
+    },
 }
 
 impl RabbitMqBrokerError {

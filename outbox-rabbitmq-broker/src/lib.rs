@@ -4,6 +4,7 @@
 mod config;
 mod error;
 pub mod message;
+mod subscription;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -25,6 +26,10 @@ pub use error::RabbitMqBrokerError;
 /// The AMQP client this adapter is built on, for applications that name its types.
 pub use lapin;
 pub use outbox_core::cloudevents::MessageFormat;
+pub use subscription::{
+    DEAD_LETTER_SUFFIX, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_HOLD_MAX, DeadLetterMode, QueueType,
+    RabbitSubscription, RabbitSubscriptionConfig, amqp_value,
+};
 
 /// The AMQP reply code of a channel closed for a resource error (R90: transient).
 const RESOURCE_ERROR: u16 = 506;
@@ -322,7 +327,7 @@ fn exchange_kind(t: ExchangeType) -> ExchangeKind {
     }
 }
 
-async fn open(cfg: &RabbitMqBrokerConfig) -> Result<Connection, String> {
+pub(crate) async fn open(cfg: &RabbitMqBrokerConfig) -> Result<Connection, String> {
     let mut props = ConnectionProperties::default();
     if let Some(name) = &cfg.connection_name {
         props = props.with_connection_name(name.as_str().into());

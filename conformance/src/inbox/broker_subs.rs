@@ -41,6 +41,12 @@ pub trait SubscriptionTrial: Send + Sync {
     /// A subscription of group `g` for runner `worker`, whose unended deliveries come back after
     /// `redeliver_after` (NATS ack_wait, Redis claim_idle).
     async fn subscription(&self, worker: &str, redeliver_after: Duration) -> Arc<dyn Subscription>;
+    /// The earliest a killed runner's delivery may come back after the kill, for a
+    /// subscription built with `redeliver_after`: half of it by default (NATS ack_wait, Redis
+    /// claim_idle); zero on RabbitMQ, which returns it as soon as the connection closes (R178).
+    fn redelivery_floor(&self, redeliver_after: Duration) -> Duration {
+        redeliver_after / 2
+    }
     /// Removes the trial's streams.
     async fn cleanup(&self);
 }
@@ -243,7 +249,7 @@ pub async fn g_03<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     })
     .await;
     assert!(
-        killed_at.elapsed() >= redeliver / 2,
+        killed_at.elapsed() >= b.trial.redelivery_floor(redeliver),
         "the message came back before the broker's redelivery time"
     );
     w2.stop().await;
@@ -502,6 +508,9 @@ impl Subscription for Spy {
             });
         }
         Ok(v)
+    }
+    async fn stop_reading(&self) {
+        self.inner.stop_reading().await
     }
     async fn close(&self) {
         self.inner.close().await

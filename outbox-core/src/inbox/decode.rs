@@ -57,6 +57,27 @@ pub enum BrokerMessage {
         /// Fields in order.
         fields: Vec<(String, String)>,
     },
+    /// A RabbitMQ (AMQP 0-9-1) delivery; it has no position (R113, R177).
+    RabbitMq {
+        /// The queue it was consumed from.
+        queue: String,
+        /// The exchange it was published to (`""` for the default exchange).
+        exchange: String,
+        /// Its routing key.
+        routing_key: String,
+        /// The routing-key prefix the source is read under (R89), e.g. `in.`.
+        routing_key_prefix: String,
+        /// The message_id property.
+        message_id: Option<String>,
+        /// The type property.
+        kind: Option<String>,
+        /// The headers table, typed.
+        headers: Vec<(String, AmqpValue)>,
+        /// The body.
+        body: Vec<u8>,
+        /// Whether RabbitMQ set the redelivered flag (not decoded; for n and logs, R178).
+        redelivered: bool,
+    },
     /// A Kafka record (R179); decoded by its own column of R137 ([`decode`] hands it to the
     /// Kafka part).
     Kafka {
@@ -77,8 +98,38 @@ pub enum BrokerMessage {
     },
 }
 
+/// A RabbitMQ header value, as R137 and R141 read it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AmqpValue {
+    /// A short or long string, or a byte array that is UTF-8: read and stored as it is.
+    Text(String),
+    /// An integer of any width: stored as its text (`3`), never read.
+    Integer(i64),
+    /// A decimal or floating-point number, as its text: stored, never read.
+    Decimal(String),
+    /// A boolean: stored as `true` or `false`, never read.
+    Boolean(bool),
+    /// Any other value (array, table, timestamp, void, a byte array that is not UTF-8), named by
+    /// its kind: neither read nor stored.
+    Other(String),
+}
+
+impl AmqpValue {
+    /// The text R141 stores, or none for a value that is not stored.
+    pub fn stored_text(&self) -> Option<String> {
+        match self {
+            AmqpValue::Text(s) | AmqpValue::Decimal(s) => Some(s.clone()),
+            AmqpValue::Integer(i) => Some(i.to_string()),
+            AmqpValue::Boolean(b) => Some(b.to_string()),
+            AmqpValue::Other(_) => None,
+        }
+    }
+}
+
 impl BrokerMessage {
-    /// The broker position: `{stream}:{sequence}` or `{stream key}:{entry id}` (R138).
+    /// The broker position: `{stream}:{sequence}` or `{stream key}:{entry id}` (R138); a
+    /// RabbitMQ delivery has none, so for it this names the queue and the message_id property,
+    /// for logs only.
     pub fn position(&self) -> String {
         match self {
             BrokerMessage::Nats {
@@ -89,6 +140,9 @@ impl BrokerMessage {
                 entry_id,
                 ..
             } => format!("{stream_key}:{entry_id}"),
+            BrokerMessage::RabbitMq {
+                queue, message_id, ..
+            } => rabbitmq_label(queue, message_id.as_deref()),
             BrokerMessage::Kafka {
                 topic,
                 partition,
@@ -102,6 +156,7 @@ impl BrokerMessage {
         match self {
             BrokerMessage::Nats { headers, .. } => headers,
             BrokerMessage::Redis { fields, .. } => fields,
+            BrokerMessage::RabbitMq { .. } => &[],
             // The Kafka column reads its own headers (`decode_kafka`).
             BrokerMessage::Kafka { .. } => &[],
         }
@@ -137,9 +192,14 @@ pub fn decode(
     if let BrokerMessage::Kafka { .. } = msg {
         return decode_kafka(msg, group, opts);
     }
+    if let BrokerMessage::RabbitMq { .. } = msg {
+        return decode_rabbitmq(msg, group, opts);
+    }
+    let (nats_ce, ce_problem) = nats_cloudevents(msg);
+    let msg = nats_ce.as_ref().unwrap_or(msg);
     // The payload first (R139's order).
     let body: &[u8] = match msg {
-        BrokerMessage::Nats { body, .. } => body,
+        BrokerMessage::Nats { body, .. } | BrokerMessage::RabbitMq { body, .. } => body,
         BrokerMessage::Kafka { .. } => unreachable!("decoded by decode_kafka"),
         BrokerMessage::Redis { .. } => msg
             .attr("payload")
@@ -149,8 +209,10 @@ pub fn decode(
     let payload: Value = serde_json::from_slice(body)
         .map_err(|_| InvalidMessage::new(InvalidLabel::NotJson, "body is not JSON"))?;
     let id_names: &[&str] = match msg {
-        BrokerMessage::Nats { .. } => &["message_id", "event_id", "Nats-Msg-Id"],
-        BrokerMessage::Redis { .. } | BrokerMessage::Kafka { .. } => &["message_id", "event_id"],
+        BrokerMessage::Nats { .. } => &["message_id", "event_id", "Nats-Msg-Id", "ce-id"],
+        BrokerMessage::Redis { .. }
+        | BrokerMessage::RabbitMq { .. }
+        | BrokerMessage::Kafka { .. } => &["message_id", "event_id"],
     };
     let message_id = match msg.first_of(id_names) {
         Some(id) => id.to_owned(),
@@ -176,10 +238,14 @@ pub fn decode(
                 .strip_prefix(key_prefix.as_str())
                 .unwrap_or(stream_key)
                 .to_owned(),
+            BrokerMessage::RabbitMq { .. } => rabbitmq_source(msg),
             BrokerMessage::Kafka { .. } => unreachable!("decoded by decode_kafka"),
         },
     };
-    let event_type = match msg.attr("event_type") {
+    let event_type = match msg
+        .attr("event_type")
+        .or_else(|| nats_ce_fallback(msg, "event_type"))
+    {
         Some(t) => t.to_owned(),
         None => payload
             .get("event_type")
@@ -209,7 +275,7 @@ pub fn decode(
         "causation_id",
         "schema_version",
     ] {
-        if let Some(v) = msg.attr(name) {
+        if let Some(v) = msg.attr(name).or_else(|| nats_ce_fallback(msg, name)) {
             b = match name {
                 "partition_key" => b.partition_key(v),
                 "trace_id" => b.trace_id(v),
@@ -220,7 +286,7 @@ pub fn decode(
         }
     }
     let event = b.build()?;
-    if let Some(p) = headers_problem {
+    if let Some(p) = ce_problem.or(headers_problem) {
         return Err(p);
     }
     if opts.require_message_id && msg.first_of(id_names).is_none() {
@@ -243,7 +309,8 @@ fn stored_headers(msg: &BrokerMessage) -> (Vec<(String, String)>, Option<Invalid
             let mut problem = None;
             let mut out = Vec::new();
             for (k, v) in headers {
-                if mapped(k) || k.to_ascii_lowercase().starts_with("nats-") {
+                let lower = k.to_ascii_lowercase();
+                if mapped(k) || lower.starts_with("nats-") || lower.starts_with(NATS_CE_PREFIX) {
                     continue;
                 }
                 if !seen.insert(k.clone()) {
@@ -275,6 +342,7 @@ fn stored_headers(msg: &BrokerMessage) -> (Vec<(String, String)>, Option<Invalid
             }
             (out, problem)
         }
+        BrokerMessage::RabbitMq { .. } => (rabbitmq_headers(msg), None),
         BrokerMessage::Kafka { .. } => (Vec::new(), None),
     }
 }
@@ -440,6 +508,246 @@ fn decode_kafka(
     Ok(event)
 }
 
+// ---- NATS CloudEvents attributes (brokers.md R137, R180) ----
+
+/// The prefix of CloudEvents attribute headers on NATS, in any case (R180).
+const NATS_CE_PREFIX: &str = "ce-";
+
+/// A NATS message whose CloudEvents attribute headers (`ce-` + attribute, in any case) are
+/// named in lowercase and percent-decoded, or none when it has none (or is no NATS message);
+/// and the problem of a value that does not decode to UTF-8 (R139, R180).
+fn nats_cloudevents(msg: &BrokerMessage) -> (Option<BrokerMessage>, Option<InvalidMessage>) {
+    let BrokerMessage::Nats { headers, .. } = msg else {
+        return (None, None);
+    };
+    if !headers
+        .iter()
+        .any(|(k, _)| k.to_ascii_lowercase().starts_with(NATS_CE_PREFIX))
+    {
+        return (None, None);
+    }
+    let mut problem = None;
+    let mut out = msg.clone();
+    if let BrokerMessage::Nats { headers, .. } = &mut out {
+        for (k, v) in headers.iter_mut() {
+            let lower = k.to_ascii_lowercase();
+            if !lower.starts_with(NATS_CE_PREFIX) {
+                continue;
+            }
+            match percent_decode(v) {
+                Some(d) => *v = d,
+                None => {
+                    problem.get_or_insert_with(|| {
+                        InvalidMessage::new(
+                            InvalidLabel::Headers,
+                            format!("headers: {k} is not percent-encoded UTF-8"),
+                        )
+                    });
+                }
+            }
+            *k = lower;
+        }
+    }
+    (Some(out), problem)
+}
+
+/// The CloudEvents attribute a NATS message falls back to for a row field (R137's NATS
+/// column): `ce-type`, `ce-partitionkey`, `ce-correlationid`, `ce-causationid`.
+fn nats_ce_fallback<'a>(msg: &'a BrokerMessage, field: &str) -> Option<&'a str> {
+    if !matches!(msg, BrokerMessage::Nats { .. }) {
+        return None;
+    }
+    let attr = match field {
+        "event_type" => "ce-type",
+        "partition_key" => "ce-partitionkey",
+        "correlation_id" => "ce-correlationid",
+        "causation_id" => "ce-causationid",
+        _ => return None,
+    };
+    msg.attr(attr)
+}
+
+/// Percent-decodes a value to UTF-8; none for a malformed escape or bytes that are not UTF-8.
+fn percent_decode(v: &str) -> Option<String> {
+    let b = v.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = std::str::from_utf8(b.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+// ---- RabbitMQ (brokers.md R137's RabbitMQ column, R138, R141, R180) ----
+
+/// The CloudEvents attribute header prefixes of the AMQP binding (R180).
+pub const RABBITMQ_CLOUDEVENTS_PREFIXES: [&str; 2] = ["cloudEvents_", "cloudEvents:"];
+
+/// RabbitMQ's own headers, never stored (R141): these names, and names starting with
+/// `x-first-death-` or `x-last-death-`.
+const RABBITMQ_BROKER_HEADERS: [&str; 3] = ["x-death", "x-delivery-count", "x-received-from"];
+
+/// What a RabbitMQ delivery is called in logs: it has no position (R113).
+fn rabbitmq_label(queue: &str, message_id: Option<&str>) -> String {
+    format!(
+        "queue {queue}, message_id {}",
+        message_id.unwrap_or("(none)")
+    )
+}
+
+/// A RabbitMQ header's string value (R137 reads string values only); `cloudEvents_x` is looked
+/// up under both separators (R180).
+fn rabbitmq_text<'a>(msg: &'a BrokerMessage, name: &str) -> Option<&'a str> {
+    let BrokerMessage::RabbitMq { headers, .. } = msg else {
+        return None;
+    };
+    let names: Vec<String> = match name.strip_prefix("cloudEvents_") {
+        Some(attr) => RABBITMQ_CLOUDEVENTS_PREFIXES
+            .iter()
+            .map(|p| format!("{p}{attr}"))
+            .collect(),
+        None => vec![name.to_owned()],
+    };
+    names.iter().find_map(|n| {
+        headers.iter().find_map(|(k, v)| match v {
+            AmqpValue::Text(s) if k == n => Some(s.as_str()),
+            _ => None,
+        })
+    })
+}
+
+/// The message_id of R137's RabbitMQ column: header `message_id`, `event_id`, the message_id
+/// property, header `cloudEvents_id`; none else (R138: such a delivery is invalid).
+fn rabbitmq_message_id(msg: &BrokerMessage) -> Option<&str> {
+    let BrokerMessage::RabbitMq { message_id, .. } = msg else {
+        return None;
+    };
+    rabbitmq_text(msg, "message_id")
+        .or_else(|| rabbitmq_text(msg, "event_id"))
+        .or(message_id.as_deref())
+        .or_else(|| rabbitmq_text(msg, "cloudEvents_id"))
+}
+
+/// The source: header `source`, `source_service`, `topic`, else the routing key without the
+/// routing-key prefix, else (an empty routing key) the queue name.
+fn rabbitmq_source(msg: &BrokerMessage) -> String {
+    if let Some(s) = ["source", "source_service", "topic"]
+        .iter()
+        .find_map(|n| rabbitmq_text(msg, n))
+    {
+        return s.to_owned();
+    }
+    let BrokerMessage::RabbitMq {
+        queue,
+        routing_key,
+        routing_key_prefix,
+        ..
+    } = msg
+    else {
+        return String::new();
+    };
+    if routing_key.is_empty() {
+        return queue.clone();
+    }
+    routing_key
+        .strip_prefix(routing_key_prefix.as_str())
+        .unwrap_or(routing_key)
+        .to_owned()
+}
+
+/// The headers R141 stores from a RabbitMQ delivery: strings as they are, integers, decimals and
+/// booleans as their text, other values dropped; without the names R137 reads, R50's other
+/// attributes, CloudEvents attribute headers and RabbitMQ's own headers.
+fn rabbitmq_headers(msg: &BrokerMessage) -> Vec<(String, String)> {
+    let BrokerMessage::RabbitMq { headers, .. } = msg else {
+        return Vec::new();
+    };
+    headers
+        .iter()
+        .filter(|(k, _)| {
+            !MAPPED_NAMES.contains(&k.as_str())
+                && !RABBITMQ_BROKER_HEADERS.contains(&k.as_str())
+                && !k.starts_with("x-first-death-")
+                && !k.starts_with("x-last-death-")
+                && !RABBITMQ_CLOUDEVENTS_PREFIXES
+                    .iter()
+                    .any(|p| k.starts_with(p))
+        })
+        .filter_map(|(k, v)| v.stored_text().map(|t| (k.clone(), t)))
+        .collect()
+}
+
+/// Decodes a RabbitMQ delivery by R137's RabbitMQ column. A delivery without an id is invalid
+/// with `message_id: missing` whatever require_message_id says (R138), after the checks that
+/// come before it in R139's order.
+fn decode_rabbitmq(
+    msg: &BrokerMessage,
+    group: &ConsumerGroup,
+    opts: DecodeOptions,
+) -> Result<NewInboxEvent, InvalidMessage> {
+    let BrokerMessage::RabbitMq { kind, body, .. } = msg else {
+        return Err(InvalidMessage::new(
+            InvalidLabel::NotJson,
+            "not a RabbitMQ delivery",
+        ));
+    };
+    let payload: Value = serde_json::from_slice(body)
+        .map_err(|_| InvalidMessage::new(InvalidLabel::NotJson, "body is not JSON"))?;
+    let message_id = rabbitmq_message_id(msg);
+    let source = rabbitmq_source(msg);
+    let event_type = rabbitmq_text(msg, "event_type")
+        .or(kind.as_deref())
+        .or_else(|| rabbitmq_text(msg, "cloudEvents_type"))
+        .map(str::to_owned)
+        .or_else(|| {
+            payload
+                .get("event_type")
+                .and_then(Value::as_str)
+                .filter(|t| !crate::event::trim_ancestor(t).is_empty())
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| source.clone());
+    let mut b = NewInboxEvent::builder()
+        .consumer_group(group.as_str())
+        .message_id(message_id.unwrap_or("-"))
+        .source(source)
+        .event_type(event_type)
+        .payload_json(payload)
+        .headers(rabbitmq_headers(msg))
+        .max_attempts(opts.max_attempts);
+    let first = |names: &[&str]| names.iter().find_map(|n| rabbitmq_text(msg, n));
+    if let Some(v) = first(&["partition_key", "cloudEvents_partitionkey"]) {
+        b = b.partition_key(v);
+    }
+    if let Some(v) = first(&["trace_id"]) {
+        b = b.trace_id(v);
+    }
+    if let Some(v) = first(&["schema_version"]) {
+        b = b.schema_version(v);
+    }
+    if let Some(v) = first(&["correlation_id", "cloudEvents_correlationid"]) {
+        b = b.correlation_id(v);
+    }
+    if let Some(v) = first(&["causation_id", "cloudEvents_causationid"]) {
+        b = b.causation_id(v);
+    }
+    let event = b.build()?;
+    if message_id.is_none() {
+        return Err(InvalidMessage::new(
+            InvalidLabel::Field,
+            "message_id: missing",
+        ));
+    }
+    Ok(event)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -508,6 +816,104 @@ mod tests {
         assert_eq!(r.reason, "headers: repeated key tenant");
         let r = decode(&nats(&[], "{\"x\": 1e999}"), &g(), o).unwrap_err();
         assert_eq!(r.reason, "body is not JSON");
+    }
+
+    fn rabbit(
+        id: Option<&str>,
+        kind: Option<&str>,
+        headers: Vec<(&str, AmqpValue)>,
+        routing_key: &str,
+    ) -> BrokerMessage {
+        BrokerMessage::RabbitMq {
+            queue: "q".into(),
+            exchange: String::new(),
+            routing_key: routing_key.into(),
+            routing_key_prefix: "in.".into(),
+            message_id: id.map(str::to_owned),
+            kind: kind.map(str::to_owned),
+            headers: headers.into_iter().map(|(k, v)| (k.into(), v)).collect(),
+            body: b"{\"n\":1}".to_vec(),
+            redelivered: false,
+        }
+    }
+
+    #[test]
+    fn nats_cloudevents_attributes() {
+        let o = DecodeOptions::default();
+        let e = decode(
+            &nats(
+                &[
+                    ("CE-SpecVersion", "1.0"),
+                    ("ce-id", "c1"),
+                    ("ce-type", "order%20paid"),
+                    ("Ce-PartitionKey", "k%2F9"),
+                    ("tenant", "acme"),
+                ],
+                "{\"n\":1}",
+            ),
+            &g(),
+            o,
+        )
+        .unwrap();
+        assert_eq!(
+            (e.message_id(), e.event_type(), e.partition_key()),
+            ("c1", "order paid", Some("k/9"))
+        );
+        let r = decode(&nats(&[("ce-type", "%C0%A0")], "{\"n\":1}"), &g(), o).unwrap_err();
+        assert_eq!(
+            r.to_string(),
+            "invalid message: headers: ce-type is not percent-encoded UTF-8"
+        );
+        assert_eq!(percent_decode("a%2"), None);
+    }
+
+    #[test]
+    fn rabbitmq_column() {
+        let o = DecodeOptions::default();
+        let t = |s: &str| AmqpValue::Text(s.into());
+        let e = decode(&rabbit(Some("p"), None, vec![], "in.orders"), &g(), o).unwrap();
+        assert_eq!(
+            (e.message_id(), e.source(), e.event_type()),
+            ("p", "orders", "orders")
+        );
+        let e = decode(
+            &rabbit(
+                Some("p"),
+                Some("order.paid"),
+                vec![("event_id", t("b"))],
+                "",
+            ),
+            &g(),
+            o,
+        )
+        .unwrap();
+        assert_eq!(
+            (e.message_id(), e.source(), e.event_type()),
+            ("b", "q", "order.paid")
+        );
+        let r = decode(&rabbit(None, None, vec![], "in.src"), &g(), o).unwrap_err();
+        assert_eq!(r.to_string(), "invalid message: message_id: missing");
+        let e = decode(
+            &rabbit(
+                None,
+                None,
+                vec![
+                    ("cloudEvents:id", t("c1")),
+                    ("cloudEvents_type", t("t.x")),
+                    ("cloudEvents_partitionkey", t("k9")),
+                    ("retries", AmqpValue::Integer(3)),
+                    ("x-death", AmqpValue::Other("array".into())),
+                ],
+                "in.src",
+            ),
+            &g(),
+            o,
+        )
+        .unwrap();
+        assert_eq!(
+            (e.message_id(), e.event_type(), e.partition_key()),
+            ("c1", "t.x", Some("k9"))
+        );
     }
 
     #[test]

@@ -19,7 +19,7 @@ use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 
 use crate::clock::Clock;
-use crate::inbox::decode::BrokerMessage;
+use crate::inbox::decode::{AmqpValue, BrokerMessage};
 use crate::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
@@ -112,6 +112,12 @@ fn key_of(m: &BrokerMessage) -> Option<String> {
         BrokerMessage::Nats { headers, .. } => headers,
         BrokerMessage::Redis { fields, .. } => fields,
         BrokerMessage::Kafka { .. } => return kafka_key_of(m),
+        BrokerMessage::RabbitMq { headers, .. } => {
+            return headers.iter().find_map(|(k, v)| match v {
+                AmqpValue::Text(s) if k == "partition_key" => Some(s.clone()),
+                _ => None,
+            });
+        }
     };
     attrs
         .iter()
@@ -456,6 +462,31 @@ impl MessageFactory {
                 .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
                 .collect(),
             body: body.as_bytes().to_vec(),
+        }
+    }
+
+    /// A RabbitMQ delivery from queue `q` (exchange `""`, routing key `in.src`, prefix `in.`)
+    /// with these properties (message_id, type), typed headers and body; it has no position.
+    pub fn rabbitmq(
+        &self,
+        message_id: Option<&str>,
+        kind: Option<&str>,
+        headers: Vec<(&str, AmqpValue)>,
+        body: &str,
+    ) -> BrokerMessage {
+        BrokerMessage::RabbitMq {
+            queue: "q".into(),
+            exchange: String::new(),
+            routing_key: "in.src".into(),
+            routing_key_prefix: "in.".into(),
+            message_id: message_id.map(str::to_owned),
+            kind: kind.map(str::to_owned),
+            headers: headers
+                .into_iter()
+                .map(|(k, v)| (k.to_owned(), v))
+                .collect(),
+            body: body.as_bytes().to_vec(),
+            redelivered: false,
         }
     }
 

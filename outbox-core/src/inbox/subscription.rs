@@ -104,7 +104,8 @@ pub struct SubscriptionCapabilities {
     /// Whether a delivery can be rewound one by one (false on Kafka: `on_failure = rewind` is
     /// refused when the runner is built, R175).
     pub rewind: bool,
-    /// Whether the broker has a last delivery (NATS with max_deliver, RabbitMQ; R182).
+    /// Whether the broker has a last delivery (NATS with max_deliver, RabbitMQ with
+    /// delivery_limit; R182).
     pub last_delivery: bool,
     /// How often the runner renews every delivery it holds, handled or waiting for its key
     /// (NATS: ack_wait / 2, R134; Redis: claim_idle / 2, R136); none: never.
@@ -124,6 +125,11 @@ pub trait Subscription: Send + Sync {
         max: usize,
         wait: Duration,
     ) -> Result<Vec<InboxDelivery>, SubscriptionError>;
+
+    /// Ends reading as the runner begins to stop (R167), before it gives back the deliveries it
+    /// holds and has not started: no more messages come to this runner, so none given back
+    /// returns to it (RabbitMQ cancels its consumers). The default does nothing.
+    async fn stop_reading(&self) {}
 
     /// Closes the subscription after the runner stopped (R167).
     async fn close(&self) {}

@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use outbox_core::event::Status;
-use outbox_core::inbox::decode::BrokerMessage;
+use outbox_core::inbox::decode::{AmqpValue, BrokerMessage};
 use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
 use outbox_core::inbox::scripted::AckOp;
 use outbox_core::inbox::{DeliveryOutcome as O, InboxEvent, NewInboxEvent, OnFailure};
@@ -138,6 +138,23 @@ pub async fn e_02<F: InboxFactory>(f: &F) {
     };
     let want = format!("in:src:{entry_id}");
     assert_eq!(land_msg(&c, m, false).await.unwrap().message_id, want);
+    e_02_rabbitmq(&c).await;
+}
+
+/// E-02's RabbitMQ rows: the message_id property, an `event_id` header before it, and no id at
+/// all, which is invalid whatever require_message_id says (R137, R138, R139).
+async fn e_02_rabbitmq<H: InboxHarness>(c: &Ictx<H>) {
+    let body = "{\"n\": 1}";
+    let m = c.msgs.rabbitmq(Some("p"), None, vec![], body);
+    assert_eq!(land_msg(c, m, false).await.unwrap().message_id, "p");
+    let b = vec![("event_id", AmqpValue::Text("b".into()))];
+    let m = c.msgs.rabbitmq(Some("p2"), None, b, body);
+    assert_eq!(land_msg(c, m, false).await.unwrap().message_id, "b");
+    let m = c.msgs.rabbitmq(None, None, vec![], body);
+    assert_eq!(
+        land_msg(c, m, false).await.map(|r| r.message_id),
+        Err("invalid message: message_id: missing".to_owned())
+    );
 }
 
 /// E-03: source and event_type (R137).
@@ -177,6 +194,29 @@ pub async fn e_03<F: InboxFactory>(f: &F) {
             "case {i}"
         );
     }
+    e_03_rabbitmq(&c).await;
+}
+
+/// E-03's RabbitMQ rows: the routing key without its prefix and the type property; with an
+/// empty routing key (a fanout exchange), the queue name (R137).
+async fn e_03_rabbitmq<H: InboxHarness>(c: &Ictx<H>) {
+    let body = "{\"n\": 1}";
+    let routed = |id: &str, kind: Option<&str>, key: &str| {
+        let mut m = c.msgs.rabbitmq(Some(id), kind, vec![], body);
+        if let BrokerMessage::RabbitMq { routing_key, .. } = &mut m {
+            *routing_key = key.to_owned();
+        }
+        m
+    };
+    let row = land_msg(c, routed("r3-1", Some("order.paid"), "in.orders"), false)
+        .await
+        .unwrap();
+    assert_eq!(
+        (row.source.as_str(), row.event_type.as_str()),
+        ("orders", "order.paid")
+    );
+    let row = land_msg(c, routed("r3-2", None, ""), false).await.unwrap();
+    assert_eq!((row.source.as_str(), row.event_type.as_str()), ("q", "q"));
 }
 
 fn with_field<'a>(id: &'a str, field: &'a str, v: &'a str) -> Vec<(&'a str, &'a str)> {
@@ -622,4 +662,109 @@ pub async fn e_11<F: InboxFactory>(f: &F) {
             .unwrap()
             .is_none()
     );
+}
+
+/// E-12: RabbitMQ header values: strings as they are, integers and booleans as their text,
+/// tables, timestamps and RabbitMQ's own headers not stored, and only string values read
+/// (R137, R141).
+pub async fn e_12<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = "{\"n\": 1}";
+    let stored = |row: &InboxEvent| row.headers.clone().unwrap_or_default();
+    let want = |h: &[(&str, &str)]| -> BTreeMap<String, String> { own(h).into_iter().collect() };
+    let m = c.msgs.rabbitmq(
+        Some("r1"),
+        None,
+        vec![
+            ("retries", AmqpValue::Integer(3)),
+            ("flag", AmqpValue::Boolean(true)),
+        ],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(stored(&row), want(&[("retries", "3"), ("flag", "true")]));
+    let m = c.msgs.rabbitmq(
+        Some("r2"),
+        None,
+        vec![
+            ("nested", AmqpValue::Other("table".into())),
+            ("when", AmqpValue::Other("timestamp".into())),
+        ],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(stored(&row), want(&[]));
+    let m = c.msgs.rabbitmq(
+        Some("r3"),
+        None,
+        vec![
+            ("x-death", AmqpValue::Other("array".into())),
+            ("x-delivery-count", AmqpValue::Integer(2)),
+            ("x-first-death-queue", AmqpValue::Text("q0".into())),
+        ],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(stored(&row), want(&[]));
+    let m = c.msgs.rabbitmq(
+        Some("p"),
+        None,
+        vec![("event_id", AmqpValue::Integer(5))],
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(row.message_id, "p", "only string values are read");
+    assert_eq!(stored(&row), want(&[]), "event_id is a name R137 reads");
+}
+
+/// E-13 (NATS and RabbitMQ rows): CloudEvents attribute headers are read where R137 puts them
+/// (NATS names in any case, values percent-decoded; RabbitMQ under either separator of the AMQP
+/// binding) and never stored; a NATS value that is not percent-encoded UTF-8 is invalid
+/// (R137, R139, R180).
+pub async fn e_13<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let m = c.msgs.nats(
+        &[
+            ("CE-SpecVersion", "1.0"),
+            ("ce-id", "c1"),
+            ("ce-type", "order%20paid"),
+            ("tenant", "acme"),
+        ],
+        "{\"n\": 1}",
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(
+        (row.message_id.as_str(), row.event_type.as_str()),
+        ("c1", "order paid")
+    );
+    assert_eq!(
+        row.headers,
+        Some(own(&[("tenant", "acme")]).into_iter().collect()),
+        "no ce- header stored"
+    );
+    let m = c
+        .msgs
+        .nats(&[("event_id", "n2"), ("ce-type", "%C0%A0")], "{\"n\": 1}");
+    assert_eq!(
+        land_msg(&c, m, false).await.map(|r| r.message_id),
+        Err("invalid message: headers: ce-type is not percent-encoded UTF-8".to_owned())
+    );
+    for sep in [":", "_"] {
+        let (spec, id) = (
+            format!("cloudEvents{sep}specversion"),
+            format!("cloudEvents{sep}id"),
+        );
+        let m = c.msgs.rabbitmq(
+            None,
+            None,
+            vec![
+                (spec.as_str(), AmqpValue::Text("1.0".into())),
+                (id.as_str(), AmqpValue::Text(format!("c1{sep}"))),
+            ],
+            "{\"n\": 1}",
+        );
+        let row = land_msg(&c, m, false).await.expect("landed");
+        assert_eq!(row.message_id, format!("c1{sep}"));
+        assert_eq!(row.headers.unwrap_or_default(), BTreeMap::new(), "{sep}");
+    }
 }

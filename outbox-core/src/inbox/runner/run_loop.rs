@@ -222,8 +222,9 @@ impl<B: InboxBackend> Runner<B> {
         mut waiting: HashMap<InboxKey, VecDeque<(u64, InboxDelivery)>>,
         mut inflight: FuturesUnordered<Running<'a>>,
     ) {
-        // R167: deliveries not started go back at once; a last delivery is landed instead
-        // (R182), once the earlier deliveries of its key have ended.
+        // R167: reading ends; deliveries not started go back at once; a last delivery is landed
+        // instead (R182), once the earlier deliveries of its key have ended.
+        self.subscription.stop_reading().await;
         let mut lasts = Vec::new();
         for (_, q) in waiting.drain() {
             for (_, d) in q {
