@@ -29,10 +29,8 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
-use crate::backend::{
-    PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema, create_schema_with,
-};
 use crate::sql::{self, Layout, Statements, TableName};
+use crate::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema, create_schema_with};
 
 /// The default database URL of the tests.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
@@ -456,7 +454,7 @@ impl WriteTx for SqlxWriteTx {
             .expect("open")
             .commit()
             .await
-            .map_err(|e| crate::backend::map_err(&table, e))
+            .map_err(|e| crate::driver::sqlx::map_err(&table, e))
     }
 
     async fn rollback(mut self: Box<Self>) -> Result<(), RepositoryError> {
@@ -466,7 +464,7 @@ impl WriteTx for SqlxWriteTx {
             .expect("open")
             .rollback()
             .await
-            .map_err(|e| crate::backend::map_err(&table, e))
+            .map_err(|e| crate::driver::sqlx::map_err(&table, e))
     }
 }
 

@@ -47,6 +47,8 @@
 //! outbox-diesel, which compiles no sqlx.
 
 pub mod outbox;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 
 use std::ops::DerefMut;
 
