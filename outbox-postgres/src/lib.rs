@@ -6,6 +6,7 @@ pub mod error;
 pub mod outbox;
 pub mod shared;
 pub mod sql;
+pub mod wake;
 
 #[cfg(feature = "sqlx")]
 pub mod listen;
