@@ -36,8 +36,8 @@
 //! bounded by the batch that resumes from a [`WalkCursor`]), then [`Statements::fetch_take`]
 //! locks them in head order until the batch is full, extends them into runs and stamps the
 //! lease (R19–R29, R74, R76, R85); [`Statements::fetch_take_transaction`] is the same without
-//! the stamp, for delivery in one transaction (R84). The sqlx backend runs them with
-//! `fetch_rows`, outbox-diesel with its own driver calls. They use the indexes of Appendix A
+//! the stamp, for delivery in one transaction (R84). Both backends run them through the one
+//! fetch, `crate::outbox::fetch`, over their driver. They use the indexes of Appendix A
 //! and the [`additions`], take no advisory lock, and their work is bounded by the batch
 //! whatever the backlog and whatever the planner's statistics (every lookup by id goes through
 //! the primary key; see `fragments` and the crate README, "Plan-stable statements").

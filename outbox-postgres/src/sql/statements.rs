@@ -8,6 +8,9 @@ use super::*;
 
 /// Every statement text for one table. Build once with [`Statements::new`]; the fields are
 /// plain SQL with numbered parameters, documented one by one.
+///
+/// Part of the driver layer ([`crate::driver`]): it serves backend implementers, and its fields
+/// are exempt from semver.
 #[derive(Debug, Clone)]
 pub struct Statements {
     /// The table.
