@@ -15,7 +15,7 @@ use uuid::Uuid;
 use crate::sql::TableName;
 use crate::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
 
-/// End to end through a real broker (issue 5): 4 keys × 15 events, each written by
+/// End to end through a real broker: 4 keys × 15 events, each written by
 /// [`PgOutboxWriter`] in its own committed transaction, plus one rolled-back write that must
 /// never arrive, drained by the relay on [`PgOutboxRepository`] into a fresh trial of `broker`;
 /// a consumer must read every event, in order per key, with its headers
@@ -118,13 +118,13 @@ impl WakeProbe {
     }
 }
 
-/// Issue 14, an outcome commit cut off mid-way: the relay on `repo` (either Postgres backend,
+/// An outcome commit cut off mid-way: the relay on `repo` (either Postgres backend,
 /// on `h`'s table) publishes two rows; before it writes their outcomes a second connection
 /// row-locks one of them, so the outcome transaction waits; that waiting backend is then ended
 /// with `pg_terminate_backend` (what a database restart does to it) and the lock let go. The
 /// relay must retry the outcome write on a fresh connection: the cycle reports no commit
 /// failure, at least one retry, both rows completed and unheld. Returns the time from the
-/// termination to the end of the cycle (the issue's target: under 1 s).
+/// termination to the end of the cycle (the target: under 1 s).
 pub async fn outcome_commit_survives_termination(
     repo: Arc<dyn OutboxRepository>,
     h: &PgHarness,

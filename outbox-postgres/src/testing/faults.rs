@@ -200,10 +200,10 @@ impl outbox_core::Broker for AckTimes {
     }
 }
 
-/// Issue 14's measurement of omni-box 0.3.1 (the ancestor) during a 10 s broker outage with
+/// The reference figures: omni-box 0.3.1 (the ancestor) measured during a 10 s broker outage with
 /// three relays, counted from PostgreSQL's WAL: 46,060 row updates on NATS, 55,426 on Redis.
 /// The target is at most 10 % of it.
-pub const ANCESTOR_OUTAGE_ROW_UPDATES: [(outbox_conformance::broker::BrokerKind, usize); 2] = [
+pub const REFERENCE_OUTAGE_ROW_UPDATES: [(outbox_conformance::broker::BrokerKind, usize); 2] = [
     (outbox_conformance::broker::BrokerKind::Nats, 46_060),
     (outbox_conformance::broker::BrokerKind::Redis, 55_426),
 ];
@@ -224,7 +224,7 @@ pub struct OutageFigures {
     /// for its lease and again for its release; in transaction delivery only completions and
     /// counted failures are written.
     pub row_writes_during: i64,
-    /// The ancestor's row updates in the same outage ([`ANCESTOR_OUTAGE_ROW_UPDATES`]).
+    /// The ancestor's row updates in the same outage ([`REFERENCE_OUTAGE_ROW_UPDATES`]).
     pub ancestor_row_writes: usize,
     /// From the broker answering again to the first acknowledged publish (an adapter's
     /// `publish` returning `Ok`).
@@ -254,7 +254,7 @@ impl std::fmt::Display for OutageFigures {
     }
 }
 
-/// Issue 14's fault suite, broker side, in the issue's setting: three relay loops
+/// The fault suite, broker side, in the measured setting: three relay loops
 /// ([`outbox_core::relay::Relay::run_with`] with
 /// [`RECOMMENDED_OUTAGE_BACKOFF`](outbox_core::relay::RECOMMENDED_OUTAGE_BACKOFF), the outage
 /// back-off `outbox-relay` runs with) on PostgreSQL (the sqlx backend, a fresh schema) drain
@@ -442,7 +442,7 @@ pub async fn broker_outage_on_postgres(
     t.cleanup().await;
     proxy.shutdown().await;
     backlog.drop_schema(&pool).await;
-    let ancestor_row_writes = ANCESTOR_OUTAGE_ROW_UPDATES
+    let ancestor_row_writes = REFERENCE_OUTAGE_ROW_UPDATES
         .iter()
         .find(|(k, _)| *k == b.kind())
         .map_or(0, |(_, n)| *n);
@@ -465,10 +465,10 @@ pub async fn broker_outage_on_postgres(
     }
 }
 
-/// Issue 14's outage: 10 s.
+/// The measured outage: 10 s.
 pub const MEASURED_OUTAGE: Duration = Duration::from_secs(10);
 
-/// [`broker_outage_on_postgres`] for [`MEASURED_OUTAGE`], printed, and held to the issue's
+/// [`broker_outage_on_postgres`] for [`MEASURED_OUTAGE`], printed, and held to the
 /// targets: at most 10 % of the ancestor's row updates and cycles during the outage (its cycles
 /// taken as its row updates over 2 per row of a 50-row batch), in transaction delivery no
 /// writes but the completions of the cycles in flight when the broker went away, and a publish
@@ -526,7 +526,7 @@ pub struct DatabaseFaultFigures {
     pub drain: Duration,
 }
 
-/// Issue 14's fault suite, database side: a relay loop on PostgreSQL (the sqlx backend, its own
+/// The fault suite, database side: a relay loop on PostgreSQL (the sqlx backend, its own
 /// pool with application name `outbox-faults-<schema>`) drains 8 keys × 40 events to a
 /// scripted broker (1 ms per publish). For the first `fault` of the drain every backend of the
 /// relay's pool is ended with `pg_terminate_backend` every 50 ms, so fetches, publishes' outcome
@@ -662,7 +662,7 @@ pub struct MidFetchFigures {
     pub drain_after: Duration,
 }
 
-/// Issue 14's fault suite: the relay's connection terminated mid-fetch, deterministically. A
+/// The fault suite: the relay's connection terminated mid-fetch, deterministically. A
 /// relay loop on PostgreSQL (sqlx backend, its own pool with application name
 /// `outbox-midfetch-<schema>`, `delivery` mode) starts while another transaction holds the
 /// outbox table in ACCESS EXCLUSIVE mode, so its first fetch statement waits on that lock. Once

@@ -1,5 +1,5 @@
-//! The backlog shapes of the fetch benchmark and the plan test (issue: "the fetch must stay
-//! flat"), built with plain SQL in the given table.
+//! The backlog shapes of the fetch benchmark and the plan test (the fetch must stay flat
+//! whatever the backlog), built with plain SQL in the given table.
 
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPool;
