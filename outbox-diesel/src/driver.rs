@@ -1,6 +1,6 @@
 //! The diesel-async driver of `outbox_postgres::driver` (semver-exempt): [`DieselDriver`] on
 //! a deadpool pool, statements on [`Diesel`], a wrapper of an [`AsyncPgConnection`]. Every
-//! statement is prepared once per connection ([`Prepared`]).
+//! statement is prepared once per connection (see `prepared.rs`).
 
 use std::ops::{Deref, DerefMut};
 
