@@ -60,8 +60,8 @@ use uuid::Uuid;
 use crate::sql::TableName;
 
 /// One typed parameter value of a statement (`$n`), named after its PostgreSQL type.
+/// Exhaustive on purpose: a variant added here is a compile error in every driver until it binds it.
 #[derive(Debug, Clone, PartialEq)]
-#[non_exhaustive]
 pub enum Bind {
     /// `uuid`.
     Uuid(Uuid),
