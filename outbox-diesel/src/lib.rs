@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+pub mod driver;
 pub mod error;
 pub mod listen;
 pub mod migrations;
