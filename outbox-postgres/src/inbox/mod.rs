@@ -10,6 +10,8 @@ pub mod sql;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 #[cfg(feature = "sqlx")]
 pub use self::sqlx::{SqlxInbox, SqlxInboxDriver, create_inbox_schema};
