@@ -157,3 +157,14 @@ pub trait InboxRows: Connection {
         binds: Vec<Bind>,
     ) -> Result<Vec<(String, String, i64)>, Self::Error>;
 }
+
+/// A driver the inbox store runs on: its connections have the inbox's row shapes, and it names
+/// what a handler gets from the transaction of its run (R181): sqlx's `Transaction`, the
+/// diesel-async connection inside its transaction.
+pub trait InboxDriver: super::Driver<Conn: InboxRows> {
+    /// What a handler gets.
+    type Handle: Send;
+
+    /// The handler's view of an open transaction.
+    fn handle(tx: &mut Self::Tx) -> &mut Self::Handle;
+}

@@ -32,7 +32,7 @@ use outbox_core::repository::{BLOCKED_WAITING_CAP, FetchFilter, Retry, args};
 use uuid::Uuid;
 
 use crate::driver::inbox::{
-    InboxRawRow, InboxRows, nullable_int8, nullable_text, nullable_timestamp,
+    InboxDriver, InboxRawRow, InboxRows, nullable_int8, nullable_text, nullable_timestamp,
 };
 use crate::driver::{Bind, Connection, Driver};
 use crate::inbox::sql::InboxStatements;
@@ -501,10 +501,7 @@ where
 }
 
 #[async_trait]
-impl<D: Driver> InboxBackend for PgInbox<D>
-where
-    D::Conn: InboxRows,
-{
+impl<D: InboxDriver> InboxBackend for PgInbox<D> {
     type Tx = PgInboxTx<D>;
 
     async fn begin(&self) -> Result<Self::Tx, RepositoryError> {
@@ -580,6 +577,16 @@ where
             Bind::Text(String::from(e.consumer_group())),
         ];
         if s.layout == Layout::Partitioned {
+            // A dedup key already stored needs no insert, so nothing to serialize: its row is
+            // returned without the advisory lock, and a processor's T_row that holds the lock
+            // while its handler runs (R152) is not waited for; the row lock that follows skips
+            // that row (R116 step 3; G-05).
+            if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
+                return Ok(Landed {
+                    row,
+                    inserted: false,
+                });
+            }
             // R111: the dedup key's advisory lock, then the rows of the key.
             self.c().execute(&s.dedup_lock, &key).await?;
             if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
@@ -630,14 +637,11 @@ where
 }
 
 #[async_trait]
-impl<D: Driver> InboxTransaction for PgInboxTx<D>
-where
-    D::Conn: InboxRows,
-{
-    type Handle = D::Tx;
+impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
+    type Handle = D::Handle;
 
-    fn handle(&mut self) -> &mut D::Tx {
-        &mut self.tx
+    fn handle(&mut self) -> &mut D::Handle {
+        D::handle(&mut self.tx)
     }
 
     async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {

@@ -7,7 +7,7 @@ use sqlx::{PgConnection, Row};
 
 use super::query;
 use crate::driver::Bind;
-use crate::driver::inbox::{InboxRawRow, InboxRows};
+use crate::driver::inbox::{InboxDriver, InboxRawRow, InboxRows};
 
 /// Reads [`crate::inbox::sql::INBOX_COLUMNS`] of a row.
 fn inbox_raw_row(r: &PgRow) -> Result<InboxRawRow, sqlx::Error> {
@@ -87,5 +87,13 @@ impl InboxRows for PgConnection {
             .iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
             .collect()
+    }
+}
+
+impl InboxDriver for super::SqlxDriver {
+    type Handle = sqlx::Transaction<'static, sqlx::Postgres>;
+
+    fn handle(tx: &mut Self::Tx) -> &mut Self::Handle {
+        tx
     }
 }
