@@ -136,21 +136,22 @@ pub trait InboxRows: Connection {
         binds: Vec<Bind>,
     ) -> Result<Vec<InboxRawRow>, Self::Error>;
 
-    /// One row whose first column is a nullable `int8` (counts, probes, ages).
+    /// One row whose first column, named `n`, is a nullable `int8` (counts, probes, ages).
     async fn inbox_int8(&mut self, sql: &str, binds: Vec<Bind>)
     -> Result<Option<i64>, Self::Error>;
 
-    /// One row whose first column is a nullable `text` (the statement timeout before a run).
+    /// One row whose first column, named `v`, is a nullable `text` (the statement timeout
+    /// before a run).
     async fn inbox_text(
         &mut self,
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Option<String>, Self::Error>;
 
-    /// `now`: the database's clock.
+    /// `now`: the database's clock (one column named `now`).
     async fn inbox_now(&mut self, sql: &str) -> Result<DateTime<Utc>, Self::Error>;
 
-    /// `counts`: `(source, status, count)` rows.
+    /// `counts`: rows of columns `source text, status text, count int8`.
     async fn inbox_counts(
         &mut self,
         sql: &str,

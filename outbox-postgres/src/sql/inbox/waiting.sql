@@ -1,7 +1,7 @@
 -- waiting (R161): pending rows behind a key's head, counted up to a cap.
 -- Parameters: $1 text consumer_group, $2 text source, $3 text partition_key, $4 timestamptz
--- the head's created_at, $5 uuid the head's id, $6 int8 the cap. Returns one row, one int8.
-SELECT count(*)::int8 FROM (
+-- the head's created_at, $5 uuid the head's id, $6 int8 the cap. Returns one row, one column `n int8`.
+SELECT count(*)::int8 AS n FROM (
     SELECT 1
       FROM {table} e
      WHERE {key_order:e} AND e.consumer_group = $1::text AND e.source = $2::text

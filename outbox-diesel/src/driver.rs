@@ -1,0 +1,172 @@
+//! The diesel-async driver of `outbox_postgres::driver` (semver-exempt): [`DieselDriver`] on
+//! a deadpool pool, statements on [`Diesel`], a wrapper of an [`AsyncPgConnection`]. Every
+//! statement is prepared once per connection ([`Prepared`]).
+//!
+//! NOTE (h-pginbox): a minimal stand-in with the names and shapes of the diesel driver being
+//! written on h-flow (issue 20), so the inbox store runs on diesel before that lands; on merge,
+//! take h-flow's version of this file.
+
+use std::ops::{Deref, DerefMut};
+
+use async_trait::async_trait;
+use diesel::pg::Pg;
+use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
+use diesel::sql_types::{Array, BigInt, Bool, Int4, Nullable, Text, Timestamptz};
+use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
+use outbox_core::RepositoryError;
+use outbox_postgres::driver::{Bind, Connection, Driver};
+use outbox_postgres::sql::TableName;
+
+use crate::error::{map_diesel, map_pool};
+use crate::pool::{PgPool, PooledConnection};
+use crate::prepared::Prepared;
+
+type SqlUuid = diesel::sql_types::Uuid;
+type Boxed<'a> = BoxedSqlQuery<'a, Pg, SqlQuery>;
+
+/// Binds `binds` to `q` in order, each with its SQL type.
+fn bind_all(mut q: Boxed<'_>, binds: Vec<Bind>) -> Boxed<'_> {
+    for b in binds {
+        q = match b {
+            Bind::Uuid(v) => q.bind::<SqlUuid, _>(v),
+            Bind::Uuids(v) => q.bind::<Array<SqlUuid>, _>(v),
+            Bind::OptUuids(v) => q.bind::<Nullable<Array<SqlUuid>>, _>(v),
+            Bind::Text(v) => q.bind::<Text, _>(v),
+            Bind::Texts(v) => q.bind::<Array<Text>, _>(v),
+            Bind::OptTexts(v) => q.bind::<Nullable<Array<Text>>, _>(v),
+            Bind::NullableTexts(v) => q.bind::<Array<Nullable<Text>>, _>(v),
+            Bind::Int4(v) => q.bind::<Int4, _>(v),
+            Bind::Int8(v) => q.bind::<BigInt, _>(v),
+            Bind::Int4s(v) => q.bind::<Array<Int4>, _>(v),
+            Bind::NullableInt8s(v) => q.bind::<Array<Nullable<BigInt>>, _>(v),
+            Bind::Bools(v) => q.bind::<Array<Bool>, _>(v),
+            Bind::Timestamp(v) => q.bind::<Timestamptz, _>(v),
+            Bind::NullableTimestamps(v) => q.bind::<Array<Nullable<Timestamptz>>, _>(v),
+            other => unreachable!("bind {other:?} is not known to this driver"),
+        };
+    }
+    q
+}
+
+/// A statement with its binds, prepared once per connection.
+pub(crate) fn query(sql: &str, binds: Vec<Bind>) -> Prepared<Boxed<'_>> {
+    Prepared(bind_all(diesel::sql_query(sql).into_boxed(), binds))
+}
+
+/// A diesel-async connection (`&mut AsyncPgConnection`, a pooled one, …) that runs the
+/// statements of the driver layer.
+pub struct Diesel<T>(pub T);
+
+#[async_trait]
+impl<T: DerefMut<Target = AsyncPgConnection> + Send> Connection for Diesel<T> {
+    type Error = diesel::result::Error;
+
+    fn map_err(table: &TableName, e: Self::Error) -> RepositoryError {
+        map_diesel(table, e)
+    }
+
+    fn server_message(e: &Self::Error) -> Option<&str> {
+        match e {
+            diesel::result::Error::DatabaseError(_, info) => Some(info.message()),
+            _ => None,
+        }
+    }
+
+    fn in_transaction(&mut self) -> Result<bool, Self::Error> {
+        Ok(
+            AnsiTransactionManager::transaction_manager_status_mut(&mut *self.0)
+                .transaction_depth()?
+                .is_some(),
+        )
+    }
+
+    async fn execute(&mut self, sql: &str, binds: Vec<Bind>) -> Result<u64, Self::Error> {
+        Ok(query(sql, binds).execute(&mut *self.0).await? as u64)
+    }
+}
+
+/// The diesel-async driver: a deadpool pool of [`AsyncPgConnection`]s.
+#[derive(Clone)]
+pub struct DieselDriver(pub PgPool);
+
+impl std::fmt::Debug for DieselDriver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("DieselDriver")
+            .field(&self.0.status())
+            .finish()
+    }
+}
+
+impl From<PgPool> for DieselDriver {
+    fn from(pool: PgPool) -> Self {
+        Self(pool)
+    }
+}
+
+/// A pooled connection in autocommit.
+pub type PooledDiesel = Box<Diesel<PooledConnection>>;
+
+/// An open transaction on a pooled connection. Dropping it unfinished detaches its connection
+/// from the pool and closes it, which rolls the transaction back: a connection with an open
+/// transaction never goes back to the pool.
+pub struct DieselTx(Option<Diesel<PooledConnection>>);
+
+impl Deref for DieselTx {
+    type Target = Diesel<PooledConnection>;
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("an open transaction")
+    }
+}
+
+impl DerefMut for DieselTx {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut().expect("an open transaction")
+    }
+}
+
+impl Drop for DieselTx {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(deadpool::managed::Object::take(conn.0));
+        }
+    }
+}
+
+#[async_trait]
+impl Driver for DieselDriver {
+    type Conn = Diesel<PooledConnection>;
+    type Pooled = PooledDiesel;
+    type Tx = DieselTx;
+
+    const NAME: &'static str = "postgres-diesel";
+    const NOT_IN_TRANSACTION: &'static str = "the outbox write needs the caller's open transaction: call it inside conn.transaction(async |conn| …)";
+
+    async fn acquire(&self, _table: &TableName) -> Result<Self::Pooled, RepositoryError> {
+        Ok(Box::new(Diesel(self.0.get().await.map_err(map_pool)?)))
+    }
+
+    async fn begin(&self, table: &TableName) -> Result<Self::Tx, RepositoryError> {
+        let mut conn = self.0.get().await.map_err(map_pool)?;
+        AnsiTransactionManager::begin_transaction(&mut *conn)
+            .await
+            .map_err(|e| map_diesel(table, e))?;
+        Ok(DieselTx(Some(Diesel(conn))))
+    }
+
+    async fn commit(table: &TableName, mut tx: Self::Tx) -> Result<(), RepositoryError> {
+        AnsiTransactionManager::commit_transaction(&mut *(*tx).0)
+            .await
+            .map_err(|e| map_diesel(table, e))?;
+        // Committed: the connection goes back to the pool.
+        drop(tx.0.take());
+        Ok(())
+    }
+
+    async fn rollback(table: &TableName, mut tx: Self::Tx) -> Result<(), RepositoryError> {
+        AnsiTransactionManager::rollback_transaction(&mut *(*tx).0)
+            .await
+            .map_err(|e| map_diesel(table, e))?;
+        drop(tx.0.take());
+        Ok(())
+    }
+}
