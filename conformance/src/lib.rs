@@ -132,14 +132,18 @@ macro_rules! suite {
 /// `inbox_suite!(memory: FACTORY)` runs the `[all]` and `[mem]` scenarios of the inbox; FACTORY
 /// is an expression evaluated per test whose value implements [`inbox::InboxFactory`].
 /// `inbox_suite!(postgres: FACTORY)` and `inbox_suite!(postgres_partitioned: FACTORY)` run the
-/// `[all]` ones on a Postgres store, plain or partitioned.
+/// `[all]` ones on a Postgres store, plain or partitioned, and the `[pg]` ones written so far
+/// (F-13, Y-03 on both; D-03 to D-06 and P-04, which need siblings, on the partitioned table).
 #[macro_export]
 macro_rules! inbox_suite {
     (postgres: $f:expr) => {
         $crate::inbox_suite!(@all $f);
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::y_03);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::inbox_suite!(@all $f);
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::y_03, pg::d_03, pg::d_04, pg::d_05,
+            pg::p_04, pg::d_06);
     };
     (memory: $f:expr) => {
         $crate::inbox_suite!(@all $f);

@@ -19,7 +19,9 @@ use outbox_diesel::inbox::{DieselInbox, create_inbox_schema, diesel_inbox};
 use outbox_diesel::{Layout, PgPool};
 use outbox_postgres::driver::{Bind, Connection};
 use outbox_postgres::inbox::sql::InboxStatements;
-use outbox_postgres::inbox::testing::{effects, patch, trial_setup, trial_table};
+use outbox_postgres::inbox::testing::{
+    effects, json_rows, patch, plain_sql, trial_setup, trial_table,
+};
 use outbox_postgres::sql::{fixtures, micros};
 use outbox_postgres::testing::{
     ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, connect_patiently, database_url,
@@ -67,6 +69,12 @@ pub struct DieselInboxHarness {
     stmts: Arc<InboxStatements>,
     clock: ManualClock,
     _share: ConnectionShare,
+}
+
+#[derive(QueryableByName)]
+struct JsonText {
+    #[diesel(sql_type = Nullable<Text>)]
+    v: Option<String>,
 }
 
 #[derive(QueryableByName)]
@@ -194,5 +202,24 @@ impl InboxHarness for DieselInboxHarness {
     }
     async fn break_tx(&self, tx: &mut AsyncPgConnection) {
         let _ = diesel::sql_query(effects::BREAK).execute(tx).await;
+    }
+    async fn sql_in(&self, tx: &mut AsyncPgConnection, text: &str) -> Result<(), HandlerError> {
+        tx.batch_execute(text).await.map_err(HandlerError::new)
+    }
+    async fn sql(&self, text: &str) -> Vec<serde_json::Value> {
+        let (sql, query) = plain_sql(&self.stmts.table, &self.schema, text);
+        let mut c = self.pool.get().await.expect("pool");
+        if query {
+            let r: JsonText = diesel::sql_query(sql.clone())
+                .get_result(&mut *c)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            json_rows(r.v)
+        } else {
+            c.batch_execute(&sql)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            Vec::new()
+        }
     }
 }

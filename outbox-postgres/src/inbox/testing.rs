@@ -135,6 +135,36 @@ pub mod effects {
     pub const BREAK: &str = "SELECT pg_terminate_backend(pg_backend_pid())";
 }
 
+/// The suite's plain SQL (`InboxHarness::sql`) ready to run: `{table}` and `{schema}`
+/// replaced; a query (SELECT, WITH, or with RETURNING) wrapped so that it returns its rows as
+/// one JSON array text in a column `v`. Returns the text and whether it is such a query.
+pub fn plain_sql(table: &TableName, schema: &str, text: &str) -> (String, bool) {
+    let t = text
+        .replace("{table}", &table.qualified())
+        .replace("{schema}", &format!("\"{schema}\""));
+    let head = t.trim_start().to_ascii_uppercase();
+    let query =
+        head.starts_with("SELECT") || head.starts_with("WITH") || head.contains("RETURNING");
+    if query {
+        (
+            format!(
+                "WITH q AS ({t}) SELECT COALESCE(json_agg(row_to_json(q)), '[]'::json)::text AS v FROM q"
+            ),
+            true,
+        )
+    } else {
+        (t, false)
+    }
+}
+
+/// The rows of a [`plain_sql`] query's JSON text.
+pub fn json_rows(text: Option<String>) -> Vec<serde_json::Value> {
+    match text.map(|t| serde_json::from_str(&t).expect("json_agg returns JSON")) {
+        Some(serde_json::Value::Array(rows)) => rows,
+        _ => Vec::new(),
+    }
+}
+
 /// The table of a trial: the default name for the layout, in `schema`.
 pub fn trial_table(schema: &str, layout: Layout) -> TableName {
     let t = match layout {
@@ -339,5 +369,32 @@ impl InboxHarness for PgInboxHarness {
     }
     async fn break_tx(&self, tx: &mut Transaction<'static, Postgres>) {
         let _ = sqlx::query(effects::BREAK).execute(&mut **tx).await;
+    }
+    async fn sql_in(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        text: &str,
+    ) -> Result<(), HandlerError> {
+        sqlx::raw_sql(AssertSqlSafe(text.to_owned()))
+            .execute(&mut **tx)
+            .await
+            .map(|_| ())
+            .map_err(HandlerError::new)
+    }
+    async fn sql(&self, text: &str) -> Vec<serde_json::Value> {
+        let (sql, query) = plain_sql(&self.stmts.table, &self.schema, text);
+        if query {
+            let v: Option<String> = sqlx::query_scalar(AssertSqlSafe(sql.clone()))
+                .fetch_one(&self.pool)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            json_rows(v)
+        } else {
+            sqlx::raw_sql(AssertSqlSafe(sql.clone()))
+                .execute(&self.pool)
+                .await
+                .unwrap_or_else(|e| panic!("{sql}: {e}"));
+            Vec::new()
+        }
     }
 }

@@ -1,0 +1,242 @@
+//! The inbox's `[pg]` scenarios (scenarios.md sections 20 to 28): a handler's broken
+//! transaction (F-13, Y-03), the partitioned table's landing and sibling rules (D-03 to D-06,
+//! P-04). They read and write the table with plain SQL
+//! ([`InboxHarness::sql`]), so they run only on the Postgres harnesses.
+
+use std::time::Duration;
+
+use outbox_core::event::Status;
+use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
+use outbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent, RowReport};
+use serde_json::json;
+
+use crate::inbox::ctx::{Ictx, g};
+use crate::inbox::harness::{InboxFactory, InboxHarness};
+use crate::inbox::script::Act;
+
+/// The handler action `sql_error`: a statement the server refuses inside the handler's
+/// transaction, which aborts it until the rollback to the savepoint.
+fn sql_error() -> Act {
+    Act::Sql("SELECT 1/0".into())
+}
+
+fn ev(id: &str, n: i64) -> NewInboxEvent {
+    NewInboxEvent::builder()
+        .message_id(id)
+        .consumer_group("g")
+        .source("src")
+        .event_type("e")
+        .payload_json(json!({"n": n}))
+        .build()
+        .expect("valid")
+}
+
+/// Inserts with plain SQL a pending (or `status`) row of message `id` in group g created
+/// `ago_ms` milliseconds before now, as a writer around the advisory lock (or an older one)
+/// would: the partitioned table can then hold two rows of one dedup key (R164).
+async fn plain_row<H: InboxHarness>(c: &Ictx<H>, id: &str, status: &str, ago_ms: i64, n: i64) {
+    let completed_at = if status == "completed" {
+        "now()"
+    } else {
+        "NULL"
+    };
+    c.h.sql(&format!(
+        "INSERT INTO {{table}} (id, event_type, payload, status, attempts_made, max_attempts, \
+         scheduled_at, completed_at, created_at, updated_at, message_id, consumer_group, source) \
+         VALUES (gen_random_uuid(), 'e', '{{\"n\": {n}}}'::jsonb, '{status}', 0, 6, \
+         now() - INTERVAL '{ago_ms} milliseconds', {completed_at}, \
+         now() - INTERVAL '{ago_ms} milliseconds', now(), '{id}', 'g', 'src')"
+    ))
+    .await;
+}
+
+/// F-13: a handler that breaks its transaction with an SQL error is a counted failure written
+/// in T after the rollback to the savepoint; the next message runs normally (R126, R142, R181).
+pub async fn f_13<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    c.deliver("m1", Some("k1"));
+    c.deliver("m2", Some("k2"));
+    c.script("m1", vec![sql_error()]);
+    c.script("m2", vec![Act::Write]);
+    let r = c.runner().build().unwrap();
+    let a = c.handle(&r).await;
+    assert_eq!(
+        (a.outcome, a.committed, a.guard_failed),
+        (O::Recorded, true, false)
+    );
+    let row = c.row_of("m1").await;
+    assert_eq!((row.status, row.attempts_made), (Status::Pending, 1));
+    let err = row.last_error.unwrap_or_default();
+    assert!(err.contains("division by zero"), "last_error {err:?}");
+    let b = c.handle(&r).await;
+    assert_eq!((b.outcome, b.committed), (O::Completed, true));
+    assert_eq!(c.effects().await, vec!["m2"]);
+}
+
+/// Y-03: one row's broken transaction is its own problem; the cycle's other rows complete
+/// (R152).
+pub async fn y_03<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let m1 = c.land("m1", Some("k1")).await;
+    let m2 = c.land("m2", Some("k2")).await;
+    let m3 = c.land("m3", Some("k3")).await;
+    c.script("m1", vec![sql_error()]);
+    let p = c.processor().build().unwrap();
+    let rep = c.cycle(&p).await;
+    match rep.of(m1.id) {
+        Some(RowReport::Counted { error, .. }) => {
+            assert!(error.contains("division by zero"), "{error}")
+        }
+        other => panic!("m1: {other:?}"),
+    }
+    assert_eq!(rep.of(m2.id), Some(&RowReport::Completed { status: None }));
+    assert_eq!(rep.of(m3.id), Some(&RowReport::Completed { status: None }));
+    let r1 = c.row_of("m1").await;
+    assert!(
+        r1.last_error
+            .unwrap_or_default()
+            .contains("division by zero")
+    );
+    assert_eq!(r1.attempts_made, 1);
+    let mut effects = c.effects().await;
+    effects.sort();
+    assert_eq!(effects, vec!["m2", "m3"]);
+}
+
+/// D-03: the partitioned landing takes the ancestor's advisory lock, with omni-box 0.3.1's
+/// arguments, and a second landing waits for it (R111).
+pub async fn d_03<F: InboxFactory>(f: &F) {
+    for commit in [true, false] {
+        let c = Ictx::new(f).await;
+        let b = c.backend();
+        let mut t1 = b.begin().await.unwrap();
+        let l1 = t1.land(vec![ev("m1", 1)]).await.unwrap();
+        let locks = c
+            .h
+            .sql(
+                "SELECT classid::int8 AS classid, objid::int8 AS objid, objsubid::int8 AS objsubid, \
+                 (hashtext('m1')::int8 & 4294967295) AS want_class, \
+                 (hashtext('g')::int8 & 4294967295) AS want_obj \
+                 FROM pg_locks WHERE locktype = 'advisory' AND granted AND objsubid = 2",
+            )
+            .await;
+        assert!(
+            locks
+                .iter()
+                .any(|l| l["classid"] == l["want_class"] && l["objid"] == l["want_obj"]),
+            "no advisory lock (hashtext('m1'), hashtext('g')) granted: {locks:?}"
+        );
+        let mut t2 = b.begin().await.unwrap();
+        let waiting = t2.land(vec![ev("m1", 2)]);
+        let control = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if commit {
+                t1.commit().await.unwrap();
+            } else {
+                t1.rollback().await;
+            }
+        };
+        let (l2, ()) = tokio::join!(waiting, control);
+        let l2 = l2.unwrap();
+        t2.commit().await.unwrap();
+        if commit {
+            assert_eq!((l2[0].row.id, l2[0].inserted), (l1[0].row.id, false));
+        } else {
+            assert!(l2[0].inserted, "T1 rolled back: T2 inserts its own row");
+        }
+        assert_eq!(b.counts(&g()).await.unwrap()[0].count, 1);
+    }
+}
+
+/// D-04: a completed sibling makes a delivery a duplicate; the landing returns the completed
+/// row (R111).
+pub async fn d_04<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    plain_row(&c, "m1", "pending", 2000, 1).await;
+    plain_row(&c, "m1", "completed", 1000, 2).await;
+    c.deliver("m1", None);
+    c.script("m1", vec![Act::Write]);
+    let r = c.runner().build().unwrap();
+    let res = c.handle(&r).await;
+    assert_eq!((res.outcome, res.committed), (O::Duplicate, true));
+    assert_eq!(c.handler.runs_of("m1"), 0);
+    let mut tx = c.backend().begin().await.unwrap();
+    let l = tx.land(vec![ev("m1", 3)]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        (l[0].row.status, l[0].inserted, l[0].row.payload.clone()),
+        (Status::Completed, false, json!({"n": 2}))
+    );
+}
+
+/// D-05: lookup by message id on the partitioned table returns what a landing returns, the
+/// earliest row when none is completed (R111, R112).
+pub async fn d_05<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    plain_row(&c, "m1", "pending", 2000, 1).await;
+    plain_row(&c, "m1", "pending", 1000, 2).await;
+    let got = c.row_of("m1").await;
+    assert_eq!(got.payload, json!({"n": 1}));
+    let mut tx = c.backend().begin().await.unwrap();
+    let l = tx.land(vec![ev("m1", 3)]).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        (l[0].row.payload.clone(), l[0].inserted),
+        (json!({"n": 1}), false)
+    );
+    let n = c.h.sql("SELECT count(*)::int8 AS n FROM {table}").await;
+    assert_eq!(n[0]["n"], 2, "no row is added");
+}
+
+/// P-04 (amended): a pending row with a completed sibling is completed without a run and
+/// reported as a duplicate_sibling, not left held (R164).
+pub async fn p_04<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    plain_row(&c, "m1", "completed", 2000, 1).await;
+    plain_row(&c, "m1", "pending", 1000, 2).await;
+    let p = c.processor().build().unwrap();
+    let rep = c.cycle(&p).await;
+    assert_eq!(rep.outcomes.len(), 1, "{rep:?}");
+    assert_eq!(
+        rep.outcomes[0].1,
+        RowReport::Duplicate {
+            reason: "duplicate_sibling".into()
+        }
+    );
+    assert_eq!(c.handler.runs_of("m1"), 0);
+    let rows =
+        c.h.sql("SELECT status, locked_at FROM {table} WHERE message_id = 'm1'")
+            .await;
+    assert_eq!(rows.len(), 2);
+    for r in rows {
+        assert_eq!(
+            (r["status"].as_str(), r["locked_at"].is_null()),
+            (Some("completed"), true)
+        );
+    }
+}
+
+/// D-06: two pending siblings in one cycle run once; the later one is a duplicate_sibling
+/// (R164).
+pub async fn d_06<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    plain_row(&c, "m1", "pending", 2000, 1).await;
+    plain_row(&c, "m1", "pending", 1000, 2).await;
+    c.handler.always(Act::Write);
+    let p = c.processor().handler_concurrency(2).build().unwrap();
+    let rep = c.cycle(&p).await;
+    assert_eq!(c.handler.runs_of("m1"), 1, "{rep:?}");
+    let dups = rep
+        .outcomes
+        .iter()
+        .filter(
+            |(_, r)| matches!(r, RowReport::Duplicate { reason } if reason == "duplicate_sibling"),
+        )
+        .count();
+    assert_eq!(dups, 1, "{rep:?}");
+    let rows =
+        c.h.sql("SELECT status FROM {table} WHERE message_id = 'm1'")
+            .await;
+    assert!(rows.iter().all(|r| r["status"] == "completed"), "{rows:?}");
+    assert_eq!(c.effects().await, vec!["m1"]);
+}
