@@ -10,9 +10,10 @@ use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use outbox_core::RepositoryError;
 use outbox_postgres::driver::Bind;
 use outbox_postgres::driver::inbox::{InboxDriver, InboxRawRow, InboxRows};
-use outbox_postgres::inbox::sql::{inbox_ddl, schema_lock_key};
+use outbox_postgres::inbox::schema::create_inbox_schema_on;
 use outbox_postgres::inbox::store::PgInbox;
 use outbox_postgres::sql::{Layout, TableName};
 use serde_json::Value;
@@ -31,26 +32,37 @@ pub fn diesel_inbox(pool: PgPool, table: &TableName, layout: Layout) -> DieselIn
     PgInbox::new(DieselDriver(pool), table, layout)
 }
 
-/// Creates the inbox schema of `table` (Appendix D; idempotent,
-/// `outbox_postgres::inbox::sql::inbox_ddl`) in one transaction under the schema-creation
+/// Creates the inbox schema of `table` (Appendix D; idempotent, R173's index rule: see
+/// `outbox_postgres::inbox::schema`) on `conn` in one transaction under the schema-creation
 /// advisory lock.
 pub async fn create_inbox_schema(
     conn: &mut AsyncPgConnection,
     table: &TableName,
     layout: Layout,
-) -> Result<(), diesel::result::Error> {
+) -> Result<(), RepositoryError> {
     let table = table.clone();
     conn.transaction(async |c| {
-        diesel::sql_query("SELECT pg_advisory_xact_lock(hashtext($1::text))")
-            .bind::<Text, _>(schema_lock_key(&table))
-            .execute(c)
-            .await?;
-        for stmt in inbox_ddl(&table, layout) {
-            diesel::sql_query(stmt).execute(c).await?;
-        }
-        Ok(())
+        create_inbox_schema_on(&mut Diesel(c), &table, layout)
+            .await
+            .map_err(SchemaError::Repository)
     })
     .await
+    .map_err(|e| match e {
+        SchemaError::Repository(e) => e,
+        SchemaError::Diesel(e) => crate::error::map_diesel(&table, e),
+    })
+}
+
+/// An error inside the schema transaction: ours, or diesel's own (its commit, its rollback).
+enum SchemaError {
+    Repository(RepositoryError),
+    Diesel(diesel::result::Error),
+}
+
+impl From<diesel::result::Error> for SchemaError {
+    fn from(e: diesel::result::Error) -> Self {
+        SchemaError::Diesel(e)
+    }
 }
 
 /// The inbox columns, read by name.

@@ -6,6 +6,7 @@
 //! * `sqlx` (feature `sqlx`): the sqlx driver, whose handlers get a sqlx `Transaction`.
 //!   `outbox-diesel` implements the same driver for diesel-async.
 
+pub mod schema;
 pub mod sql;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;

@@ -251,12 +251,13 @@ pub fn ancestor_inbox_ddl(table: &TableName, layout: Layout) -> Vec<String> {
         .collect()
 }
 
-/// The inbox schema this library creates and uses, as statements to run in order in one
-/// transaction (R172): `CREATE SCHEMA IF NOT EXISTS` (when qualified), the table of Appendix D
-/// (`IF NOT EXISTS`), the `partition_key` column (`ADD COLUMN IF NOT EXISTS`), the ancestor's
-/// indexes and the two additions (`IF NOT EXISTS`). Idempotent; on an existing ancestor table
-/// it adds only the column and the indexes missing by name. The partitioned table's partitions
-/// are the user's DDL, as with the ancestor.
+/// The inbox schema as plain statements, to run in order in one transaction (R172):
+/// `CREATE SCHEMA IF NOT EXISTS` (when qualified), the table of Appendix D (`IF NOT EXISTS`),
+/// the `partition_key` column (`ADD COLUMN IF NOT EXISTS`), the ancestor's indexes and the two
+/// additions (`IF NOT EXISTS`, so by name only). Schema creation
+/// ([`crate::inbox::schema::create_inbox_schema_with`]) runs [`InboxSchema`] instead, which also
+/// skips an index present under another name (R173). The partitioned table's partitions are
+/// the user's DDL, as with the ancestor.
 pub fn inbox_ddl(table: &TableName, layout: Layout) -> Vec<String> {
     let mut v = Vec::new();
     if let Some(s) = table.schema() {
@@ -274,6 +275,70 @@ pub fn inbox_ddl(table: &TableName, layout: Layout) -> Vec<String> {
         v.push(create_index(table, ix, true));
     }
     v
+}
+
+/// The schema creation's statements, in the order the flow runs them.
+#[derive(Debug, Clone)]
+pub struct InboxSchema {
+    /// `SELECT pg_advisory_xact_lock(hashtext($1))`, `$1 text` = [`schema_lock_key`].
+    pub lock: String,
+    /// `CREATE SCHEMA`, `CREATE TABLE`, `ADD COLUMN partition_key`, each `IF NOT EXISTS`.
+    pub table: Vec<String>,
+    /// `CREATE TEMP TABLE inbox_probe (LIKE <table>) ON COMMIT DROP`: the probe indexes' table.
+    pub probe_table: String,
+    /// Per index: its name, the probe index on the temp table, and the index itself.
+    pub indexes: Vec<(String, String, String)>,
+    /// `equivalent_index.sql`: `$1 text` the table, `$2 text` the probe index.
+    pub equivalent: String,
+    /// `SELECT count(*)::int8 AS n FROM pg_class WHERE oid = to_regclass($1)`: whether an index of
+    /// this name exists (`$1 text` schema.name).
+    pub exists: String,
+}
+
+impl InboxSchema {
+    /// The schema creation of `table` in `layout`.
+    pub fn new(table: &TableName, layout: Layout) -> Self {
+        let all: Vec<InboxIndex> = ancestor_indexes(table, layout)
+            .into_iter()
+            .chain(addition_indexes(table))
+            .collect();
+        let probe = TableName::new("pg_temp.inbox_probe").expect("valid");
+        let mut t = Vec::new();
+        if let Some(s) = table.schema() {
+            t.push(format!("CREATE SCHEMA IF NOT EXISTS \"{s}\""));
+        }
+        t.push(create_table(table, layout, true));
+        t.push(format!(
+            "ALTER TABLE {} ADD COLUMN IF NOT EXISTS partition_key varchar(255)",
+            table.qualified()
+        ));
+        Self {
+            lock: "SELECT pg_advisory_xact_lock(hashtext($1::text))".into(),
+            table: t,
+            probe_table: format!(
+                "CREATE TEMP TABLE IF NOT EXISTS inbox_probe (LIKE {}) ON COMMIT DROP",
+                table.qualified()
+            ),
+            indexes: all
+                .iter()
+                .enumerate()
+                .map(|(i, ix)| {
+                    let p = InboxIndex {
+                        name: format!("inbox_probe_{i}"),
+                        ..ix.clone()
+                    };
+                    (
+                        ix.name.clone(),
+                        create_index(&probe, &p, true),
+                        create_index(table, ix, true),
+                    )
+                })
+                .collect(),
+            equivalent: render(text::EQUIVALENT_INDEX, table),
+            exists: "SELECT count(*)::int8 AS n FROM pg_class WHERE oid = to_regclass($1::text)"
+                .into(),
+        }
+    }
 }
 
 /// The key of the schema-creation advisory lock (`hashtext`): `inbox-schema:` + the table.
@@ -300,6 +365,7 @@ mod text {
     pub const WAITING: &str = include_str!("../sql/inbox/waiting.sql");
     pub const COUNTS: &str = include_str!("../sql/inbox/counts.sql");
     pub const OLDEST_DUE_AGE: &str = include_str!("../sql/inbox/oldest_due_age.sql");
+    pub const EQUIVALENT_INDEX: &str = include_str!("../sql/inbox/equivalent_index.sql");
     // The outbox's statements whose rule is the same on the inbox table.
     pub const GET: &str = include_str!("../sql/statements/get.sql");
     pub const REQUEUE: &str = include_str!("../sql/statements/requeue.sql");
