@@ -145,6 +145,10 @@ macro_rules! inbox_suite {
         $crate::inbox_suite!(@tests $f; pg::f_13, pg::y_03, pg::d_03, pg::d_04, pg::d_05,
             pg::p_04, pg::d_06);
     };
+    // A partitioned table with one partition for a past month only: E-14.
+    (postgres_past_partition: $f:expr) => {
+        $crate::inbox_suite!(@tests $f; pg::e_14);
+    };
     (memory: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@paused $f; paced::n_19, paced::f_20, paced::f_23, paced::f_26, paced::y_10, paced::y_20,

@@ -177,6 +177,19 @@ struct CountRow {
 
 #[async_trait]
 impl<T: DerefMut<Target = AsyncPgConnection> + Send> InboxRows for Diesel<T> {
+    fn sqlstate(e: &Self::Error) -> Option<String> {
+        use diesel::result::{DatabaseErrorKind as K, Error as E};
+        // diesel keeps the kind, not the code: the class 23 kinds it names.
+        match e {
+            E::DatabaseError(K::CheckViolation, _) => Some("23514".into()),
+            E::DatabaseError(K::NotNullViolation, _) => Some("23502".into()),
+            E::DatabaseError(K::ForeignKeyViolation, _) => Some("23503".into()),
+            E::DatabaseError(K::UniqueViolation, _) => Some("23505".into()),
+            E::DatabaseError(K::ExclusionViolation, _) => Some("23P01".into()),
+            _ => None,
+        }
+    }
+
     async fn inbox_rows(
         &mut self,
         sql: &str,

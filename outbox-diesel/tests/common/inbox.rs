@@ -35,6 +35,7 @@ use super::{patient_pool, url_in_new_york};
 #[derive(Debug, Clone, Copy)]
 pub struct DieselInboxFactory {
     layout: Layout,
+    past_only: bool,
 }
 
 impl DieselInboxFactory {
@@ -42,12 +43,21 @@ impl DieselInboxFactory {
     pub fn plain() -> Self {
         Self {
             layout: Layout::Plain,
+            past_only: false,
         }
     }
     /// Trials on the partitioned table (one DEFAULT partition).
     pub fn partitioned() -> Self {
         Self {
             layout: Layout::Partitioned,
+            past_only: false,
+        }
+    }
+    /// Trials on the partitioned table with one partition for a past month only (E-14).
+    pub fn past_partition_only() -> Self {
+        Self {
+            layout: Layout::Partitioned,
+            past_only: true,
         }
     }
 }
@@ -56,7 +66,7 @@ impl DieselInboxFactory {
 impl InboxFactory for DieselInboxFactory {
     type Harness = DieselInboxHarness;
     async fn create(&self) -> Arc<DieselInboxHarness> {
-        Arc::new(DieselInboxHarness::create(self.layout).await)
+        Arc::new(DieselInboxHarness::create(self.layout, self.past_only).await)
     }
 }
 
@@ -85,7 +95,7 @@ struct MessageId {
 
 impl DieselInboxHarness {
     /// A fresh schema with the inbox table in `layout`.
-    pub async fn create(layout: Layout) -> Self {
+    pub async fn create(layout: Layout, past_only: bool) -> Self {
         let url = database_url();
         let schema = fresh_schema_name();
         let table = trial_table(&schema, layout);
@@ -96,7 +106,7 @@ impl DieselInboxHarness {
         create_inbox_schema(&mut conn, &table, layout)
             .await
             .expect("inbox schema creation");
-        for s in trial_setup(&schema, &table, layout) {
+        for s in trial_setup(&schema, &table, layout, past_only) {
             conn.batch_execute(&s).await.expect("trial setup");
         }
         drop(conn);

@@ -129,6 +129,10 @@ impl InboxRawRow {
 /// The inbox statements' row shapes on a [`Connection`].
 #[async_trait]
 pub trait InboxRows: Connection {
+    /// The SQLSTATE of a database error, when the driver knows it: the inbox store reads
+    /// classes 22 and 23 as the database refusing the message (R132).
+    fn sqlstate(e: &Self::Error) -> Option<String>;
+
     /// Rows of [`crate::inbox::sql::INBOX_COLUMNS`], read column by column.
     async fn inbox_rows(
         &mut self,

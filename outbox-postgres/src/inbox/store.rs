@@ -104,9 +104,21 @@ fn one(rows: Vec<InboxRawRow>) -> Result<Option<InboxEvent>, RepositoryError> {
     rows.into_iter().next().map(InboxRawRow::decode).transpose()
 }
 
-/// The driver's error mapped for the table.
-fn mapped<C: Connection>(table: &TableName) -> impl Fn(C::Error) -> RepositoryError + '_ {
-    move |e| C::map_err(table, e)
+/// The driver's error mapped for the table. An error of SQLSTATE class 22 or 23 is the
+/// database refusing the message (R132): [`RepositoryError::Constraint`] with the text
+/// `{SQLSTATE}: {message}`, which the runner dead-letters.
+fn mapped<C: InboxRows>(table: &TableName) -> impl Fn(C::Error) -> RepositoryError + '_ {
+    move |e| match C::sqlstate(&e) {
+        Some(code) if code.starts_with("22") || code.starts_with("23") => {
+            RepositoryError::Constraint {
+                message: format!(
+                    "{code}: {}",
+                    C::server_message(&e).map_or_else(|| e.to_string(), str::to_owned)
+                ),
+            }
+        }
+        _ => C::map_err(table, e),
+    }
 }
 
 impl<D: Driver> PgInbox<D>

@@ -175,12 +175,23 @@ pub fn trial_table(schema: &str, layout: Layout) -> TableName {
 }
 
 /// The statements that set up a trial's schema after the inbox DDL: the DEFAULT partition of
-/// a partitioned table and the effects table.
-pub fn trial_setup(schema: &str, table: &TableName, layout: Layout) -> Vec<String> {
+/// a partitioned table (or, with `past_only`, one partition for January 2000 only, so that a
+/// landing now is refused with SQLSTATE 23514: E-14) and the effects table.
+pub fn trial_setup(
+    schema: &str,
+    table: &TableName,
+    layout: Layout,
+    past_only: bool,
+) -> Vec<String> {
     let mut v = Vec::new();
     if layout == Layout::Partitioned {
+        let bounds = if past_only {
+            "FOR VALUES FROM ('2000-01-01 00:00:00+00') TO ('2000-02-01 00:00:00+00')"
+        } else {
+            "DEFAULT"
+        };
         v.push(format!(
-            "CREATE TABLE IF NOT EXISTS \"{schema}\".\"{}_default\" PARTITION OF {} DEFAULT",
+            "CREATE TABLE IF NOT EXISTS \"{schema}\".\"{}_part\" PARTITION OF {} {bounds}",
             table.table(),
             table.qualified()
         ));
@@ -193,6 +204,7 @@ pub fn trial_setup(schema: &str, table: &TableName, layout: Layout) -> Vec<Strin
 #[derive(Debug, Clone, Copy)]
 pub struct PgInboxFactory {
     layout: Layout,
+    past_only: bool,
 }
 
 impl PgInboxFactory {
@@ -200,12 +212,21 @@ impl PgInboxFactory {
     pub fn plain() -> Self {
         Self {
             layout: Layout::Plain,
+            past_only: false,
         }
     }
     /// Trials on the partitioned table (one DEFAULT partition).
     pub fn partitioned() -> Self {
         Self {
             layout: Layout::Partitioned,
+            past_only: false,
+        }
+    }
+    /// Trials on the partitioned table with one partition for a past month only (E-14).
+    pub fn past_partition_only() -> Self {
+        Self {
+            layout: Layout::Partitioned,
+            past_only: true,
         }
     }
 }
@@ -214,7 +235,7 @@ impl PgInboxFactory {
 impl InboxFactory for PgInboxFactory {
     type Harness = PgInboxHarness;
     async fn create(&self) -> Arc<PgInboxHarness> {
-        Arc::new(PgInboxHarness::create(self.layout).await)
+        Arc::new(PgInboxHarness::create_with(self.layout, self.past_only).await)
     }
 }
 
@@ -240,6 +261,11 @@ impl std::fmt::Debug for PgInboxHarness {
 impl PgInboxHarness {
     /// A fresh schema with the inbox table in `layout`.
     pub async fn create(layout: Layout) -> Self {
+        Self::create_with(layout, false).await
+    }
+
+    /// [`PgInboxHarness::create`]; `past_only` as [`trial_setup`].
+    pub async fn create_with(layout: Layout, past_only: bool) -> Self {
         let url = database_url();
         let schema = fresh_schema_name();
         let table = trial_table(&schema, layout);
@@ -248,7 +274,7 @@ impl PgInboxHarness {
         create_inbox_schema(&pool, &table, layout)
             .await
             .expect("inbox schema creation");
-        for s in trial_setup(&schema, &table, layout) {
+        for s in trial_setup(&schema, &table, layout, past_only) {
             sqlx::raw_sql(AssertSqlSafe(s))
                 .execute(&pool)
                 .await

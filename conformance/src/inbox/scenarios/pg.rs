@@ -1,12 +1,13 @@
 //! The inbox's `[pg]` scenarios (scenarios.md sections 20 to 28): a handler's broken
 //! transaction (F-13, Y-03), the partitioned table's landing and sibling rules (D-03 to D-06,
-//! P-04). They read and write the table with plain SQL
+//! P-04), a message the database refuses (E-14). They read and write the table with plain SQL
 //! ([`InboxHarness::sql`]), so they run only on the Postgres harnesses.
 
 use std::time::Duration;
 
 use outbox_core::event::Status;
 use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
+use outbox_core::inbox::scripted::AckOp;
 use outbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent, RowReport};
 use serde_json::json;
 
@@ -239,4 +240,41 @@ pub async fn d_06<F: InboxFactory>(f: &F) {
             .await;
     assert!(rows.iter().all(|r| r["status"] == "completed"), "{rows:?}");
     assert_eq!(c.effects().await, vec!["m1"]);
+}
+
+/// E-14: a message the database refuses (a partitioned table without a partition for now:
+/// SQLSTATE 23514) is dead-lettered and terminated, every time; under at_most_once it was
+/// committed before, and is copied only (R132, R139, R140). Needs a harness whose partitioned
+/// table has one partition for a past month only.
+pub async fn e_14<F: InboxFactory>(f: &F) {
+    let prefix = "invalid message: database refused the message: 23514: ";
+    for at_most_once in [false, true] {
+        let c = Ictx::new(f).await;
+        let i = c.deliver("m1", None);
+        c.script("m1", vec![Act::Write]);
+        let r = c.runner().at_most_once(at_most_once).build().unwrap();
+        let res = c.handle(&r).await;
+        assert_eq!(
+            (res.outcome, res.invalid_label),
+            (O::Invalid, Some("db_refused")),
+            "at_most_once {at_most_once}: {res:?}"
+        );
+        let dl = c.sub.dead_letters();
+        assert_eq!(dl.len(), 1, "one dead-letter copy");
+        assert!(dl[0].reason.starts_with(prefix), "{}", dl[0].reason);
+        if at_most_once {
+            assert_eq!(c.sub.acks(i), vec![AckOp::Commit]);
+        } else {
+            assert_eq!(c.sub.acks(i), vec![AckOp::Term(dl[0].reason.clone())]);
+            c.duplicate("m1");
+            let again = c.handle(&r).await;
+            assert_eq!(
+                (again.outcome, again.invalid_label),
+                (O::Invalid, Some("db_refused"))
+            );
+            assert_eq!(c.sub.dead_letters().len(), 2);
+        }
+        assert_eq!(c.handler.runs().len(), 0);
+        assert!(c.backend().counts(&g()).await.unwrap().is_empty(), "no row");
+    }
 }

@@ -40,6 +40,13 @@ fn inbox_raw_row(r: &PgRow) -> Result<InboxRawRow, sqlx::Error> {
 
 #[async_trait]
 impl InboxRows for PgConnection {
+    fn sqlstate(e: &sqlx::Error) -> Option<String> {
+        match e {
+            sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+
     async fn inbox_rows(
         &mut self,
         sql: &str,
