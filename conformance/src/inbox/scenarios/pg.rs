@@ -278,3 +278,132 @@ pub async fn e_14<F: InboxFactory>(f: &F) {
         assert!(c.backend().counts(&g()).await.unwrap().is_empty(), "no row");
     }
 }
+
+/// F-21: a timed-out handler's statement does not outlive the run: the server's statement
+/// timeout (the handler timeout, set in the savepoint) ends it, the failure is recorded within
+/// a second, and the next run reads the statement timeout as the handler timeout (R165, R181).
+pub async fn f_21<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    c.deliver("m1", Some("k1"));
+    c.deliver("m2", Some("k2"));
+    c.script("m1", vec![Act::Sql("SELECT pg_sleep(10)".into())]);
+    // Completes only when its run reads statement_timeout = 200ms.
+    c.script(
+        "m2",
+        vec![Act::Sql(
+            "DO $$ BEGIN IF current_setting('statement_timeout') <> '200ms' THEN \
+             RAISE EXCEPTION 'statement_timeout is %', current_setting('statement_timeout'); \
+             END IF; END $$"
+                .into(),
+        )],
+    );
+    let r = c
+        .runner()
+        .handler_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let start = std::time::Instant::now();
+    let a = c.handle(&r).await;
+    let took = start.elapsed();
+    assert_eq!((a.outcome, a.committed), (O::Recorded, true), "{a:?}");
+    assert!(took < Duration::from_secs(1), "m1 took {took:?}");
+    let row = c.row_of("m1").await;
+    assert_eq!(
+        (row.status, row.attempts_made, row.last_error.as_deref()),
+        (
+            Status::Pending,
+            1,
+            Some("Handler execution timed out after 0.2s")
+        )
+    );
+    let sleeping =
+        c.h.sql(
+            "SELECT pid FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep(10)%' \
+             AND state = 'active'",
+        )
+        .await;
+    assert!(sleeping.is_empty(), "still sleeping: {sleeping:?}");
+    let b = c.handle(&r).await;
+    assert_eq!((b.outcome, b.committed), (O::Completed, true), "{b:?}");
+}
+
+/// Z-04: a row landed the ancestor's way is run here, and every row this library writes keeps
+/// the ancestor's invariants (R172, R174).
+pub async fn z_04<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    // As omni-box 0.3.1's runner lands it: UUIDv4, application-clock created_at, scheduled_at
+    // 7 µs later, headers null, no partition_key, updated_at from the column default.
+    c.h.sql(
+        "INSERT INTO {table} (id, event_type, payload, headers, status, attempts_made, \
+         max_attempts, scheduled_at, created_at, message_id, consumer_group, source) \
+         VALUES (gen_random_uuid(), 'e', '{\"n\": 1}'::jsonb, NULL, 'pending', 0, 6, \
+         now() + INTERVAL '7 microseconds', now(), 'omni-1', 'g', 'omni')",
+    )
+    .await;
+    // One row in each state, produced here.
+    for (id, act) in [
+        ("done", Act::Write),
+        ("counted", Act::Fail("x".into())),
+        ("transient", Act::Transient("y".into())),
+    ] {
+        c.deliver(id, Some(id));
+        c.script(id, vec![act]);
+    }
+    let r = c.runner().build().unwrap();
+    for _ in 0..3 {
+        c.handle(&r).await;
+    }
+    c.deliver("amo", None);
+    c.script("amo", vec![Act::Fail("z".into())]);
+    c.handle(&c.runner().at_most_once(true).build().unwrap())
+        .await;
+    c.deliver("landed", Some("l"));
+    c.handle(&c.bare_runner().build().unwrap()).await;
+    c.land("held", Some("h")).await;
+    let req = outbox_core::inbox::InboxFetchRequest::new(
+        outbox_core::event::WorkerId::new("w9").unwrap(),
+        g(),
+        10,
+    );
+    let mut req = req;
+    req.sources = Some(vec!["src".into()]);
+    let held = c.backend().fetch_and_lock(&req).await.unwrap();
+    assert!(held.iter().any(|r| r.message_id == "held"));
+    // One processor cycle over the ancestor's row.
+    c.handler.always(Act::Write);
+    let p = c.processor().sources(["omni"]).build().unwrap();
+    let rep = c.cycle(&p).await;
+    assert_eq!(rep.outcomes.len(), 1, "{rep:?}");
+    assert_eq!(rep.outcomes[0].1, RowReport::Completed { status: None });
+    let rows = c
+        .h
+        .sql(
+            "SELECT message_id, status, attempts_made, max_attempts, updated_at IS NOT NULL AS updated, \
+             completed_at IS NOT NULL AS completed, (locked_at IS NULL) = (locked_by IS NULL) AS lock_ok, \
+             scheduled_at >= created_at - INTERVAL '60 seconds' \
+               AND scheduled_at <= created_at + INTERVAL '31536000 seconds' AS sched_ok, \
+             (headers IS NULL OR (jsonb_typeof(headers) = 'object' \
+               AND (SELECT count(*) FROM jsonb_each(headers)) <= 100 \
+               AND NOT EXISTS (SELECT 1 FROM jsonb_each(headers) e WHERE jsonb_typeof(e.value) <> 'string'))) AS headers_ok, \
+             (jsonb_typeof(payload) = 'object' AND payload <> '{}'::jsonb) AS payload_ok \
+             FROM {table}",
+        )
+        .await;
+    assert_eq!(rows.len(), 7, "{rows:?}");
+    for r in &rows {
+        let status = r["status"].as_str().unwrap();
+        assert!(["pending", "completed", "failed"].contains(&status), "{r}");
+        assert_eq!(r["completed"], status == "completed", "{r}");
+        assert!(
+            r["attempts_made"].as_i64() <= r["max_attempts"].as_i64(),
+            "{r}"
+        );
+        for k in ["updated", "lock_ok", "sched_ok", "headers_ok", "payload_ok"] {
+            assert_eq!(r[k], true, "{k}: {r}");
+        }
+    }
+    let omni = rows.iter().find(|r| r["message_id"] == "omni-1").unwrap();
+    assert_eq!(omni["status"], "completed");
+    let amo = rows.iter().find(|r| r["message_id"] == "amo").unwrap();
+    assert_eq!(amo["status"], "failed");
+}
