@@ -1,25 +1,26 @@
 //! The diesel-async driver of `outbox_postgres::driver` (semver-exempt): [`DieselDriver`] on
 //! a deadpool pool, statements on [`Diesel`], a wrapper of an [`AsyncPgConnection`]. Every
 //! statement is prepared once per connection ([`Prepared`]).
-//!
-//! NOTE (h-pginbox): a minimal stand-in with the names and shapes of the diesel driver being
-//! written on h-flow (issue 20), so the inbox store runs on diesel before that lands; on merge,
-//! take h-flow's version of this file.
 
 use std::ops::{Deref, DerefMut};
 
 use async_trait::async_trait;
+use chrono::{DateTime, Utc};
 use diesel::pg::Pg;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Nullable, Text, Timestamptz};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 use outbox_core::RepositoryError;
+use outbox_core::repository::{BlockedKey, Fetched};
+use outbox_postgres::driver::outbox::{AppliedRow, CountRow, OutboxDriver, OutboxRows};
 use outbox_postgres::driver::{Bind, Connection, Driver};
-use outbox_postgres::sql::TableName;
+use outbox_postgres::sql::{RawRow, TableName};
+use uuid::Uuid;
 
 use crate::error::{map_diesel, map_pool};
 use crate::pool::{PgPool, PooledConnection};
 use crate::prepared::Prepared;
+use crate::row::{AgeRow, BlockedRow, FetchedRow, HeadRow, IsolationRow, NowRow, OutboxRow};
 
 type SqlUuid = diesel::sql_types::Uuid;
 type Boxed<'a> = BoxedSqlQuery<'a, Pg, SqlQuery>;
@@ -48,7 +49,6 @@ fn bind_all(mut q: Boxed<'_>, binds: Vec<Bind>) -> Boxed<'_> {
     q
 }
 
-/// A statement with its binds, prepared once per connection.
 pub(crate) fn query(sql: &str, binds: Vec<Bind>) -> Prepared<Boxed<'_>> {
     Prepared(bind_all(diesel::sql_query(sql).into_boxed(), binds))
 }
@@ -85,6 +85,78 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> Connection for Diesel<T> {
     }
 }
 
+#[async_trait]
+impl<T: DerefMut<Target = AsyncPgConnection> + Send> OutboxRows for Diesel<T> {
+    async fn heads(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<(Option<Uuid>, String, String)>, Self::Error> {
+        let rows: Vec<HeadRow> = query(sql, binds).load(&mut *self.0).await?;
+        Ok(rows
+            .into_iter()
+            .map(|h| (h.head_id, h.topic, h.partition_key))
+            .collect())
+    }
+
+    async fn fetched(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<Fetched>, Self::Error> {
+        let rows: Vec<FetchedRow> = query(sql, binds).load(&mut *self.0).await?;
+        Ok(rows.into_iter().map(|r| r.0).collect())
+    }
+
+    async fn events(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<RawRow>, Self::Error> {
+        let rows: Vec<OutboxRow> = query(sql, binds).load(&mut *self.0).await?;
+        Ok(rows.into_iter().map(RawRow::from).collect())
+    }
+
+    async fn applied(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<AppliedRow>, Self::Error> {
+        let rows: Vec<crate::row::AppliedRow> = query(sql, binds).load(&mut *self.0).await?;
+        Ok(rows
+            .into_iter()
+            .map(|r| AppliedRow {
+                id: r.id,
+                status: r.status,
+                attempts_made: r.attempts_made,
+                scheduled_at: r.scheduled_at,
+            })
+            .collect())
+    }
+
+    async fn blocked(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<BlockedKey>, Self::Error> {
+        let rows: Vec<BlockedRow> = query(sql, binds).load(&mut *self.0).await?;
+        Ok(rows.into_iter().map(BlockedKey::from).collect())
+    }
+
+    async fn counts(&mut self, sql: &str) -> Result<Vec<CountRow>, Self::Error> {
+        let rows: Vec<crate::row::CountRow> = query(sql, Vec::new()).load(&mut *self.0).await?;
+        Ok(rows.into_iter().map(CountRow::from).collect())
+    }
+
+    async fn now(&mut self, sql: &str) -> Result<DateTime<Utc>, Self::Error> {
+        // The shared text is `SELECT now()`, whose column PostgreSQL names `now`.
+        let r: NowRow = query(sql, Vec::new()).get_result(&mut *self.0).await?;
+        Ok(r.now)
+    }
+
+    async fn isolation(&mut self, sql: &str, binds: Vec<Bind>) -> Result<String, Self::Error> {
+        let r: IsolationRow = query(sql, binds).get_result(&mut *self.0).await?;
+        Ok(r.isolation)
+    }
+
+    async fn age_us(&mut self, sql: &str) -> Result<Option<i64>, Self::Error> {
+        let r: AgeRow = query(sql, Vec::new()).get_result(&mut *self.0).await?;
+        Ok(r.age_us)
+    }
+}
+
 /// The diesel-async driver: a deadpool pool of [`AsyncPgConnection`]s.
 #[derive(Clone)]
 pub struct DieselDriver(pub PgPool);
@@ -100,6 +172,13 @@ impl std::fmt::Debug for DieselDriver {
 impl From<PgPool> for DieselDriver {
     fn from(pool: PgPool) -> Self {
         Self(pool)
+    }
+}
+
+impl DieselDriver {
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.0
     }
 }
 
@@ -169,4 +248,8 @@ impl Driver for DieselDriver {
         drop(tx.0.take());
         Ok(())
     }
+}
+
+impl OutboxDriver for DieselDriver {
+    type Writer = crate::DieselOutboxWriter;
 }

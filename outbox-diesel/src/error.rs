@@ -62,6 +62,12 @@ pub enum Error {
     Repository(#[from] RepositoryError),
 }
 
+impl From<outbox_core::ConfigError> for Error {
+    fn from(e: outbox_core::ConfigError) -> Self {
+        Error::Config(e.to_string())
+    }
+}
+
 /// Maps a diesel query error on `table` into the repository vocabulary.
 ///
 /// This differs from the sqlx backend's `outbox_postgres::map_err`, which classifies by SQLSTATE

@@ -7,34 +7,25 @@
 //! ([`AsyncPgConnection::notifications_stream`]) and wakes relays (`Relay::waker()`), which then
 //! start a cycle at once instead of waiting for their poll interval.
 //!
-//! When the listening connection is lost (server restart, `pg_terminate_backend`), the listener
-//! connects again with a back-off (100 ms doubling to 5 s) and, once LISTEN is back, wakes every
-//! relay once: notifications sent meanwhile are lost, and the extra cycle picks up their rows.
-//! Until then the relays poll. Checked by this crate's `tests/listen.rs`.
+//! Reconnecting after a lost connection is `outbox_postgres::wake`'s. Checked by this crate's
+//! `tests/listen.rs`.
 
 use std::sync::Arc;
-use std::time::Duration;
 
+use async_trait::async_trait;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use futures::StreamExt;
+use outbox_postgres::sql::TableName;
+use outbox_postgres::wake::{Listening, WakeSource};
+pub use outbox_postgres::wake::{RECONNECT_MAX, RECONNECT_MIN};
 use tokio::sync::Notify;
-use tokio::task::JoinHandle;
 
 use crate::error::Error;
-use outbox_postgres::sql::TableName;
-
-/// First wait before connecting the listener again; it doubles up to [`RECONNECT_MAX`].
-pub const RECONNECT_MIN: Duration = Duration::from_millis(100);
-/// Longest wait between two attempts to connect the listener again.
-pub const RECONNECT_MAX: Duration = Duration::from_secs(5);
 
 /// A task that wakes relays on each notification of an outbox table's channel. Dropping it
 /// stops the task.
 #[derive(Debug)]
-pub struct WakeListener {
-    task: JoinHandle<()>,
-    channel: String,
-}
+pub struct WakeListener(Listening);
 
 impl WakeListener {
     /// Connects to `database_url` (a connection of its own, outside any pool), LISTENs on the
@@ -47,26 +38,19 @@ impl WakeListener {
         wakers: Vec<Arc<Notify>>,
     ) -> Result<Self, Error> {
         let channel = table.notify_channel();
-        let conn = listen(database_url, &channel)
-            .await
-            .map_err(|e| Error::Listen {
-                channel: channel.clone(),
-                message: e,
-            })?;
-        tracing::debug!(%channel, "listening for wake-ups");
-        let task = tokio::spawn(run(conn, database_url.to_owned(), channel.clone(), wakers));
-        Ok(Self { task, channel })
+        Listening::spawn(
+            DieselSource(database_url.to_owned()),
+            channel.clone(),
+            wakers,
+        )
+        .await
+        .map(Self)
+        .map_err(|message| Error::Listen { channel, message })
     }
 
     /// The channel listened on.
     pub fn channel(&self) -> &str {
-        &self.channel
-    }
-}
-
-impl Drop for WakeListener {
-    fn drop(&mut self) {
-        self.task.abort();
+        self.0.channel()
     }
 }
 
@@ -76,52 +60,35 @@ fn listen_sql(channel: &str) -> String {
     format!("LISTEN \"{}\"", channel.replace('"', "\"\""))
 }
 
-async fn listen(url: &str, channel: &str) -> Result<AsyncPgConnection, String> {
-    let mut conn = AsyncPgConnection::establish(url)
-        .await
-        .map_err(|e| e.to_string())?;
-    diesel::sql_query(listen_sql(channel))
-        .execute(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(conn)
-}
+struct DieselSource(String);
 
-fn wake_all(wakers: &[Arc<Notify>]) {
-    wakers.iter().for_each(|w| w.notify_one());
-}
+#[async_trait]
+impl WakeSource for DieselSource {
+    type Conn = AsyncPgConnection;
 
-async fn run(mut conn: AsyncPgConnection, url: String, channel: String, wakers: Vec<Arc<Notify>>) {
-    loop {
-        {
-            let mut stream = std::pin::pin!(conn.notifications_stream());
-            loop {
-                match stream.next().await {
-                    Some(Ok(_)) => wake_all(&wakers),
-                    Some(Err(e)) => {
-                        tracing::warn!(%channel, error = %e, "LISTEN connection failed; reconnecting (the relays poll meanwhile)");
-                        break;
-                    }
-                    None => {
-                        tracing::warn!(%channel, "LISTEN connection lost; reconnecting (the relays poll meanwhile)");
-                        break;
-                    }
-                }
+    async fn listen(&self, channel: &str) -> Result<AsyncPgConnection, String> {
+        let mut conn = AsyncPgConnection::establish(&self.0)
+            .await
+            .map_err(|e| e.to_string())?;
+        diesel::sql_query(listen_sql(channel))
+            .execute(&mut conn)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(conn)
+    }
+
+    async fn until_lost(
+        &self,
+        conn: &mut AsyncPgConnection,
+        wake: &(dyn Fn() + Sync),
+    ) -> Option<String> {
+        let mut stream = std::pin::pin!(conn.notifications_stream());
+        loop {
+            match stream.next().await {
+                Some(Ok(_)) => wake(),
+                Some(Err(e)) => return Some(e.to_string()),
+                None => return None,
             }
         }
-        drop(conn);
-        let mut wait = RECONNECT_MIN;
-        conn = loop {
-            match listen(&url, &channel).await {
-                Ok(c) => break c,
-                Err(e) => {
-                    tracing::debug!(%channel, error = %e, retry_in = ?wait, "LISTEN reconnect failed");
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(RECONNECT_MAX);
-                }
-            }
-        };
-        tracing::info!(%channel, "LISTEN connection back; waking the relays once for what was missed");
-        wake_all(&wakers);
     }
 }

@@ -9,9 +9,8 @@ use diesel::deserialize::{self, FromSql, QueryableByName as BuildByName};
 use diesel::pg::Pg;
 use diesel::row::NamedRow;
 use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
-use outbox_core::RepositoryError;
-use outbox_core::event::{OutboxEvent, Status};
-use outbox_core::repository::{BlockedKey, Fetched, OutcomeResult, StatusCount, UndecodableRow};
+
+use outbox_core::repository::{BlockedKey, Fetched, UndecodableRow};
 use outbox_postgres::sql::RawRow;
 use serde_json::Value;
 use uuid::Uuid;
@@ -73,15 +72,6 @@ impl From<OutboxRow> for RawRow {
             topic: r.topic,
             partition_key: r.partition_key,
         }
-    }
-}
-
-impl OutboxRow {
-    /// A row read outside a fetch; an undecodable one is an error naming it.
-    pub(crate) fn into_event(self) -> Result<OutboxEvent, RepositoryError> {
-        RawRow::from(self).decode().map_err(|u| {
-            RepositoryError::Other(format!("row {} cannot be decoded: {}", u.id, u.reason))
-        })
     }
 }
 
@@ -161,22 +151,6 @@ pub(crate) struct AppliedRow {
     pub scheduled_at: DateTime<Utc>,
 }
 
-impl AppliedRow {
-    pub(crate) fn result(self) -> Result<(Uuid, OutcomeResult), RepositoryError> {
-        let status = self.status.parse::<Status>().map_err(|e| {
-            RepositoryError::Other(format!("outcome write of {} returned {e}", self.id))
-        })?;
-        Ok((
-            self.id,
-            OutcomeResult::Applied {
-                status,
-                attempts_made: self.attempts_made,
-                scheduled_at: self.scheduled_at,
-            },
-        ))
-    }
-}
-
 /// `SELECT now()`.
 #[derive(Debug, QueryableByName)]
 pub(crate) struct NowRow {
@@ -248,16 +222,21 @@ pub(crate) struct CountRow {
     count: i64,
 }
 
-impl CountRow {
-    /// None for a status this library never writes (R2), which is not one of the three.
-    pub(crate) fn into_count(self) -> Option<StatusCount> {
-        let status = self.status.parse::<Status>().ok()?;
-        Some(StatusCount {
-            topic: self.topic,
-            status,
-            count: self.count,
-        })
+impl From<CountRow> for outbox_postgres::driver::outbox::CountRow {
+    fn from(r: CountRow) -> Self {
+        Self {
+            topic: r.topic,
+            status: r.status,
+            count: r.count,
+        }
     }
+}
+
+/// The row of `Statements::idempotency_lock`.
+#[derive(Debug, QueryableByName)]
+pub(crate) struct IsolationRow {
+    #[diesel(sql_type = Text)]
+    pub isolation: String,
 }
 
 /// The oldest-due-age statement.

@@ -14,10 +14,10 @@ use std::time::Instant;
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
+use outbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use outbox_postgres::sql::{FetchParams, HeadRows, WalkCursor};
 use outbox_postgres::testing::shapes::{self, Shape};
 use outbox_postgres::testing::{PgHarness, database_url};
-use outbox_postgres::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use sqlx::{AssertSqlSafe, Row};
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -4,24 +4,28 @@
 pub mod driver;
 pub mod error;
 pub mod inbox;
+pub mod outbox;
 pub mod shared;
 pub mod sql;
+pub mod wake;
 
 #[cfg(feature = "sqlx")]
-mod backend;
-#[cfg(feature = "sqlx")]
 pub mod listen;
+#[cfg(feature = "sqlx")]
+mod repository;
+#[cfg(feature = "sqlx")]
+mod schema;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-#[cfg(feature = "sqlx")]
-pub use backend::{
-    PgConfig, PgOutboxRepository, PgOutboxWriter, bind_fetch_heads, bind_fetch_take, create_schema,
-    create_schema_with, ensure_partitions, fetch_rows, fetched_row, map_err, raw_row,
-};
 pub use error::Error;
 #[cfg(feature = "sqlx")]
 pub use listen::WakeListener;
+pub use outbox::PgConfig;
+#[cfg(feature = "sqlx")]
+pub use repository::{PgOutboxRepository, PgOutboxWriter};
+#[cfg(feature = "sqlx")]
+pub use schema::{create_schema, create_schema_with, ensure_partitions};
 pub use sql::{Layout, TableName};
 /// The sqlx this crate is built with: name its types as `outbox_postgres::sqlx::…`, so your pool
 /// and transactions are the ones the writer and the repository take, whatever sqlx you depend on.

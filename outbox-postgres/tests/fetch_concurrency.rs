@@ -6,10 +6,11 @@ use std::time::Duration;
 
 use outbox_core::event::{NewEvent, WorkerId};
 use outbox_core::repository::{FetchRequest, OutboxRepository};
+use outbox_postgres::PgOutboxWriter;
+use outbox_postgres::driver::sqlx::fetch_rows;
 use outbox_postgres::sql::WalkCursor;
 use outbox_postgres::testing::shapes::{self, Shape};
 use outbox_postgres::testing::{PgHarness, database_url};
-use outbox_postgres::{PgOutboxWriter, fetch_rows};
 use uuid::Uuid;
 
 async fn write_one(h: &PgHarness, key: &str) -> Uuid {
@@ -125,7 +126,7 @@ async fn two_open_fetches_take_disjoint_full_batches() {
     .await
     .expect("never waits")
     .unwrap();
-    let id = |r: &sqlx::postgres::PgRow| -> Uuid { sqlx::Row::get(r, "id") };
+    let id = |r: &outbox_core::repository::Fetched| -> Uuid { r.id() };
     let (got1, got2): (Vec<Uuid>, Vec<Uuid>) =
         (got1.iter().map(id).collect(), got2.iter().map(id).collect());
     t1.rollback().await.unwrap();

@@ -7,10 +7,10 @@
 
 use outbox_core::event::WorkerId;
 use outbox_core::repository::FetchRequest;
+use outbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use outbox_postgres::sql::{FetchParams, HeadRows, TableName, WalkCursor};
 use outbox_postgres::testing::PgHarness;
 use outbox_postgres::testing::shapes::{self, Shape};
-use outbox_postgres::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use sqlx::{AssertSqlSafe, Row};
 
 fn seq_scans(plan: &serde_json::Value, table: &str, out: &mut Vec<String>) {
@@ -197,7 +197,7 @@ async fn fetched_heads_follow_the_head_rule_on_random_tables() {
             .await
             .expect("fetch")
             .iter()
-            .map(|r| r.try_get("id").unwrap())
+            .map(|r| r.id())
             .collect();
             tx.rollback().await.unwrap();
             assert_eq!(
@@ -256,9 +256,9 @@ mod plan_stability {
 
     use outbox_core::event::WorkerId;
     use outbox_core::repository::FetchRequest;
+    use outbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take};
     use outbox_postgres::sql::{FetchParams, HeadRows, Statements, TableName};
     use outbox_postgres::testing::PgHarness;
-    use outbox_postgres::{bind_fetch_heads, bind_fetch_take};
     use serde_json::Value;
     use sqlx::{AssertSqlSafe, PgConnection, Row};
     use uuid::Uuid;

@@ -332,7 +332,7 @@ async fn serializable_writers_of_one_key_end_with_one_row() {
             let r = w.write(&mut t2, vec![ev("k", Some("ik"), 2)]).await?;
             t2.commit()
                 .await
-                .map_err(|e| outbox_postgres::map_err(&TableName::default(), e))?;
+                .map_err(|e| outbox_postgres::driver::sqlx::map_err(&TableName::default(), e))?;
             Ok::<_, RepositoryError>(r)
         })
     };

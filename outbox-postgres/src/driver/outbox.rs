@@ -77,3 +77,43 @@ pub trait OutboxRows: Connection {
     /// `oldest_due_age`: microseconds, or NULL.
     async fn age_us(&mut self, sql: &str) -> Result<Option<i64>, Self::Error>;
 }
+
+/// The binds of [`crate::sql::Statements::fetch_heads`] in their order (`$1`–`$9`): `p`, then
+/// the walk cursor's `(topic, partition_key)`. The one place that knows that order.
+pub fn fetch_heads_binds(p: &crate::sql::FetchParams, cursor: (String, String)) -> Vec<Bind> {
+    vec![
+        Bind::Int8(p.limit),
+        Bind::Int8(p.lease_us),
+        Bind::OptTexts(p.topics.clone()),
+        Bind::OptTexts(p.aggregate_types.clone()),
+        Bind::OptUuids(p.aggregate_ids.clone()),
+        Bind::Int8(p.window),
+        Bind::Int8(p.walk_limit),
+        Bind::Text(cursor.0),
+        Bind::Text(cursor.1),
+    ]
+}
+
+/// The binds of [`crate::sql::Statements::fetch_take`] and
+/// [`crate::sql::Statements::fetch_take_transaction`] in their order (`$1`–`$8`): the worker,
+/// `p`, and the candidate heads from the heads statement.
+pub fn fetch_take_binds(worker: &str, p: &crate::sql::FetchParams, heads: Vec<Uuid>) -> Vec<Bind> {
+    vec![
+        Bind::Text(worker.to_owned()),
+        Bind::Int8(p.limit),
+        Bind::Int8(p.lease_us),
+        Bind::Int8(p.max_per_key),
+        Bind::OptTexts(p.topics.clone()),
+        Bind::OptTexts(p.aggregate_types.clone()),
+        Bind::OptUuids(p.aggregate_ids.clone()),
+        Bind::Uuids(heads),
+    ]
+}
+
+/// A driver whose connections run the outbox statements, and the writer its users hold: the
+/// store's [`crate::outbox::Writer`] itself, or a type of the driver's crate around it that
+/// takes the driver's own connection type.
+pub trait OutboxDriver: super::Driver<Conn: OutboxRows> {
+    /// The writer handed out by `Repository::writer`.
+    type Writer: From<crate::outbox::Writer<Self>>;
+}

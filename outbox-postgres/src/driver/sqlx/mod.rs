@@ -1,20 +1,27 @@
 //! The sqlx driver (cargo feature `sqlx`): [`SqlxDriver`] on a [`PgPool`], statements on a
 //! [`PgConnection`]. Semver-exempt, like all of [`crate::driver`].
-//!
-//! NOTE (h-pginbox): a minimal stand-in with the names and shapes of the sqlx driver being
-//! written on h-flow (issue 20), so the inbox store compiles before that lands; on merge, take
-//! h-flow's version of this file and keep its `mod inbox;` line.
 
+mod error;
 mod inbox;
+mod row;
 
 use async_trait::async_trait;
+use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
+use outbox_core::repository::{BlockedKey, Fetched};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgPool};
-use sqlx::{AssertSqlSafe, PgConnection, Postgres};
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};
+use uuid::Uuid;
 
+pub use error::map_err;
+pub use row::{fetched_row, raw_row};
+
+use super::outbox::{
+    AppliedRow, CountRow, OutboxDriver, OutboxRows, fetch_heads_binds, fetch_take_binds,
+};
 use super::{Bind, Connection, Driver};
-use crate::sql::TableName;
+use crate::sql::{FetchParams, RawRow, Statements, TableName, Take, WalkCursor};
 
 /// A sqlx query with its arguments.
 pub type PgQuery<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
@@ -46,6 +53,39 @@ fn query(sql: &str, binds: Vec<Bind>) -> PgQuery<'_> {
     bind_all(sqlx::query(AssertSqlSafe(sql)), binds)
 }
 
+/// Binds the parameters of [`Statements::fetch_heads`] in their order (`$1`–`$9`), for the
+/// plan test and the benchmarks, which may put `EXPLAIN …` before the statement text.
+pub fn bind_fetch_heads<'q>(
+    query: PgQuery<'q>,
+    p: &FetchParams,
+    cursor: (String, String),
+) -> PgQuery<'q> {
+    bind_all(query, fetch_heads_binds(p, cursor))
+}
+
+/// Binds the parameters of [`Statements::fetch_take`] / [`Statements::fetch_take_transaction`]
+/// in their order (`$1`–`$8`).
+pub fn bind_fetch_take<'q>(
+    query: PgQuery<'q>,
+    worker: &str,
+    p: &FetchParams,
+    heads: Vec<Uuid>,
+) -> PgQuery<'q> {
+    bind_all(query, fetch_take_binds(worker, p, heads))
+}
+
+/// The fetch ([`crate::outbox::fetch`]) on a sqlx connection inside the caller's transaction.
+pub async fn fetch_rows(
+    conn: &mut PgConnection,
+    stmts: &Statements,
+    take: Take,
+    worker: &str,
+    p: &FetchParams,
+    cursor: &WalkCursor,
+) -> Result<Vec<Fetched>, sqlx::Error> {
+    crate::outbox::fetch(conn, stmts, take, worker, p, cursor).await
+}
+
 /// The sqlx driver: a [`PgPool`].
 #[derive(Debug, Clone)]
 pub struct SqlxDriver(pub PgPool);
@@ -61,7 +101,7 @@ impl Connection for PgConnection {
     type Error = sqlx::Error;
 
     fn map_err(table: &TableName, e: sqlx::Error) -> RepositoryError {
-        crate::backend::map_err(table, e)
+        map_err(table, e)
     }
 
     fn server_message(e: &sqlx::Error) -> Option<&str> {
@@ -81,6 +121,117 @@ impl Connection for PgConnection {
 }
 
 #[async_trait]
+impl OutboxRows for PgConnection {
+    async fn heads(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<(Option<Uuid>, String, String)>, sqlx::Error> {
+        query(sql, binds)
+            .fetch_all(&mut *self)
+            .await?
+            .iter()
+            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+            .collect()
+    }
+
+    async fn fetched(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<Fetched>, sqlx::Error> {
+        query(sql, binds)
+            .fetch_all(&mut *self)
+            .await?
+            .iter()
+            .map(fetched_row)
+            .collect()
+    }
+
+    async fn events(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<RawRow>, sqlx::Error> {
+        query(sql, binds)
+            .fetch_all(&mut *self)
+            .await?
+            .iter()
+            .map(raw_row)
+            .collect()
+    }
+
+    async fn applied(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<AppliedRow>, sqlx::Error> {
+        query(sql, binds)
+            .fetch_all(&mut *self)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(AppliedRow {
+                    id: r.try_get(0)?,
+                    status: r.try_get(1)?,
+                    attempts_made: r.try_get(2)?,
+                    scheduled_at: r.try_get(3)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn blocked(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<BlockedKey>, sqlx::Error> {
+        query(sql, binds)
+            .fetch_all(&mut *self)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(BlockedKey {
+                    topic: r.try_get(0)?,
+                    partition_key: r.try_get(1)?,
+                    head_id: r.try_get(2)?,
+                    attempts_made: r.try_get(3)?,
+                    max_attempts: r.try_get(4)?,
+                    last_error: r.try_get(5)?,
+                    next_try: r.try_get(6)?,
+                    locked_by: r.try_get(7)?,
+                    locked_at: r.try_get(8)?,
+                    waiting: r.try_get(9)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn counts(&mut self, sql: &str) -> Result<Vec<CountRow>, sqlx::Error> {
+        query(sql, Vec::new())
+            .fetch_all(&mut *self)
+            .await?
+            .iter()
+            .map(|r| {
+                Ok(CountRow {
+                    topic: r.try_get(0)?,
+                    status: r.try_get(1)?,
+                    count: r.try_get(2)?,
+                })
+            })
+            .collect()
+    }
+
+    async fn now(&mut self, sql: &str) -> Result<DateTime<Utc>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(&mut *self)
+            .await
+    }
+
+    async fn isolation(&mut self, sql: &str, binds: Vec<Bind>) -> Result<String, sqlx::Error> {
+        query(sql, binds).fetch_one(&mut *self).await?.try_get(0)
+    }
+
+    async fn age_us(&mut self, sql: &str) -> Result<Option<i64>, sqlx::Error> {
+        sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_one(&mut *self)
+            .await
+    }
+}
+
+#[async_trait]
 impl Driver for SqlxDriver {
     type Conn = PgConnection;
     type Pooled = PoolConnection<Postgres>;
@@ -90,28 +241,22 @@ impl Driver for SqlxDriver {
     const NOT_IN_TRANSACTION: &'static str = "the outbox write needs the caller's open transaction, and this connection is in autocommit: open one with `let mut tx = pool.begin().await?`, pass `&mut *tx`, and commit it with the application's change";
 
     async fn acquire(&self, table: &TableName) -> Result<Self::Pooled, RepositoryError> {
-        self.0
-            .acquire()
-            .await
-            .map_err(|e| crate::backend::map_err(table, e))
+        self.0.acquire().await.map_err(|e| map_err(table, e))
     }
 
     async fn begin(&self, table: &TableName) -> Result<Self::Tx, RepositoryError> {
-        self.0
-            .begin()
-            .await
-            .map_err(|e| crate::backend::map_err(table, e))
+        self.0.begin().await.map_err(|e| map_err(table, e))
     }
 
     async fn commit(table: &TableName, tx: Self::Tx) -> Result<(), RepositoryError> {
-        tx.commit()
-            .await
-            .map_err(|e| crate::backend::map_err(table, e))
+        tx.commit().await.map_err(|e| map_err(table, e))
     }
 
     async fn rollback(table: &TableName, tx: Self::Tx) -> Result<(), RepositoryError> {
-        tx.rollback()
-            .await
-            .map_err(|e| crate::backend::map_err(table, e))
+        tx.rollback().await.map_err(|e| map_err(table, e))
     }
+}
+
+impl OutboxDriver for SqlxDriver {
+    type Writer = crate::outbox::Writer<SqlxDriver>;
 }

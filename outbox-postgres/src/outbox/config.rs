@@ -1,0 +1,70 @@
+//! The settings of a repository, the same for every driver.
+
+use outbox_core::repository::{DEFAULT_BACKEND_BATCH_SIZE, check_backend_batch_size};
+
+use crate::error::Error;
+use crate::sql::{Layout, TableName};
+
+/// Settings of a PostgreSQL repository (sqlx or diesel: one type, `DieselConfig` is this).
+#[derive(Debug, Clone)]
+pub struct PgConfig {
+    pub(crate) table: TableName,
+    pub(crate) layout: Layout,
+    pub(crate) batch_size: usize,
+    pub(crate) error_max_length: usize,
+}
+
+impl Default for PgConfig {
+    fn default() -> Self {
+        Self {
+            table: TableName::default(),
+            layout: Layout::Plain,
+            batch_size: DEFAULT_BACKEND_BATCH_SIZE,
+            error_max_length: outbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
+        }
+    }
+}
+
+impl PgConfig {
+    /// The table name, `table` or `schema.table`, validated (R78).
+    pub fn table_name(mut self, name: &str) -> Result<Self, Error> {
+        self.table = TableName::new(name)?;
+        Ok(self)
+    }
+
+    /// An already validated table name.
+    pub fn table(mut self, table: TableName) -> Self {
+        self.table = table;
+        self
+    }
+
+    /// The table's layout (default [`Layout::Plain`]); it must match how the table was created
+    /// (`create_schema_with`, or the diesel migrations). The repository's writer writes with it.
+    pub fn layout(mut self, layout: Layout) -> Self {
+        self.layout = layout;
+        self
+    }
+
+    /// The configured layout.
+    pub fn layout_ref(&self) -> Layout {
+        self.layout
+    }
+
+    /// Maintenance batch size (R63): 1 to 10,000, default 1000.
+    pub fn batch_size(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
+        self.batch_size = check_backend_batch_size(n)?;
+        Ok(self)
+    }
+
+    /// last_error limit in bytes (R9): 16 to 2,000 (the size of the `last_error` column), default
+    /// 2,000; a larger value is a configuration error.
+    pub fn error_max_length(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
+        self.error_max_length = outbox_core::event::check_error_max_length(n)?;
+        Ok(self)
+    }
+
+    /// The configured table.
+    pub fn table_ref(&self) -> &TableName {
+        &self.table
+    }
+}
