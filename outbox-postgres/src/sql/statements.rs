@@ -180,6 +180,15 @@ pub struct Statements {
     /// one-row index reads.
     pub oldest_due_age: String,
 
+    /// Drain check of the relay binary: `statements/drained.sql`, no parameters. Returns one
+    /// row, one column `drained bool`: no pending row held, and no due head.
+    pub drained: String,
+
+    /// Failed ids of a topic and/or key (the relay binary's requeue): `statements/failed_ids.sql`,
+    /// `$1 text` topic and `$2 text` partition_key, each NULL for any. Returns `id uuid` per
+    /// failed row, oldest first.
+    pub failed_ids: String,
+
     /// Test clock (the conformance harness's `advance`): `$1 int8` microseconds. Moves created_at,
     /// scheduled_at, locked_at, completed_at and updated_at of every row back by that much.
     #[cfg(feature = "testing")]
@@ -207,6 +216,8 @@ pub(super) mod text {
     pub const BLOCKED_KEYS: &str = include_str!("statements/blocked_keys.sql");
     pub const COUNTS: &str = include_str!("statements/counts.sql");
     pub const OLDEST_DUE_AGE: &str = include_str!("statements/oldest_due_age.sql");
+    pub const DRAINED: &str = include_str!("statements/drained.sql");
+    pub const FAILED_IDS: &str = include_str!("statements/failed_ids.sql");
     #[cfg(feature = "testing")]
     pub const SHIFT_CLOCK: &str = include_str!("statements/shift_clock.sql");
     pub const DELIVERY_BEGIN: &str = include_str!("statements/delivery_begin.sql");
@@ -301,6 +312,8 @@ impl Statements {
             blocked_keys: r(text::BLOCKED_KEYS),
             counts: r(text::COUNTS),
             oldest_due_age: r(text::OLDEST_DUE_AGE),
+            drained: r(text::DRAINED),
+            failed_ids: r(text::FAILED_IDS),
             #[cfg(feature = "testing")]
             shift_clock: r(text::SHIFT_CLOCK),
         }

@@ -29,6 +29,8 @@ fn statement_files_render_completely() {
         ("blocked_keys", &s.blocked_keys),
         ("counts", &s.counts),
         ("oldest_due_age", &s.oldest_due_age),
+        ("drained", &s.drained),
+        ("failed_ids", &s.failed_ids),
     ];
     #[cfg(feature = "testing")]
     all.push(("shift_clock", &s.shift_clock));

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::ValueEnum;
 use outbox_core::OutboxRepository;
+use outbox_postgres::sql::Statements;
 use outbox_postgres::{PgConfig, PgOutboxRepository, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
@@ -41,29 +42,6 @@ enum Direct {
     Diesel(outbox_diesel::PgPool),
 }
 
-/// The drain check (see [`Store::drained`]); one statement, so one snapshot.
-fn drained_sql(table: &TableName) -> String {
-    format!(
-        "SELECT NOT EXISTS (SELECT 1 FROM {t} WHERE status = 'pending' AND locked_at IS NOT NULL) \
-         AND NOT EXISTS (SELECT 1 FROM {t} h WHERE h.status = 'pending' AND h.scheduled_at <= now() \
-           AND h.attempts_made < h.max_attempts \
-           AND NOT EXISTS (SELECT 1 FROM {t} p WHERE p.status = 'pending' AND p.topic = h.topic \
-             AND p.partition_key = h.partition_key AND (p.created_at, p.id) < (h.created_at, h.id) \
-             AND (p.scheduled_at <= now() OR p.last_error IS NOT NULL OR p.locked_at IS NOT NULL))) \
-         AS drained",
-        t = table.qualified()
-    )
-}
-
-/// The ids of the failed rows of a topic and/or key (`$1`, `$2`, null = any), oldest first.
-fn failed_ids_sql(table: &TableName) -> String {
-    format!(
-        "SELECT id FROM {} WHERE status = 'failed' AND ($1::text IS NULL OR topic = $1) \
-         AND ($2::text IS NULL OR partition_key = $2) ORDER BY created_at, id",
-        table.qualified()
-    )
-}
-
 #[cfg(feature = "diesel")]
 mod diesel_rows {
     #[derive(diesel::QueryableByName)]
@@ -86,7 +64,7 @@ impl Store {
     /// relay that has not committed yet leaves its heads due here. Rows waiting for a later
     /// retry, and the rows behind them, do not count. Runs on the chosen backend.
     pub async fn drained(&self) -> std::result::Result<bool, String> {
-        let sql = drained_sql(&self.table);
+        let sql = Statements::new(&self.table).drained;
         match &self.direct {
             Direct::Sqlx(pool) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
                 .fetch_one(pool)
@@ -108,7 +86,7 @@ impl Store {
     /// The ids of the failed rows of `topic` and/or `key` (none = any), oldest first, on the
     /// chosen backend; errors map as the repository's do.
     pub async fn failed_ids(&self, topic: Option<&str>, key: Option<&str>) -> Result<Vec<Uuid>> {
-        let sql = failed_ids_sql(&self.table);
+        let sql = Statements::new(&self.table).failed_ids;
         let t = &self.table;
         let res = match &self.direct {
             Direct::Sqlx(pool) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
@@ -116,7 +94,7 @@ impl Store {
                 .bind(key)
                 .fetch_all(pool)
                 .await
-                .map_err(|e| outbox_postgres::map_err(t, e)),
+                .map_err(|e| outbox_postgres::driver::sqlx::map_err(t, e)),
             #[cfg(feature = "diesel")]
             Direct::Diesel(pool) => {
                 use diesel::sql_types::{Nullable, Text};

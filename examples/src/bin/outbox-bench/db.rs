@@ -355,7 +355,7 @@ pub async fn statement_profile(
         let t0 = Instant::now();
         let mut tx = conn.begin().await.map_err(db("begin"))?;
         let t1 = Instant::now();
-        let rows = outbox_postgres::fetch_rows(
+        let rows = outbox_postgres::driver::sqlx::fetch_rows(
             &mut tx,
             &stmts,
             outbox_postgres::sql::Take::Lease,
@@ -371,7 +371,7 @@ pub async fn statement_profile(
         if rows.is_empty() {
             break;
         }
-        let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.get(0)).collect();
+        let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.id()).collect();
         let mut tx = conn.begin().await.map_err(db("begin"))?;
         let t4 = Instant::now();
         sqlx::query(AssertSqlSafe(stmts.complete.as_str()))

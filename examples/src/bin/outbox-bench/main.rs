@@ -17,17 +17,11 @@
 //! `outbox-bench burst` the fresh-table burst (a backlog on a table without statistics) and
 //! `outbox-bench run --mode capacity` the sustained-capacity search. See `examples/BENCHMARKS.md`.
 
-#[path = "../bench/brokers.rs"]
 mod brokers;
-#[path = "../bench/burst.rs"]
 mod burst;
-#[path = "../bench/capacity.rs"]
 mod capacity;
-#[path = "../bench/db.rs"]
 mod db;
-#[path = "../bench/suite.rs"]
 mod suite;
-#[path = "../bench/timed.rs"]
 mod timed;
 
 use std::sync::Arc;
