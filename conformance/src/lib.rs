@@ -132,8 +132,26 @@ macro_rules! suite {
 ///
 /// `inbox_suite!(memory: FACTORY)` runs the `[all]` and `[mem]` scenarios of the inbox; FACTORY
 /// is an expression evaluated per test whose value implements [`inbox::InboxFactory`].
+/// `inbox_suite!(postgres: FACTORY)` and `inbox_suite!(postgres_partitioned: FACTORY)` run the
+/// `[all]` ones on a Postgres store, plain or partitioned, and the `[pg]` ones written so far
+/// (F-13, F-21, Y-03 and Z-04 on both; D-03 to D-06 and P-04, which need siblings, on the
+/// partitioned table; E-14 with `postgres_past_partition`, a partitioned table with one past
+/// partition only).
 #[macro_export]
 macro_rules! inbox_suite {
+    (postgres: $f:expr) => {
+        $crate::inbox_suite!(@all $f);
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::y_03, pg::f_21, pg::z_04);
+    };
+    (postgres_partitioned: $f:expr) => {
+        $crate::inbox_suite!(@all $f);
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::y_03, pg::f_21, pg::z_04, pg::d_03,
+            pg::d_04, pg::d_05, pg::p_04, pg::d_06);
+    };
+    // A partitioned table with one partition for a past month only: E-14.
+    (postgres_past_partition: $f:expr) => {
+        $crate::inbox_suite!(@tests $f; pg::e_14);
+    };
     (memory: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@paused $f; paced::n_19, paced::f_20, paced::f_23, paced::f_26, paced::y_10, paced::y_20,

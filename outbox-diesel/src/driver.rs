@@ -48,7 +48,7 @@ fn bind_all(mut q: Boxed<'_>, binds: Vec<Bind>) -> Boxed<'_> {
     q
 }
 
-fn query(sql: &str, binds: Vec<Bind>) -> Prepared<Boxed<'_>> {
+pub(crate) fn query(sql: &str, binds: Vec<Bind>) -> Prepared<Boxed<'_>> {
     Prepared(bind_all(diesel::sql_query(sql).into_boxed(), binds))
 }
 

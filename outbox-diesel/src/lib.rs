@@ -3,6 +3,7 @@
 
 pub mod driver;
 pub mod error;
+pub mod inbox;
 pub mod listen;
 pub mod migrations;
 pub mod pool;

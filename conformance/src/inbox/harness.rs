@@ -54,6 +54,21 @@ pub trait InboxHarness: Send + Sync + 'static {
     ) -> Result<(), HandlerError>;
     /// Makes the handler's transaction unusable (`break_tx`).
     async fn break_tx(&self, tx: &mut HandlerTx<Self::Backend>);
+    /// Runs one statement through the handler's transaction (`sql_error`, the `[pg]`
+    /// scenarios); its failure is the handler's. Only SQL backends implement it.
+    async fn sql_in(
+        &self,
+        _tx: &mut HandlerTx<Self::Backend>,
+        _text: &str,
+    ) -> Result<(), HandlerError> {
+        panic!("sql_in: this backend runs no SQL (a [pg] scenario on a non-SQL harness)")
+    }
+    /// Runs plain SQL on a connection of its own: `{table}` is the quoted inbox table,
+    /// `{schema}` the trial's schema. A query (SELECT, WITH, or with RETURNING) returns its
+    /// rows as JSON objects; anything else returns none. Only SQL backends implement it.
+    async fn sql(&self, _text: &str) -> Vec<serde_json::Value> {
+        panic!("sql: this backend runs no SQL (a [pg] scenario on a non-SQL harness)")
+    }
 }
 
 /// Makes a fresh inbox harness per trial.

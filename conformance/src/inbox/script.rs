@@ -59,6 +59,10 @@ pub type Hook = Arc<dyn Fn() + Send + Sync>;
 pub enum Act {
     /// Writes one effect, returns completed.
     Write,
+    /// Writes one effect, then runs this SQL through the handler's transaction (Postgres
+    /// harnesses only, [`InboxHarness::sql_in`]); a failed statement fails the run with the
+    /// server's message (`sql_error` is `SELECT 1/0`).
+    Sql(String),
     /// Returns completed with this status, no effect.
     Ok(Option<String>),
     /// Writes one effect, then returns an error with this display.
@@ -191,6 +195,12 @@ impl<H: InboxHarness> Handler<HandlerTx<H::Backend>> for ScriptedHandler<H> {
                 .await
                 .map(|_| HandlerOutcome::completed()),
             Act::Ok(s) => Ok(HandlerOutcome::Completed { status: s }),
+            Act::Sql(text) => {
+                h.write_effect(tx, &row.message_id, key, n).await?;
+                h.sql_in(tx, &text)
+                    .await
+                    .map(|_| HandlerOutcome::completed())
+            }
             Act::Fail(t) => {
                 h.write_effect(tx, &row.message_id, key, n).await?;
                 Err(HandlerError::new(t))

@@ -464,3 +464,4 @@ pub async fn migration_versions(conn: &mut AsyncPgConnection, schema: &str) -> V
     .expect("migration versions");
     rows.into_iter().map(|v| v.name).collect()
 }
+pub mod inbox;

@@ -46,6 +46,7 @@
 //! The sqlx driver is `driver::sqlx` (cargo feature `sqlx`); the diesel-async driver lives in
 //! outbox-diesel, which compiles no sqlx.
 
+pub mod inbox;
 pub mod outbox;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;

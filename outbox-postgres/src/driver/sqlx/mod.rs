@@ -2,6 +2,7 @@
 //! [`PgConnection`]. Semver-exempt, like all of [`crate::driver`].
 
 mod error;
+mod inbox;
 mod row;
 
 use async_trait::async_trait;

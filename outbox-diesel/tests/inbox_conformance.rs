@@ -1,0 +1,6 @@
+//! The inbox scenarios on the diesel-async store, plain table (contract Part II). Run with
+//! `-- --test-threads 4`.
+
+mod common;
+
+outbox_conformance::inbox_suite!(postgres: common::inbox::DieselInboxFactory::plain());

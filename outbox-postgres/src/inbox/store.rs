@@ -1,0 +1,837 @@
+//! The inbox store, written once over the driver layer ([`crate::driver::Driver`] and the
+//! inbox's row shapes [`crate::driver::inbox::InboxRows`]): sqlx and diesel-async run the same
+//! flow. [`PgInbox`] is the [`InboxRepository`] and
+//! [`InboxBackend`]; [`PgInboxTx`] the runner's T and the processor's T_row, whose handle is
+//! the driver's own transaction (R181).
+//!
+//! The fetch (R149, R150) reads the group's in-line rows, row-locks the fetchable ones without
+//! waiting (a row locked elsewhere is skipped and holds its key), chooses heads and runs by
+//! the outbox's own rules ([`outbox_core::ordering`] over the inbox view,
+//! [`outbox_core::inbox::ordering`]) and stamps the lease, in one short transaction. Its work
+//! grows with the group's in-line rows, not with the batch: the bounded plan of the outbox's
+//! fetch (R85) is not carried over yet.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use outbox_core::error::RepositoryError;
+use outbox_core::event::{Status, WorkerId, force_unlock_text, limits, normalize_error};
+use outbox_core::inbox::ordering as inbox_order;
+use outbox_core::inbox::repository::{
+    Guard, InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxRepository,
+    InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite,
+};
+use outbox_core::inbox::{ConsumerGroup, InboxEvent, InboxKey, NewInboxEvent};
+use outbox_core::ordering;
+use outbox_core::repository::{BLOCKED_WAITING_CAP, FetchFilter, Retry, args};
+use uuid::Uuid;
+
+use crate::driver::inbox::{
+    InboxDriver, InboxRawRow, InboxRows, nullable_int8, nullable_text, nullable_timestamp,
+};
+use crate::driver::{Bind, Connection, Driver};
+use crate::inbox::sql::InboxStatements;
+use crate::sql::{Layout, TableName, micros};
+
+/// How many rows one round of release_stale_locks releases (R63), and the round bound.
+const STALE_BATCH: i64 = 1000;
+const STALE_ROUNDS: usize = 1000;
+
+/// A future run before the next transaction begins (the suite's `before_next_begin`).
+pub type BeforeBegin = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Test hooks of the store (scenarios.md section 19's `fail_next_row_commit`, `db_down`,
+/// `before_fresh_write`); inert unless a test sets them.
+#[derive(Default)]
+pub struct InboxFaults {
+    fail_next_commit: AtomicBool,
+    down: AtomicBool,
+    before_next_begin: Mutex<Option<BeforeBegin>>,
+}
+
+impl std::fmt::Debug for InboxFaults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxFaults")
+            .field("fail_next_commit", &self.fail_next_commit)
+            .field("down", &self.down)
+            .finish()
+    }
+}
+
+impl InboxFaults {
+    /// The next T or T_row fails when it commits (it is rolled back instead).
+    pub fn fail_next_commit(&self) {
+        self.fail_next_commit.store(true, Ordering::SeqCst);
+    }
+    /// Every new transaction fails to begin (`true`), or no longer does.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+    /// Runs `f` just before the next transaction begins.
+    pub fn before_next_begin(&self, f: BeforeBegin) {
+        *self.before_next_begin.lock().expect("poisoned") = Some(f);
+    }
+}
+
+/// The Postgres inbox over a driver `D`.
+#[derive(Debug)]
+pub struct PgInbox<D> {
+    driver: D,
+    stmts: Arc<InboxStatements>,
+    faults: Arc<InboxFaults>,
+}
+
+impl<D: Clone> Clone for PgInbox<D> {
+    fn clone(&self) -> Self {
+        Self {
+            driver: self.driver.clone(),
+            stmts: self.stmts.clone(),
+            faults: self.faults.clone(),
+        }
+    }
+}
+
+fn decode(rows: Vec<InboxRawRow>) -> Result<Vec<InboxEvent>, RepositoryError> {
+    rows.into_iter().map(InboxRawRow::decode).collect()
+}
+
+fn one(rows: Vec<InboxRawRow>) -> Result<Option<InboxEvent>, RepositoryError> {
+    rows.into_iter().next().map(InboxRawRow::decode).transpose()
+}
+
+/// The driver's error mapped for the table. An error of SQLSTATE class 22 or 23 is the
+/// database refusing the message (R132): [`RepositoryError::Constraint`] with the text
+/// `{SQLSTATE}: {message}`, which the runner dead-letters.
+fn mapped<C: InboxRows>(table: &TableName) -> impl Fn(C::Error) -> RepositoryError + '_ {
+    move |e| match C::sqlstate(&e) {
+        Some(code) if code.starts_with("22") || code.starts_with("23") => {
+            RepositoryError::Constraint {
+                message: format!(
+                    "{code}: {}",
+                    C::server_message(&e).map_or_else(|| e.to_string(), str::to_owned)
+                ),
+            }
+        }
+        _ => C::map_err(table, e),
+    }
+}
+
+impl<D: Driver> PgInbox<D>
+where
+    D::Conn: InboxRows,
+{
+    /// The store on `table` in `layout`.
+    pub fn new(driver: D, table: &TableName, layout: Layout) -> Self {
+        Self {
+            driver,
+            stmts: Arc::new(InboxStatements::new(table, layout)),
+            faults: Arc::default(),
+        }
+    }
+
+    /// The statements.
+    pub fn statements(&self) -> &InboxStatements {
+        &self.stmts
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &D {
+        &self.driver
+    }
+
+    /// The test hooks.
+    pub fn faults(&self) -> &InboxFaults {
+        &self.faults
+    }
+
+    /// Runs `f` in a transaction of its own: committed when it succeeds, else rolled back.
+    async fn in_tx<T: Send>(
+        &self,
+        f: impl for<'a> FnOnce(
+            Conn<'a, D>,
+            &'a InboxStatements,
+        )
+            -> Pin<Box<dyn Future<Output = Result<T, RepositoryError>> + Send + 'a>>
+        + Send,
+    ) -> Result<T, RepositoryError> {
+        let table = &self.stmts.table;
+        let mut tx = self.driver.begin(table).await?;
+        let r = f(Conn { c: &mut *tx, table }, &self.stmts).await;
+        crate::driver::finish::<D, T>(table, tx, r).await
+    }
+}
+
+/// A connection with its table, whose statements return repository errors.
+struct Conn<'a, D: Driver> {
+    c: &'a mut D::Conn,
+    table: &'a TableName,
+}
+
+impl<D: Driver> Conn<'_, D>
+where
+    D::Conn: InboxRows,
+{
+    async fn rows(
+        &mut self,
+        sql: &str,
+        binds: &[Bind],
+    ) -> Result<Vec<InboxRawRow>, RepositoryError> {
+        self.c
+            .inbox_rows(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn execute(&mut self, sql: &str, binds: &[Bind]) -> Result<u64, RepositoryError> {
+        self.c
+            .execute(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn int8(&mut self, sql: &str, binds: &[Bind]) -> Result<Option<i64>, RepositoryError> {
+        self.c
+            .inbox_int8(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn text(&mut self, sql: &str, binds: &[Bind]) -> Result<Option<String>, RepositoryError> {
+        self.c
+            .inbox_text(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn now(&mut self, sql: &str) -> Result<DateTime<Utc>, RepositoryError> {
+        self.c
+            .inbox_now(sql)
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn counts(
+        &mut self,
+        sql: &str,
+        binds: &[Bind],
+    ) -> Result<Vec<(String, String, i64)>, RepositoryError> {
+        self.c
+            .inbox_counts(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+}
+
+impl<D: Driver> PgInbox<D> where D::Conn: InboxRows {}
+
+/// The outbox view of the rows, chosen by the outbox's rules (R149, R150).
+fn choose(rows: &[InboxEvent], now: DateTime<Utc>, req: &InboxFetchRequest) -> Vec<Uuid> {
+    let views: Vec<_> = rows
+        .iter()
+        .map(|r| inbox_order::view(r, req.key_order))
+        .collect();
+    ordering::select(
+        views.iter(),
+        now,
+        req.limit,
+        req.lease_ttl,
+        req.max_per_key,
+        &FetchFilter::none(),
+    )
+    .into_iter()
+    .map(|v| v.id)
+    .collect()
+}
+
+#[async_trait]
+impl<D: Driver> InboxRepository for PgInbox<D>
+where
+    D::Conn: InboxRows,
+{
+    fn capabilities(&self) -> InboxCapabilities {
+        InboxCapabilities {
+            name: D::NAME,
+            database_clock: true,
+            siblings: self.stmts.layout == Layout::Partitioned,
+            undecodable_rows: false,
+        }
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
+        self.in_tx(|mut tx, s| Box::pin(async move { tx.now(&s.now).await }))
+            .await
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<InboxEvent>, RepositoryError> {
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move { one(tx.rows(&s.get, &[Bind::Uuid(id)]).await?) })
+        })
+        .await
+    }
+
+    async fn get_by_message_id(
+        &self,
+        message_id: &str,
+        group: &ConsumerGroup,
+    ) -> Result<Option<InboxEvent>, RepositoryError> {
+        let binds = [
+            Bind::Text(String::from(message_id)),
+            Bind::Text(String::from(group.as_str())),
+        ];
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move { one(tx.rows(&s.by_message_id, &binds).await?) })
+        })
+        .await
+    }
+
+    async fn fetch_and_lock(
+        &self,
+        req: &InboxFetchRequest,
+    ) -> Result<Vec<InboxEvent>, RepositoryError> {
+        req.validate()?;
+        let req = req.clone();
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move {
+                let now = tx.now(&s.now).await?;
+                let binds = [
+                    Bind::Text(String::from(req.group.as_str())),
+                    Bind::OptTexts(req.sources.clone()),
+                ];
+                let mut rows = decode(tx.rows(&s.in_line_rows, &binds).await?)?;
+                let fetchable: Vec<Uuid> = rows
+                    .iter()
+                    .filter(|r| inbox_order::fetchable(r, now, req.lease_ttl))
+                    .map(|r| r.id)
+                    .collect();
+                if fetchable.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let locked: std::collections::HashSet<Uuid> = tx
+                    .rows(&s.try_lock, &[Bind::Uuids(fetchable.clone())])
+                    .await?
+                    .into_iter()
+                    .map(|r| r.id)
+                    .collect();
+                for r in rows.iter_mut() {
+                    if fetchable.contains(&r.id) && !locked.contains(&r.id) {
+                        // Row-locked elsewhere: skipped, and in line for its key.
+                        r.locked_at = Some(now);
+                        r.locked_by = Some("(row-locked)".into());
+                    }
+                }
+                let ids = choose(&rows, now, &req);
+                if ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let stamped = decode(
+                    tx.rows(
+                        &s.stamp,
+                        &[
+                            Bind::Uuids(ids.clone()),
+                            Bind::Text(String::from(req.worker.as_str())),
+                        ],
+                    )
+                    .await?,
+                )?;
+                let mut by_id: std::collections::HashMap<Uuid, InboxEvent> =
+                    stamped.into_iter().map(|r| (r.id, r)).collect();
+                Ok(ids.iter().filter_map(|id| by_id.remove(id)).collect())
+            })
+        })
+        .await
+    }
+
+    async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
+        let binds = [
+            Bind::Uuids(ids.to_vec()),
+            Bind::Text(String::from(worker.as_str())),
+        ];
+        self.in_tx(|mut tx, s| Box::pin(async move { tx.execute(&s.release_locks, &binds).await }))
+            .await
+    }
+
+    async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move { Ok(tx.execute(&s.requeue, &[Bind::Uuid(id)]).await? == 1) })
+        })
+        .await
+    }
+
+    async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
+        args::stale_timeout(timeout)?;
+        let mut total = 0;
+        for _ in 0..STALE_ROUNDS {
+            let binds = [Bind::Int8(micros(timeout)), Bind::Int8(STALE_BATCH)];
+            let n = self
+                .in_tx(|mut tx, s| {
+                    Box::pin(async move { tx.execute(&s.release_stale, &binds).await })
+                })
+                .await?;
+            total += n;
+            if n < STALE_BATCH as u64 {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
+        let text = force_unlock_text(reason)?;
+        let binds = [Bind::Uuid(id), Bind::Text(text)];
+        let n = self
+            .in_tx(|mut tx, s| Box::pin(async move { tx.execute(&s.force_unlock, &binds).await }))
+            .await?;
+        if n == 0 {
+            return Err(RepositoryError::NotLocked(id));
+        }
+        Ok(())
+    }
+
+    async fn delete_old_completed(
+        &self,
+        retention_days: u32,
+        batch_size: usize,
+    ) -> Result<u64, RepositoryError> {
+        args::cleanup(retention_days, batch_size)?;
+        let binds = [
+            Bind::Int4(i32::try_from(retention_days).unwrap_or(i32::MAX)),
+            Bind::Int8(i64::try_from(batch_size).unwrap_or(i64::MAX)),
+        ];
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move { tx.execute(&s.delete_old_completed, &binds).await })
+        })
+        .await
+    }
+
+    async fn blocked_keys(
+        &self,
+        group: &ConsumerGroup,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<InboxBlockedKey>, RepositoryError> {
+        let group = group.clone();
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move {
+                let now = tx.now(&s.now).await?;
+                let rows = decode(
+                    tx.rows(
+                        &s.in_line_rows,
+                        &[
+                            Bind::Text(String::from(group.as_str())),
+                            Bind::OptTexts(None),
+                        ],
+                    )
+                    .await?,
+                )?;
+                let keyed: Vec<&InboxEvent> =
+                    rows.iter().filter(|r| r.partition_key.is_some()).collect();
+                let views: Vec<_> = keyed.iter().map(|r| inbox_order::view(r, true)).collect();
+                let mut heads: Vec<&InboxEvent> = ordering::lines(views.iter(), now)
+                    .into_values()
+                    .filter(|line| ordering::head_is_blocked(line[0], now, lease_ttl))
+                    .filter_map(|line| keyed.iter().find(|r| r.id == line[0].id).copied())
+                    .collect();
+                heads.sort_by_key(|h| (h.created_at, h.id));
+                heads.truncate(limit);
+                let mut out = Vec::with_capacity(heads.len());
+                for h in heads {
+                    let waiting = tx
+                        .int8(
+                            &s.waiting,
+                            &[
+                                Bind::Text(String::from(h.consumer_group.as_str())),
+                                Bind::Text(String::from(h.source.as_str())),
+                                Bind::Text(h.partition_key.clone().unwrap_or_default()),
+                                Bind::Timestamp(h.created_at),
+                                Bind::Uuid(h.id),
+                                Bind::Int8(BLOCKED_WAITING_CAP),
+                            ],
+                        )
+                        .await?
+                        .unwrap_or(0);
+                    out.push(InboxBlockedKey {
+                        source: h.source.clone(),
+                        partition_key: h.partition_key.clone().unwrap_or_default(),
+                        head_id: h.id,
+                        message_id: h.message_id.clone(),
+                        attempts_made: h.attempts_made,
+                        max_attempts: h.max_attempts,
+                        last_error: h.last_error.clone(),
+                        next_try: h.scheduled_at,
+                        locked_by: h.locked_by.clone(),
+                        locked_at: h.locked_at,
+                        waiting,
+                    });
+                }
+                Ok(out)
+            })
+        })
+        .await
+    }
+
+    async fn counts(
+        &self,
+        group: &ConsumerGroup,
+    ) -> Result<Vec<InboxStatusCount>, RepositoryError> {
+        let group = group.clone();
+        let rows = self
+            .in_tx(|mut tx, s| {
+                let binds = [Bind::Text(String::from(group.as_str()))];
+                Box::pin(async move { tx.counts(&s.counts, &binds).await })
+            })
+            .await?;
+        let mut out = rows
+            .into_iter()
+            .map(|(source, status, count)| {
+                let status: Status = status.parse().map_err(|_| {
+                    RepositoryError::Other(format!(
+                        "counts: status {status:?} is not one of the three"
+                    ))
+                })?;
+                Ok(InboxStatusCount {
+                    consumer_group: group.as_str().to_owned(),
+                    source,
+                    status,
+                    count,
+                })
+            })
+            .collect::<Result<Vec<_>, RepositoryError>>()?;
+        out.sort();
+        Ok(out)
+    }
+
+    async fn oldest_due_age(
+        &self,
+        group: &ConsumerGroup,
+    ) -> Result<Option<Duration>, RepositoryError> {
+        let binds = [Bind::Text(String::from(group.as_str()))];
+        let us = self
+            .in_tx(|mut tx, s| Box::pin(async move { tx.int8(&s.oldest_due_age, &binds).await }))
+            .await?;
+        Ok(us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
+    }
+}
+
+#[async_trait]
+impl<D: InboxDriver> InboxBackend for PgInbox<D> {
+    type Tx = PgInboxTx<D>;
+
+    async fn begin(&self) -> Result<Self::Tx, RepositoryError> {
+        let hook = self
+            .faults
+            .before_next_begin
+            .lock()
+            .expect("poisoned")
+            .take();
+        if let Some(f) = hook {
+            f.await;
+        }
+        if self.faults.down.load(Ordering::SeqCst) {
+            return Err(RepositoryError::Unavailable {
+                message: "the database is down (the test hook db_down)".into(),
+            });
+        }
+        Ok(PgInboxTx {
+            tx: self.driver.begin(&self.stmts.table).await?,
+            stmts: self.stmts.clone(),
+            faults: self.faults.clone(),
+            timeout_before: None,
+        })
+    }
+}
+
+/// One open inbox transaction over a driver transaction `T`.
+pub struct PgInboxTx<D: Driver> {
+    tx: D::Tx,
+    stmts: Arc<InboxStatements>,
+    faults: Arc<InboxFaults>,
+    timeout_before: Option<String>,
+}
+
+impl<D: Driver> std::fmt::Debug for PgInboxTx<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgInboxTx")
+            .field("table", &self.stmts.table)
+            .finish()
+    }
+}
+
+fn error_text(e: &str) -> String {
+    normalize_error(
+        &e.replace('\0', "\u{FFFD}"),
+        limits::DEFAULT_ERROR_MAX_LENGTH,
+    )
+}
+
+fn retry_binds(retry: &Retry) -> (Bind, Bind) {
+    match retry {
+        Retry::Keep => (nullable_int8(None), nullable_timestamp(None)),
+        Retry::After(d) => (nullable_int8(Some(micros(*d))), nullable_timestamp(None)),
+        Retry::At(t) => (nullable_int8(None), nullable_timestamp(Some(*t))),
+    }
+}
+
+impl<D: Driver> PgInboxTx<D>
+where
+    D::Conn: InboxRows,
+{
+    fn c(&mut self) -> Conn<'_, D> {
+        Conn {
+            c: &mut *self.tx,
+            table: &self.stmts.table,
+        }
+    }
+
+    async fn land_one(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
+        let s = self.stmts.clone();
+        let key = [
+            Bind::Text(String::from(e.message_id())),
+            Bind::Text(String::from(e.consumer_group())),
+        ];
+        if s.layout == Layout::Partitioned {
+            // A dedup key already stored needs no insert, so nothing to serialize: its row is
+            // returned without the advisory lock, and a processor's T_row that holds the lock
+            // while its handler runs (R152) is not waited for; the row lock that follows skips
+            // that row (R116 step 3; G-05).
+            if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
+                return Ok(Landed {
+                    row,
+                    inserted: false,
+                });
+            }
+            // R111: the dedup key's advisory lock, then the rows of the key.
+            self.c().execute(&s.dedup_lock, &key).await?;
+            if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
+                return Ok(Landed {
+                    row,
+                    inserted: false,
+                });
+            }
+        }
+        let payload = serde_json::Value::Object(e.payload().clone()).to_string();
+        let headers = e
+            .headers()
+            .map(|h| serde_json::to_string(h).expect("a string map serializes"));
+        let row = e.clone().into_row(DateTime::<Utc>::MIN_UTC);
+        let binds = [
+            Bind::Uuid(e.id()),
+            Bind::Text(String::from(e.event_type())),
+            Bind::Text(payload),
+            nullable_text(headers.as_deref()),
+            nullable_text(row.trace_id.as_deref()),
+            nullable_text(row.correlation_id.as_deref()),
+            nullable_text(row.causation_id.as_deref()),
+            nullable_text(row.schema_version.as_deref()),
+            Bind::Int4(e.max_attempts()),
+            Bind::Text(String::from(e.message_id())),
+            Bind::Text(String::from(e.consumer_group())),
+            Bind::Text(String::from(e.source())),
+            nullable_text(e.partition_key()),
+        ];
+        if let Some(row) = one(self.c().rows(&s.land, &binds).await?)? {
+            return Ok(Landed {
+                row,
+                inserted: true,
+            });
+        }
+        match one(self.c().rows(&s.by_message_id, &key).await?)? {
+            Some(row) => Ok(Landed {
+                row,
+                inserted: false,
+            }),
+            None => Err(RepositoryError::Other(format!(
+                "landing message {} of group {} inserted nothing and found no row (an id conflict?)",
+                e.message_id(),
+                e.consumer_group()
+            ))),
+        }
+    }
+}
+
+#[async_trait]
+impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
+    type Handle = D::Handle;
+
+    fn handle(&mut self) -> &mut D::Handle {
+        D::handle(&mut self.tx)
+    }
+
+    async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Text(String::from(key.consumer_group.as_str())),
+            Bind::Text(String::from(key.source.as_str())),
+            Bind::Text(String::from(key.partition_key.as_str())),
+        ];
+        self.c().execute(&s.key_lock, &binds).await?;
+        Ok(())
+    }
+
+    async fn land(&mut self, events: Vec<NewInboxEvent>) -> Result<Vec<Landed>, RepositoryError> {
+        let mut out = Vec::with_capacity(events.len());
+        for e in &events {
+            out.push(self.land_one(e).await?);
+        }
+        Ok(out)
+    }
+
+    async fn lock_row(&mut self, id: Uuid) -> Result<RowLock, RepositoryError> {
+        let s = self.stmts.clone();
+        if let Some(r) = one(self.c().rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
+            return Ok(RowLock::Locked(r));
+        }
+        Ok(match self.c().int8(&s.exists, &[Bind::Uuid(id)]).await? {
+            Some(n) if n > 0 => RowLock::Busy,
+            _ => RowLock::Missing,
+        })
+    }
+
+    async fn earlier_in_line(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
+        let Some(pk) = row.partition_key.as_deref() else {
+            return Ok(false);
+        };
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Text(String::from(row.consumer_group.as_str())),
+            Bind::Text(String::from(row.source.as_str())),
+            Bind::Text(String::from(pk)),
+            Bind::Timestamp(row.created_at),
+            Bind::Uuid(row.id),
+        ];
+        Ok(self.c().int8(&s.earlier, &binds).await?.unwrap_or(0) > 0)
+    }
+
+    async fn completed_sibling(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
+        if self.stmts.layout != Layout::Partitioned {
+            // The unique index rules siblings out on the plain table (R164).
+            return Ok(false);
+        }
+        let s = self.stmts.clone();
+        let key = [
+            Bind::Text(String::from(row.message_id.as_str())),
+            Bind::Text(String::from(row.consumer_group.as_str())),
+        ];
+        self.c().execute(&s.dedup_lock, &key).await?;
+        let binds = [key[0].clone(), key[1].clone(), Bind::Uuid(row.id)];
+        Ok(self
+            .c()
+            .int8(&s.completed_sibling, &binds)
+            .await?
+            .unwrap_or(0)
+            > 0)
+    }
+
+    async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        self.c().execute(&s.savepoint, &[]).await?;
+        // Whole milliseconds, rounded up (R181); at least 1 (0 would turn the bound off).
+        let ms = timeout.as_micros().div_ceil(1000).max(1);
+        let before = self
+            .c()
+            .text(&s.statement_timeout, &[Bind::Text(ms.to_string())])
+            .await?;
+        self.timeout_before = before;
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        self.c().execute(&s.release_savepoint, &[]).await?;
+        if let Some(before) = self.timeout_before.take() {
+            self.c()
+                .execute(&s.restore_timeout, &[Bind::Text(before)])
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), RepositoryError> {
+        // The rollback also undoes the statement timeout's set_config.
+        self.timeout_before = None;
+        let s = self.stmts.clone();
+        self.c().execute(&s.rollback_to_savepoint, &[]).await?;
+        Ok(())
+    }
+
+    async fn write(&mut self, id: Uuid, write: RowWrite) -> Result<InboxEvent, RepositoryError> {
+        let s = self.stmts.clone();
+        let (kind, error, (after, at)) = match &write {
+            RowWrite::Complete => ("complete", None, retry_binds(&Retry::Keep)),
+            RowWrite::Counted { error, retry } => {
+                ("counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::NotCounted { error, retry } => {
+                ("not_counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::Terminal { error } => (
+                "terminal",
+                Some(error_text(error)),
+                retry_binds(&Retry::Keep),
+            ),
+            RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
+        };
+        let binds = [
+            Bind::Uuid(id),
+            Bind::Text(String::from(kind)),
+            nullable_text(error.as_deref()),
+            after,
+            at,
+        ];
+        one(self.c().rows(&s.write, &binds).await?)?
+            .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
+    }
+
+    async fn guard(&mut self, guard: &Guard) -> Result<Option<InboxEvent>, RepositoryError> {
+        let s = self.stmts.clone();
+        match guard {
+            Guard::Reland(e) => {
+                let l = self.land_one(e).await?;
+                Ok(l.inserted.then_some(l.row))
+            }
+            Guard::Unchanged {
+                id,
+                attempts_made,
+                scheduled_at,
+                lease_ttl,
+            } => {
+                let now = self.c().now(&s.now).await?;
+                Ok(match self.lock_row(*id).await? {
+                    RowLock::Locked(r)
+                        if r.status == Status::Pending
+                            && (r.locked_at.is_none()
+                                || inbox_order::lease_expired(&r, now, *lease_ttl))
+                            && r.attempts_made == *attempts_made
+                            && r.scheduled_at == *scheduled_at =>
+                    {
+                        Some(r)
+                    }
+                    _ => None,
+                })
+            }
+            Guard::HeldBy { id, worker } => Ok(match self.lock_row(*id).await? {
+                RowLock::Locked(r)
+                    if r.status == Status::Pending
+                        && r.locked_by.as_deref() == Some(worker.as_str()) =>
+                {
+                    Some(r)
+                }
+                _ => None,
+            }),
+        }
+    }
+
+    async fn commit(self) -> Result<(), RepositoryError> {
+        let table = self.stmts.table.clone();
+        if self.faults.fail_next_commit.swap(false, Ordering::SeqCst) {
+            let _ = D::rollback(&table, self.tx).await;
+            return Err(RepositoryError::Unavailable {
+                message: "injected failure of the commit (fail_next_row_commit)".into(),
+            });
+        }
+        D::commit(&table, self.tx).await
+    }
+
+    async fn rollback(self) {
+        let _ = D::rollback(&self.stmts.table, self.tx).await;
+    }
+}
