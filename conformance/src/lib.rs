@@ -131,8 +131,16 @@ macro_rules! suite {
 ///
 /// `inbox_suite!(memory: FACTORY)` runs the `[all]` and `[mem]` scenarios of the inbox; FACTORY
 /// is an expression evaluated per test whose value implements [`inbox::InboxFactory`].
+/// `inbox_suite!(postgres: FACTORY)` and `inbox_suite!(postgres_partitioned: FACTORY)` run the
+/// `[all]` ones on a Postgres store, plain or partitioned.
 #[macro_export]
 macro_rules! inbox_suite {
+    (postgres: $f:expr) => {
+        $crate::inbox_suite!(@all $f);
+    };
+    (postgres_partitioned: $f:expr) => {
+        $crate::inbox_suite!(@all $f);
+    };
     (memory: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@paused $f; paced::n_19, paced::f_20, paced::f_23, paced::f_26, paced::y_10, paced::y_20,

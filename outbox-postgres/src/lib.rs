@@ -1,7 +1,9 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+pub mod driver;
 pub mod error;
+pub mod inbox;
 pub mod shared;
 pub mod sql;
 

@@ -62,7 +62,7 @@ use uuid::Uuid;
 
 use crate::error::Error;
 
-mod fragments;
+pub(crate) mod fragments;
 pub mod partitioned;
 pub use partitioned::Layout;
 

@@ -300,7 +300,10 @@ impl<H: InboxHarness> Ictx<H> {
     }
 }
 
-/// Asserts `t − now ∈ [lo, hi]` seconds, with `now` read before (`before`) and after (`after`).
+/// Asserts `t − now ∈ [lo, hi]` seconds for the backend's `now` at the write, which lies between
+/// `before` and `after` (read before and after it): on a frozen clock (memory) `before` equals
+/// `after` and this is exact; on a database clock that moves during the run, the write's own
+/// `now` is somewhere in between, so `t − before ≥ lo` and `t − after ≤ hi`.
 pub fn assert_within(
     t: DateTime<Utc>,
     before: DateTime<Utc>,
@@ -312,7 +315,7 @@ pub fn assert_within(
     let a = (t - after).as_seconds_f64();
     let b = (t - before).as_seconds_f64();
     assert!(
-        a >= lo - 1e-3 && b <= hi + 1e-3,
+        b >= lo - 1e-3 && a <= hi + 1e-3,
         "{what}: next try − now should be in [{lo}, {hi}] s, was {a} .. {b}"
     );
 }

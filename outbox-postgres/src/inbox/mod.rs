@@ -1,0 +1,18 @@
+//! The Postgres inbox (contract Part II): the inbox table of Appendix D, plain or partitioned,
+//! and the inbox store for the runner and the processor of `outbox_core::inbox`.
+//!
+//! * [`sql`]: the DDL and the statement texts (files under `src/sql/inbox/`);
+//! * [`store`]: the store, written once over the driver layer ([`crate::driver::inbox`]);
+//! * `sqlx` (feature `sqlx`): the sqlx driver, whose handlers get a sqlx `Transaction`.
+//!   `outbox-diesel` implements the same driver for diesel-async.
+
+pub mod sql;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
+pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+#[cfg(feature = "sqlx")]
+pub use self::sqlx::{SqlxInbox, SqlxInboxDriver, create_inbox_schema};
+pub use store::{InboxFaults, PgInbox, PgInboxTx};

@@ -1,0 +1,480 @@
+//! The inbox's SQL (contract Part II, Appendix D): the DDL of the plain and the partitioned
+//! inbox table and the statement texts of the inbox store, rendered for a validated table name.
+//!
+//! Each statement is a file under `src/sql/inbox/` with its parameters and result columns
+//! documented at its top; the outbox statements whose rule is the same on the inbox table
+//! (`get`, `requeue`, `release_locks`, `release_stale`, `force_unlock`, `delete_old_completed`,
+//! the test clock) are the outbox's own files, rendered for the inbox table. Predicates come
+//! from the shared fragments (`in_line`, `key_order`, `pending`): no rule is typed twice.
+//! Every value is a bound parameter; the table name is a validated [`TableName`].
+
+use crate::sql::partitioned::Layout;
+use crate::sql::{TableName, fragments};
+
+/// The default plain inbox table (the ancestor's).
+pub const DEFAULT_INBOX_TABLE: &str = "inbox_events";
+/// The default partitioned inbox table (the ancestor's).
+pub const DEFAULT_PARTITIONED_INBOX_TABLE: &str = "inbox_events_partitioned";
+
+/// The inbox columns in DDL order (the ancestor's 22, then `partition_key`); every
+/// row-returning statement returns these.
+pub const INBOX_COLUMNS: [&str; 23] = [
+    "id",
+    "event_type",
+    "payload",
+    "headers",
+    "trace_id",
+    "idempotency_key",
+    "correlation_id",
+    "causation_id",
+    "schema_version",
+    "status",
+    "attempts_made",
+    "max_attempts",
+    "last_error",
+    "scheduled_at",
+    "completed_at",
+    "locked_at",
+    "locked_by",
+    "created_at",
+    "updated_at",
+    "message_id",
+    "consumer_group",
+    "source",
+    "partition_key",
+];
+
+/// [`INBOX_COLUMNS`] joined with `, `, each prefixed by `alias.` when `alias` is not empty.
+pub fn inbox_column_list(alias: &str) -> String {
+    INBOX_COLUMNS
+        .iter()
+        .map(|c| {
+            if alias.is_empty() {
+                (*c).to_owned()
+            } else {
+                format!("{alias}.{c}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The name prefix of constraints and indexes (R173): `inbox_events_p` for the default
+/// partitioned table, else the table name.
+pub fn prefix(table: &TableName) -> String {
+    if table.table() == DEFAULT_PARTITIONED_INBOX_TABLE {
+        "inbox_events_p".to_owned()
+    } else {
+        table.table().to_owned()
+    }
+}
+
+/// The dedup index's name (R108, R173): `idx_inbox_deduplication` for the default plain table,
+/// else `idx_{p}_deduplication`.
+pub fn dedup_index(table: &TableName, layout: Layout) -> String {
+    if layout == Layout::Plain && table.table() == DEFAULT_INBOX_TABLE {
+        "idx_inbox_deduplication".to_owned()
+    } else {
+        format!("idx_{}_deduplication", prefix(table))
+    }
+}
+
+/// One index of the inbox schema.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxIndex {
+    /// Its name (R173).
+    pub name: String,
+    /// Whether unique.
+    pub unique: bool,
+    /// Columns and predicate, the part after `ON <table>`.
+    pub body: String,
+}
+
+/// The ancestor's indexes of Appendix D for `layout`, in its order.
+pub fn ancestor_indexes(table: &TableName, layout: Layout) -> Vec<InboxIndex> {
+    let p = prefix(table);
+    let i = |suffix: &str, unique: bool, body: &str| InboxIndex {
+        name: format!("idx_{p}{suffix}"),
+        unique,
+        body: body.to_owned(),
+    };
+    let dedup = |body: &str| InboxIndex {
+        name: dedup_index(table, layout),
+        unique: true,
+        body: body.to_owned(),
+    };
+    let cleanup = i(
+        "_completed_cleanup",
+        false,
+        "(completed_at) WHERE status = 'completed' AND completed_at IS NOT NULL",
+    );
+    let created = i("_created_at", false, "(created_at)");
+    let locked = i(
+        "_locked_at",
+        false,
+        "(locked_at) WHERE locked_at IS NOT NULL",
+    );
+    let fetch = i(
+        "_pending_fetch",
+        false,
+        "(scheduled_at) WHERE status = 'pending' AND locked_at IS NULL AND attempts_made < max_attempts",
+    );
+    let updated = i("_updated_at", false, "(updated_at)");
+    match layout {
+        Layout::Plain => vec![
+            dedup("(message_id, consumer_group)"),
+            cleanup,
+            created,
+            i(
+                "_idempotency_key",
+                true,
+                "(idempotency_key) WHERE idempotency_key IS NOT NULL",
+            ),
+            locked,
+            fetch,
+            updated,
+        ],
+        Layout::Partitioned => vec![
+            dedup("(message_id, consumer_group, created_at)"),
+            i("_message_consumer", false, "(message_id, consumer_group)"),
+            i(
+                "_idempotency_key",
+                true,
+                "(idempotency_key, created_at) WHERE idempotency_key IS NOT NULL",
+            ),
+            cleanup,
+            created,
+            locked,
+            fetch,
+            updated,
+        ],
+    }
+}
+
+/// The two indexes Appendix D adds to both tables: the key order's and the group's.
+pub fn addition_indexes(table: &TableName) -> Vec<InboxIndex> {
+    let p = prefix(table);
+    vec![
+        InboxIndex {
+            name: format!("idx_{p}_pending_key_order"),
+            unique: false,
+            body: "(consumer_group, source, partition_key, created_at) WHERE status = 'pending' AND partition_key IS NOT NULL".into(),
+        },
+        InboxIndex {
+            name: format!("idx_{p}_pending_group"),
+            unique: false,
+            body: "(consumer_group, scheduled_at) WHERE status = 'pending'".into(),
+        },
+    ]
+}
+
+fn create_table(table: &TableName, layout: Layout, if_not_exists: bool) -> String {
+    let t = table.table();
+    let p = prefix(table);
+    let ine = if if_not_exists { "IF NOT EXISTS " } else { "" };
+    let q = table.qualified();
+    let middle = "    event_type      varchar(100)  NOT NULL,
+    payload         jsonb         NOT NULL,
+    headers         jsonb,
+    trace_id        varchar(64),
+    idempotency_key varchar(128),
+    correlation_id  varchar(64),
+    causation_id    varchar(64),
+    schema_version  varchar(50),
+    status          varchar(20)   NOT NULL,
+    attempts_made   integer       NOT NULL,
+    max_attempts    integer       NOT NULL,
+    last_error      varchar(2000),
+    scheduled_at    timestamptz   NOT NULL,
+    completed_at    timestamptz,
+    locked_at       timestamptz,
+    locked_by       varchar(255),";
+    let checks = format!(
+        "    CONSTRAINT \"ck_{p}_attempts_valid\"
+        CHECK (attempts_made <= max_attempts),
+    CONSTRAINT \"ck_{p}_completed_status_consistency\"
+        CHECK ((status = 'completed' AND completed_at IS NOT NULL)
+            OR (status <> 'completed' AND completed_at IS NULL)),
+    CONSTRAINT \"ck_{p}_lock_consistency\"
+        CHECK ((locked_at IS NULL AND locked_by IS NULL)
+            OR (locked_at IS NOT NULL AND locked_by IS NOT NULL))"
+    );
+    let tail = "    message_id      varchar(255)  NOT NULL,
+    consumer_group  varchar(255)  NOT NULL,
+    source          varchar(255)  NOT NULL,";
+    match layout {
+        Layout::Plain => format!(
+            "CREATE TABLE {ine}{q} (
+    id              uuid          NOT NULL,
+{middle}
+    created_at      timestamptz   NOT NULL DEFAULT timezone('UTC', now()),
+    updated_at      timestamptz            DEFAULT timezone('UTC', now()),
+{tail}
+    CONSTRAINT \"{t}_pkey\" PRIMARY KEY (id),
+{checks}
+)"
+        ),
+        Layout::Partitioned => format!(
+            "CREATE TABLE {ine}{q} (
+    created_at      timestamptz   NOT NULL DEFAULT timezone('UTC', now()),
+    id              uuid          NOT NULL,
+{middle}
+    updated_at      timestamptz            DEFAULT timezone('UTC', now()),
+{tail}
+    CONSTRAINT \"{t}_pkey\" PRIMARY KEY (created_at, id),
+{checks}
+) PARTITION BY RANGE (created_at)"
+        ),
+    }
+}
+
+fn create_index(table: &TableName, ix: &InboxIndex, if_not_exists: bool) -> String {
+    format!(
+        "CREATE {u}INDEX {ine}\"{n}\" ON {q} {b}",
+        u = if ix.unique { "UNIQUE " } else { "" },
+        ine = if if_not_exists { "IF NOT EXISTS " } else { "" },
+        n = ix.name,
+        q = table.qualified(),
+        b = ix.body
+    )
+}
+
+/// The ancestor's DDL of Appendix D for `layout` exactly (no `IF NOT EXISTS`, no additions),
+/// with the table name replaced: for tests and for users who copy the SQL.
+pub fn ancestor_inbox_ddl(table: &TableName, layout: Layout) -> Vec<String> {
+    std::iter::once(create_table(table, layout, false))
+        .chain(
+            ancestor_indexes(table, layout)
+                .iter()
+                .map(|ix| create_index(table, ix, false)),
+        )
+        .collect()
+}
+
+/// The inbox schema this library creates and uses, as statements to run in order in one
+/// transaction (R172): `CREATE SCHEMA IF NOT EXISTS` (when qualified), the table of Appendix D
+/// (`IF NOT EXISTS`), the `partition_key` column (`ADD COLUMN IF NOT EXISTS`), the ancestor's
+/// indexes and the two additions (`IF NOT EXISTS`). Idempotent; on an existing ancestor table
+/// it adds only the column and the indexes missing by name. The partitioned table's partitions
+/// are the user's DDL, as with the ancestor.
+pub fn inbox_ddl(table: &TableName, layout: Layout) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Some(s) = table.schema() {
+        v.push(format!("CREATE SCHEMA IF NOT EXISTS \"{s}\""));
+    }
+    v.push(create_table(table, layout, true));
+    v.push(format!(
+        "ALTER TABLE {} ADD COLUMN IF NOT EXISTS partition_key varchar(255)",
+        table.qualified()
+    ));
+    for ix in ancestor_indexes(table, layout)
+        .iter()
+        .chain(addition_indexes(table).iter())
+    {
+        v.push(create_index(table, ix, true));
+    }
+    v
+}
+
+/// The key of the schema-creation advisory lock (`hashtext`): `inbox-schema:` + the table.
+pub fn schema_lock_key(table: &TableName) -> String {
+    format!("inbox-schema:{}", table.dotted())
+}
+
+/// The statement files, one per statement kind.
+mod text {
+    pub const LAND: &str = include_str!("../sql/inbox/land.sql");
+    pub const BY_MESSAGE_ID: &str = include_str!("../sql/inbox/by_message_id.sql");
+    pub const DEDUP_LOCK: &str = include_str!("../sql/inbox/dedup_lock.sql");
+    pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
+    pub const LOCK_ROW: &str = include_str!("../sql/inbox/lock_row.sql");
+    pub const EXISTS: &str = include_str!("../sql/inbox/exists.sql");
+    pub const EARLIER: &str = include_str!("../sql/inbox/earlier.sql");
+    pub const COMPLETED_SIBLING: &str = include_str!("../sql/inbox/completed_sibling.sql");
+    pub const STATEMENT_TIMEOUT: &str = include_str!("../sql/inbox/statement_timeout.sql");
+    pub const RESTORE_TIMEOUT: &str = include_str!("../sql/inbox/restore_timeout.sql");
+    pub const WRITE: &str = include_str!("../sql/inbox/write.sql");
+    pub const IN_LINE_ROWS: &str = include_str!("../sql/inbox/in_line_rows.sql");
+    pub const TRY_LOCK: &str = include_str!("../sql/inbox/try_lock.sql");
+    pub const STAMP: &str = include_str!("../sql/inbox/stamp.sql");
+    pub const WAITING: &str = include_str!("../sql/inbox/waiting.sql");
+    pub const COUNTS: &str = include_str!("../sql/inbox/counts.sql");
+    pub const OLDEST_DUE_AGE: &str = include_str!("../sql/inbox/oldest_due_age.sql");
+    // The outbox's statements whose rule is the same on the inbox table.
+    pub const GET: &str = include_str!("../sql/statements/get.sql");
+    pub const REQUEUE: &str = include_str!("../sql/statements/requeue.sql");
+    pub const RELEASE_LOCKS: &str = include_str!("../sql/statements/release_locks.sql");
+    pub const RELEASE_STALE: &str = include_str!("../sql/statements/release_stale.sql");
+    pub const FORCE_UNLOCK: &str = include_str!("../sql/statements/force_unlock.sql");
+    pub const DELETE_OLD_COMPLETED: &str =
+        include_str!("../sql/statements/delete_old_completed.sql");
+    pub const SHIFT_CLOCK: &str = include_str!("../sql/statements/shift_clock.sql");
+}
+
+/// A statement file made ready to send: comments dropped, fragments expanded, `{table}`
+/// replaced by the quoted validated name and `{columns}` / `{t_columns}` by [`INBOX_COLUMNS`].
+fn render(src: &str, table: &TableName) -> String {
+    fragments::expand(&fragments::strip(src), &[])
+        .replace("{table}", &table.qualified())
+        .replace("{t_columns}", &inbox_column_list("t"))
+        .replace("{columns}", &inbox_column_list(""))
+        .trim()
+        .to_owned()
+}
+
+/// Every inbox statement text for one table; parameters and results are documented in each
+/// statement's file under `src/sql/inbox/` (or `src/sql/statements/` for the shared ones).
+#[derive(Debug, Clone)]
+pub struct InboxStatements {
+    /// The table.
+    pub table: TableName,
+    /// Its layout.
+    pub layout: Layout,
+    /// `SELECT now()`.
+    pub now: String,
+    /// `land.sql`.
+    pub land: String,
+    /// `by_message_id.sql`.
+    pub by_message_id: String,
+    /// `dedup_lock.sql`.
+    pub dedup_lock: String,
+    /// `key_lock.sql`.
+    pub key_lock: String,
+    /// `lock_row.sql`.
+    pub lock_row: String,
+    /// `exists.sql`.
+    pub exists: String,
+    /// `earlier.sql`.
+    pub earlier: String,
+    /// `completed_sibling.sql`.
+    pub completed_sibling: String,
+    /// `SAVEPOINT inbox_run`.
+    pub savepoint: String,
+    /// `RELEASE SAVEPOINT inbox_run`.
+    pub release_savepoint: String,
+    /// `ROLLBACK TO SAVEPOINT inbox_run`.
+    pub rollback_to_savepoint: String,
+    /// `statement_timeout.sql`.
+    pub statement_timeout: String,
+    /// `restore_timeout.sql`.
+    pub restore_timeout: String,
+    /// `write.sql`.
+    pub write: String,
+    /// `in_line_rows.sql`.
+    pub in_line_rows: String,
+    /// `try_lock.sql`.
+    pub try_lock: String,
+    /// `stamp.sql`.
+    pub stamp: String,
+    /// `waiting.sql`.
+    pub waiting: String,
+    /// `counts.sql`.
+    pub counts: String,
+    /// `oldest_due_age.sql`.
+    pub oldest_due_age: String,
+    /// The outbox's `get.sql` with the inbox columns.
+    pub get: String,
+    /// The outbox's `requeue.sql`.
+    pub requeue: String,
+    /// The outbox's `release_locks.sql`.
+    pub release_locks: String,
+    /// The outbox's `release_stale.sql` (one batch).
+    pub release_stale: String,
+    /// The outbox's `force_unlock.sql`.
+    pub force_unlock: String,
+    /// The outbox's `delete_old_completed.sql`.
+    pub delete_old_completed: String,
+    /// The outbox's `shift_clock.sql` (the test clock of the conformance harness).
+    pub shift_clock: String,
+}
+
+impl InboxStatements {
+    /// Every statement for `table` in `layout`.
+    pub fn new(table: &TableName, layout: Layout) -> Self {
+        let r = |src: &str| render(src, table);
+        Self {
+            table: table.clone(),
+            layout,
+            now: "SELECT now()".into(),
+            land: r(text::LAND),
+            by_message_id: r(text::BY_MESSAGE_ID),
+            dedup_lock: r(text::DEDUP_LOCK),
+            key_lock: r(text::KEY_LOCK),
+            lock_row: r(text::LOCK_ROW),
+            exists: r(text::EXISTS),
+            earlier: r(text::EARLIER),
+            completed_sibling: r(text::COMPLETED_SIBLING),
+            savepoint: "SAVEPOINT inbox_run".into(),
+            release_savepoint: "RELEASE SAVEPOINT inbox_run".into(),
+            rollback_to_savepoint: "ROLLBACK TO SAVEPOINT inbox_run".into(),
+            statement_timeout: r(text::STATEMENT_TIMEOUT),
+            restore_timeout: r(text::RESTORE_TIMEOUT),
+            write: r(text::WRITE),
+            in_line_rows: r(text::IN_LINE_ROWS),
+            try_lock: r(text::TRY_LOCK),
+            stamp: r(text::STAMP),
+            waiting: r(text::WAITING),
+            counts: r(text::COUNTS),
+            oldest_due_age: r(text::OLDEST_DUE_AGE),
+            get: r(text::GET),
+            requeue: r(text::REQUEUE),
+            release_locks: r(text::RELEASE_LOCKS),
+            release_stale: r(text::RELEASE_STALE),
+            force_unlock: r(text::FORCE_UNLOCK),
+            delete_old_completed: r(text::DELETE_OLD_COMPLETED),
+            shift_clock: r(text::SHIFT_CLOCK),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statements_render_completely() {
+        let t = TableName::new("ops.inbox_events").unwrap();
+        let s = InboxStatements::new(&t, Layout::Plain);
+        for text in [
+            &s.land,
+            &s.by_message_id,
+            &s.earlier,
+            &s.write,
+            &s.in_line_rows,
+            &s.stamp,
+            &s.get,
+            &s.requeue,
+            &s.release_stale,
+            &s.waiting,
+            &s.counts,
+            &s.oldest_due_age,
+        ] {
+            assert!(!text.contains('{') && !text.contains("--"), "{text}");
+            assert!(text.contains("\"ops\".\"inbox_events\""), "{text}");
+            assert!(!text.contains("topic"), "{text}");
+        }
+    }
+
+    #[test]
+    fn index_names_follow_r173() {
+        let plain = TableName::new("inbox_events").unwrap();
+        let part = TableName::new("inbox_events_partitioned").unwrap();
+        let other = TableName::new("s.my_inbox").unwrap();
+        let names = |t: &TableName, l: Layout| -> Vec<String> {
+            ancestor_indexes(t, l).into_iter().map(|i| i.name).collect()
+        };
+        assert_eq!(names(&plain, Layout::Plain)[0], "idx_inbox_deduplication");
+        assert!(names(&plain, Layout::Plain).contains(&"idx_inbox_events_pending_fetch".into()));
+        assert_eq!(names(&part, Layout::Partitioned)[0], "idx_inbox_events_p_deduplication");
+        assert!(
+            names(&part, Layout::Partitioned).contains(&"idx_inbox_events_p_message_consumer".into())
+        );
+        assert_eq!(names(&other, Layout::Plain)[0], "idx_my_inbox_deduplication");
+        let ddl = inbox_ddl(&part, Layout::Partitioned).join(";\n");
+        assert!(ddl.contains("\"inbox_events_partitioned_pkey\" PRIMARY KEY (created_at, id)"));
+        assert!(ddl.contains("\"ck_inbox_events_p_lock_consistency\""));
+        assert!(ddl.contains("\"idx_inbox_events_p_pending_key_order\""));
+        assert_eq!(ancestor_inbox_ddl(&plain, Layout::Plain).len(), 8);
+        assert_eq!(ancestor_inbox_ddl(&part, Layout::Partitioned).len(), 9);
+    }
+}

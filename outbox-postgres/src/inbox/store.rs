@@ -1,0 +1,713 @@
+//! The inbox store, written once over the driver layer ([`crate::driver::inbox`]): sqlx and
+//! diesel-async run the same flow. [`PgInbox`] is the [`InboxRepository`] and
+//! [`InboxBackend`]; [`PgInboxTx`] the runner's T and the processor's T_row, whose handle is
+//! the driver's own transaction (R181).
+//!
+//! The fetch (R149, R150) reads the group's in-line rows, row-locks the fetchable ones without
+//! waiting (a row locked elsewhere is skipped and holds its key), chooses heads and runs by
+//! the outbox's own rules ([`outbox_core::ordering`] over the inbox view,
+//! [`outbox_core::inbox::ordering`]) and stamps the lease, in one short transaction. Its work
+//! grows with the group's in-line rows, not with the batch: the bounded plan of the outbox's
+//! fetch (R85) is not carried over yet.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use outbox_core::error::RepositoryError;
+use outbox_core::event::{Status, WorkerId, force_unlock_text, limits, normalize_error};
+use outbox_core::inbox::ordering as inbox_order;
+use outbox_core::inbox::repository::{
+    Guard, InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxRepository,
+    InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite,
+};
+use outbox_core::inbox::{ConsumerGroup, InboxEvent, InboxKey, NewInboxEvent};
+use outbox_core::ordering;
+use outbox_core::repository::{BLOCKED_WAITING_CAP, FetchFilter, Retry, args};
+use uuid::Uuid;
+
+use crate::driver::inbox::{Bind, InboxDriver, InboxDriverTx, InboxRawRow};
+use crate::inbox::sql::InboxStatements;
+use crate::sql::{Layout, TableName, micros};
+
+/// How many rows one round of release_stale_locks releases (R63), and the round bound.
+const STALE_BATCH: i64 = 1000;
+const STALE_ROUNDS: usize = 1000;
+
+/// A future run before the next transaction begins (the suite's `before_next_begin`).
+pub type BeforeBegin = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Test hooks of the store (scenarios.md section 19's `fail_next_row_commit`, `db_down`,
+/// `before_fresh_write`); inert unless a test sets them.
+#[derive(Default)]
+pub struct InboxFaults {
+    fail_next_commit: AtomicBool,
+    down: AtomicBool,
+    before_next_begin: Mutex<Option<BeforeBegin>>,
+}
+
+impl std::fmt::Debug for InboxFaults {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxFaults")
+            .field("fail_next_commit", &self.fail_next_commit)
+            .field("down", &self.down)
+            .finish()
+    }
+}
+
+impl InboxFaults {
+    /// The next T or T_row fails when it commits (it is rolled back instead).
+    pub fn fail_next_commit(&self) {
+        self.fail_next_commit.store(true, Ordering::SeqCst);
+    }
+    /// Every new transaction fails to begin (`true`), or no longer does.
+    pub fn set_down(&self, down: bool) {
+        self.down.store(down, Ordering::SeqCst);
+    }
+    /// Runs `f` just before the next transaction begins.
+    pub fn before_next_begin(&self, f: BeforeBegin) {
+        *self.before_next_begin.lock().expect("poisoned") = Some(f);
+    }
+}
+
+/// The Postgres inbox over a driver `D`.
+#[derive(Debug)]
+pub struct PgInbox<D> {
+    driver: D,
+    stmts: Arc<InboxStatements>,
+    name: &'static str,
+    faults: Arc<InboxFaults>,
+}
+
+impl<D: Clone> Clone for PgInbox<D> {
+    fn clone(&self) -> Self {
+        Self {
+            driver: self.driver.clone(),
+            stmts: self.stmts.clone(),
+            name: self.name,
+            faults: self.faults.clone(),
+        }
+    }
+}
+
+fn decode(rows: Vec<InboxRawRow>) -> Result<Vec<InboxEvent>, RepositoryError> {
+    rows.into_iter().map(InboxRawRow::decode).collect()
+}
+
+fn one(rows: Vec<InboxRawRow>) -> Result<Option<InboxEvent>, RepositoryError> {
+    rows.into_iter().next().map(InboxRawRow::decode).transpose()
+}
+
+fn opt(v: Option<&str>) -> Bind {
+    Bind::Text(v.map(str::to_owned))
+}
+
+impl<D: InboxDriver> PgInbox<D> {
+    /// The store on `table` in `layout`; `name` is the backend's short name
+    /// ([`InboxCapabilities::name`]).
+    pub fn new(driver: D, table: &TableName, layout: Layout, name: &'static str) -> Self {
+        Self {
+            driver,
+            stmts: Arc::new(InboxStatements::new(table, layout)),
+            name,
+            faults: Arc::default(),
+        }
+    }
+
+    /// The statements.
+    pub fn statements(&self) -> &InboxStatements {
+        &self.stmts
+    }
+
+    /// The driver.
+    pub fn driver(&self) -> &D {
+        &self.driver
+    }
+
+    /// The test hooks.
+    pub fn faults(&self) -> &InboxFaults {
+        &self.faults
+    }
+
+    async fn in_tx<T: Send>(
+        &self,
+        f: impl for<'a> FnOnce(
+            &'a mut D::Tx,
+            &'a InboxStatements,
+        )
+            -> Pin<Box<dyn Future<Output = Result<T, RepositoryError>> + Send + 'a>>
+        + Send,
+    ) -> Result<T, RepositoryError> {
+        let mut tx = self.driver.begin().await?;
+        match f(&mut tx, &self.stmts).await {
+            Ok(v) => {
+                tx.commit().await?;
+                Ok(v)
+            }
+            Err(e) => {
+                tx.rollback().await;
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The outbox view of the rows, chosen by the outbox's rules (R149, R150).
+fn choose(
+    rows: &[InboxEvent],
+    now: DateTime<Utc>,
+    req: &InboxFetchRequest,
+) -> Vec<Uuid> {
+    let views: Vec<_> = rows
+        .iter()
+        .map(|r| inbox_order::view(r, req.key_order))
+        .collect();
+    ordering::select(
+        views.iter(),
+        now,
+        req.limit,
+        req.lease_ttl,
+        req.max_per_key,
+        &FetchFilter::none(),
+    )
+    .into_iter()
+    .map(|v| v.id)
+    .collect()
+}
+
+#[async_trait]
+impl<D: InboxDriver> InboxRepository for PgInbox<D> {
+    fn capabilities(&self) -> InboxCapabilities {
+        InboxCapabilities {
+            name: self.name,
+            database_clock: true,
+            siblings: self.stmts.layout == Layout::Partitioned,
+            undecodable_rows: false,
+        }
+    }
+
+    async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
+        self.in_tx(|tx, s| Box::pin(async move { tx.timestamp(&s.now, &[]).await }))
+            .await
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<InboxEvent>, RepositoryError> {
+        self.in_tx(|tx, s| {
+            Box::pin(async move { one(tx.inbox_rows(&s.get, &[Bind::Uuid(id)]).await?) })
+        })
+        .await
+    }
+
+    async fn get_by_message_id(
+        &self,
+        message_id: &str,
+        group: &ConsumerGroup,
+    ) -> Result<Option<InboxEvent>, RepositoryError> {
+        let binds = [Bind::text(message_id), Bind::text(group.as_str())];
+        self.in_tx(|tx, s| {
+            Box::pin(async move { one(tx.inbox_rows(&s.by_message_id, &binds).await?) })
+        })
+        .await
+    }
+
+    async fn fetch_and_lock(
+        &self,
+        req: &InboxFetchRequest,
+    ) -> Result<Vec<InboxEvent>, RepositoryError> {
+        req.validate()?;
+        let req = req.clone();
+        self.in_tx(|tx, s| {
+            Box::pin(async move {
+                let now = tx.timestamp(&s.now, &[]).await?;
+                let binds = [
+                    Bind::text(req.group.as_str()),
+                    Bind::TextArray(req.sources.clone()),
+                ];
+                let mut rows = decode(tx.inbox_rows(&s.in_line_rows, &binds).await?)?;
+                let fetchable: Vec<Uuid> = rows
+                    .iter()
+                    .filter(|r| inbox_order::fetchable(r, now, req.lease_ttl))
+                    .map(|r| r.id)
+                    .collect();
+                if fetchable.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let locked: std::collections::HashSet<Uuid> = tx
+                    .inbox_rows(&s.try_lock, &[Bind::UuidArray(fetchable.clone())])
+                    .await?
+                    .into_iter()
+                    .map(|r| r.id)
+                    .collect();
+                for r in rows.iter_mut() {
+                    if fetchable.contains(&r.id) && !locked.contains(&r.id) {
+                        // Row-locked elsewhere: skipped, and in line for its key.
+                        r.locked_at = Some(now);
+                        r.locked_by = Some("(row-locked)".into());
+                    }
+                }
+                let ids = choose(&rows, now, &req);
+                if ids.is_empty() {
+                    return Ok(Vec::new());
+                }
+                let stamped = decode(
+                    tx.inbox_rows(
+                        &s.stamp,
+                        &[
+                            Bind::UuidArray(ids.clone()),
+                            Bind::text(req.worker.as_str()),
+                        ],
+                    )
+                    .await?,
+                )?;
+                let mut by_id: std::collections::HashMap<Uuid, InboxEvent> =
+                    stamped.into_iter().map(|r| (r.id, r)).collect();
+                Ok(ids.iter().filter_map(|id| by_id.remove(id)).collect())
+            })
+        })
+        .await
+    }
+
+    async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
+        let binds = [Bind::UuidArray(ids.to_vec()), Bind::text(worker.as_str())];
+        self.in_tx(|tx, s| Box::pin(async move { tx.execute(&s.release_locks, &binds).await }))
+            .await
+    }
+
+    async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
+        self.in_tx(|tx, s| {
+            Box::pin(async move { Ok(tx.execute(&s.requeue, &[Bind::Uuid(id)]).await? == 1) })
+        })
+        .await
+    }
+
+    async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
+        args::stale_timeout(timeout)?;
+        let mut total = 0;
+        for _ in 0..STALE_ROUNDS {
+            let binds = [
+                Bind::Int8(Some(micros(timeout))),
+                Bind::Int8(Some(STALE_BATCH)),
+            ];
+            let n = self
+                .in_tx(|tx, s| {
+                    Box::pin(async move { tx.execute(&s.release_stale, &binds).await })
+                })
+                .await?;
+            total += n;
+            if n < STALE_BATCH as u64 {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
+    async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
+        let text = force_unlock_text(reason)?;
+        let binds = [Bind::Uuid(id), Bind::text(text)];
+        let n = self
+            .in_tx(|tx, s| Box::pin(async move { tx.execute(&s.force_unlock, &binds).await }))
+            .await?;
+        if n == 0 {
+            return Err(RepositoryError::NotLocked(id));
+        }
+        Ok(())
+    }
+
+    async fn delete_old_completed(
+        &self,
+        retention_days: u32,
+        batch_size: usize,
+    ) -> Result<u64, RepositoryError> {
+        args::cleanup(retention_days, batch_size)?;
+        let binds = [
+            Bind::Int4(i32::try_from(retention_days).unwrap_or(i32::MAX)),
+            Bind::Int8(Some(i64::try_from(batch_size).unwrap_or(i64::MAX))),
+        ];
+        self.in_tx(|tx, s| {
+            Box::pin(async move { tx.execute(&s.delete_old_completed, &binds).await })
+        })
+        .await
+    }
+
+    async fn blocked_keys(
+        &self,
+        group: &ConsumerGroup,
+        lease_ttl: Duration,
+        limit: usize,
+    ) -> Result<Vec<InboxBlockedKey>, RepositoryError> {
+        let group = group.clone();
+        self.in_tx(|tx, s| {
+            Box::pin(async move {
+                let now = tx.timestamp(&s.now, &[]).await?;
+                let rows = decode(
+                    tx.inbox_rows(
+                        &s.in_line_rows,
+                        &[Bind::text(group.as_str()), Bind::TextArray(None)],
+                    )
+                    .await?,
+                )?;
+                let keyed: Vec<&InboxEvent> =
+                    rows.iter().filter(|r| r.partition_key.is_some()).collect();
+                let views: Vec<_> = keyed.iter().map(|r| inbox_order::view(r, true)).collect();
+                let mut heads: Vec<&InboxEvent> = ordering::lines(views.iter(), now)
+                    .into_values()
+                    .filter(|line| ordering::head_is_blocked(line[0], now, lease_ttl))
+                    .filter_map(|line| keyed.iter().find(|r| r.id == line[0].id).copied())
+                    .collect();
+                heads.sort_by_key(|h| (h.created_at, h.id));
+                heads.truncate(limit);
+                let mut out = Vec::with_capacity(heads.len());
+                for h in heads {
+                    let waiting = tx
+                        .int8(
+                            &s.waiting,
+                            &[
+                                Bind::text(h.consumer_group.as_str()),
+                                Bind::text(h.source.as_str()),
+                                opt(h.partition_key.as_deref()),
+                                Bind::Timestamp(Some(h.created_at)),
+                                Bind::Uuid(h.id),
+                                Bind::Int8(Some(BLOCKED_WAITING_CAP)),
+                            ],
+                        )
+                        .await?
+                        .unwrap_or(0);
+                    out.push(InboxBlockedKey {
+                        source: h.source.clone(),
+                        partition_key: h.partition_key.clone().unwrap_or_default(),
+                        head_id: h.id,
+                        message_id: h.message_id.clone(),
+                        attempts_made: h.attempts_made,
+                        max_attempts: h.max_attempts,
+                        last_error: h.last_error.clone(),
+                        next_try: h.scheduled_at,
+                        locked_by: h.locked_by.clone(),
+                        locked_at: h.locked_at,
+                        waiting,
+                    });
+                }
+                Ok(out)
+            })
+        })
+        .await
+    }
+
+    async fn counts(
+        &self,
+        group: &ConsumerGroup,
+    ) -> Result<Vec<InboxStatusCount>, RepositoryError> {
+        let group = group.clone();
+        let rows = self
+            .in_tx(|tx, s| {
+                let binds = [Bind::text(group.as_str())];
+                Box::pin(async move { tx.text_text_int8(&s.counts, &binds).await })
+            })
+            .await?;
+        let mut out = rows
+            .into_iter()
+            .map(|(source, status, count)| {
+                let status: Status = status.parse().map_err(|_| {
+                    RepositoryError::Other(format!("counts: status {status:?} is not one of the three"))
+                })?;
+                Ok(InboxStatusCount {
+                    consumer_group: group.as_str().to_owned(),
+                    source,
+                    status,
+                    count,
+                })
+            })
+            .collect::<Result<Vec<_>, RepositoryError>>()?;
+        out.sort();
+        Ok(out)
+    }
+
+    async fn oldest_due_age(
+        &self,
+        group: &ConsumerGroup,
+    ) -> Result<Option<Duration>, RepositoryError> {
+        let binds = [Bind::text(group.as_str())];
+        let us = self
+            .in_tx(|tx, s| Box::pin(async move { tx.int8(&s.oldest_due_age, &binds).await }))
+            .await?;
+        Ok(us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
+    }
+}
+
+#[async_trait]
+impl<D: InboxDriver> InboxBackend for PgInbox<D> {
+    type Tx = PgInboxTx<D::Tx>;
+
+    async fn begin(&self) -> Result<Self::Tx, RepositoryError> {
+        let hook = self.faults.before_next_begin.lock().expect("poisoned").take();
+        if let Some(f) = hook {
+            f.await;
+        }
+        if self.faults.down.load(Ordering::SeqCst) {
+            return Err(RepositoryError::Unavailable {
+                message: "the database is down (the test hook db_down)".into(),
+            });
+        }
+        Ok(PgInboxTx {
+            tx: self.driver.begin().await?,
+            stmts: self.stmts.clone(),
+            faults: self.faults.clone(),
+            timeout_before: None,
+        })
+    }
+}
+
+/// One open inbox transaction over a driver transaction `T`.
+pub struct PgInboxTx<T> {
+    tx: T,
+    stmts: Arc<InboxStatements>,
+    faults: Arc<InboxFaults>,
+    timeout_before: Option<String>,
+}
+
+impl<T> std::fmt::Debug for PgInboxTx<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgInboxTx")
+            .field("table", &self.stmts.table)
+            .finish()
+    }
+}
+
+fn error_text(e: &str) -> String {
+    normalize_error(&e.replace('\0', "\u{FFFD}"), limits::DEFAULT_ERROR_MAX_LENGTH)
+}
+
+fn retry_binds(retry: &Retry) -> (Bind, Bind) {
+    match retry {
+        Retry::Keep => (Bind::Int8(None), Bind::Timestamp(None)),
+        Retry::After(d) => (Bind::Int8(Some(micros(*d))), Bind::Timestamp(None)),
+        Retry::At(t) => (Bind::Int8(None), Bind::Timestamp(Some(*t))),
+    }
+}
+
+impl<T: InboxDriverTx> PgInboxTx<T> {
+    async fn land_one(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
+        let s = self.stmts.clone();
+        let key = [Bind::text(e.message_id()), Bind::text(e.consumer_group())];
+        if s.layout == Layout::Partitioned {
+            // R111: the dedup key's advisory lock, then the rows of the key.
+            self.tx.execute(&s.dedup_lock, &key).await?;
+            if let Some(row) = one(self.tx.inbox_rows(&s.by_message_id, &key).await?)? {
+                return Ok(Landed {
+                    row,
+                    inserted: false,
+                });
+            }
+        }
+        let payload = serde_json::Value::Object(e.payload().clone()).to_string();
+        let headers = e
+            .headers()
+            .map(|h| serde_json::to_string(h).expect("a string map serializes"));
+        let row = e.clone().into_row(DateTime::<Utc>::MIN_UTC);
+        let binds = [
+            Bind::Uuid(e.id()),
+            Bind::text(e.event_type()),
+            Bind::text(payload),
+            Bind::Text(headers),
+            opt(row.trace_id.as_deref()),
+            opt(row.correlation_id.as_deref()),
+            opt(row.causation_id.as_deref()),
+            opt(row.schema_version.as_deref()),
+            Bind::Int4(e.max_attempts()),
+            Bind::text(e.message_id()),
+            Bind::text(e.consumer_group()),
+            Bind::text(e.source()),
+            opt(e.partition_key()),
+        ];
+        if let Some(row) = one(self.tx.inbox_rows(&s.land, &binds).await?)? {
+            return Ok(Landed {
+                row,
+                inserted: true,
+            });
+        }
+        match one(self.tx.inbox_rows(&s.by_message_id, &key).await?)? {
+            Some(row) => Ok(Landed {
+                row,
+                inserted: false,
+            }),
+            None => Err(RepositoryError::Other(format!(
+                "landing message {} of group {} inserted nothing and found no row (an id conflict?)",
+                e.message_id(),
+                e.consumer_group()
+            ))),
+        }
+    }
+}
+
+#[async_trait]
+impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
+    type Handle = T::Handle;
+
+    fn handle(&mut self) -> &mut T::Handle {
+        self.tx.handle()
+    }
+
+    async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {
+        let binds = [
+            Bind::text(key.consumer_group.as_str()),
+            Bind::text(key.source.as_str()),
+            Bind::text(key.partition_key.as_str()),
+        ];
+        self.tx.execute(&self.stmts.key_lock, &binds).await?;
+        Ok(())
+    }
+
+    async fn land(&mut self, events: Vec<NewInboxEvent>) -> Result<Vec<Landed>, RepositoryError> {
+        let mut out = Vec::with_capacity(events.len());
+        for e in &events {
+            out.push(self.land_one(e).await?);
+        }
+        Ok(out)
+    }
+
+    async fn lock_row(&mut self, id: Uuid) -> Result<RowLock, RepositoryError> {
+        let s = self.stmts.clone();
+        if let Some(r) = one(self.tx.inbox_rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
+            return Ok(RowLock::Locked(r));
+        }
+        Ok(match self.tx.int8(&s.exists, &[Bind::Uuid(id)]).await? {
+            Some(n) if n > 0 => RowLock::Busy,
+            _ => RowLock::Missing,
+        })
+    }
+
+    async fn earlier_in_line(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
+        let Some(pk) = row.partition_key.as_deref() else {
+            return Ok(false);
+        };
+        let binds = [
+            Bind::text(row.consumer_group.as_str()),
+            Bind::text(row.source.as_str()),
+            Bind::text(pk),
+            Bind::Timestamp(Some(row.created_at)),
+            Bind::Uuid(row.id),
+        ];
+        Ok(self.tx.int8(&self.stmts.earlier, &binds).await?.unwrap_or(0) > 0)
+    }
+
+    async fn completed_sibling(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
+        if self.stmts.layout != Layout::Partitioned {
+            // The unique index rules siblings out on the plain table (R164).
+            return Ok(false);
+        }
+        let s = self.stmts.clone();
+        let key = [
+            Bind::text(row.message_id.as_str()),
+            Bind::text(row.consumer_group.as_str()),
+        ];
+        self.tx.execute(&s.dedup_lock, &key).await?;
+        let binds = [key[0].clone(), key[1].clone(), Bind::Uuid(row.id)];
+        Ok(self.tx.int8(&s.completed_sibling, &binds).await?.unwrap_or(0) > 0)
+    }
+
+    async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        self.tx.execute(&s.savepoint, &[]).await?;
+        // Whole milliseconds, rounded up (R181); at least 1 (0 would turn the bound off).
+        let ms = timeout.as_micros().div_ceil(1000).max(1);
+        let before = self
+            .tx
+            .text(&s.statement_timeout, &[Bind::text(ms.to_string())])
+            .await?;
+        self.timeout_before = before;
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        self.tx.execute(&s.release_savepoint, &[]).await?;
+        if let Some(before) = self.timeout_before.take() {
+            self.tx
+                .execute(&s.restore_timeout, &[Bind::text(before)])
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), RepositoryError> {
+        // The rollback also undoes the statement timeout's set_config.
+        self.timeout_before = None;
+        let s = self.stmts.clone();
+        self.tx.execute(&s.rollback_to_savepoint, &[]).await?;
+        Ok(())
+    }
+
+    async fn write(&mut self, id: Uuid, write: RowWrite) -> Result<InboxEvent, RepositoryError> {
+        let (kind, error, (after, at)) = match &write {
+            RowWrite::Complete => ("complete", None, retry_binds(&Retry::Keep)),
+            RowWrite::Counted { error, retry } => {
+                ("counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::NotCounted { error, retry } => {
+                ("not_counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::Terminal { error } => {
+                ("terminal", Some(error_text(error)), retry_binds(&Retry::Keep))
+            }
+            RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
+        };
+        let binds = [Bind::Uuid(id), Bind::text(kind), Bind::Text(error), after, at];
+        one(self.tx.inbox_rows(&self.stmts.write, &binds).await?)?
+            .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
+    }
+
+    async fn guard(&mut self, guard: &Guard) -> Result<Option<InboxEvent>, RepositoryError> {
+        match guard {
+            Guard::Reland(e) => {
+                let l = self.land_one(e).await?;
+                Ok(l.inserted.then_some(l.row))
+            }
+            Guard::Unchanged {
+                id,
+                attempts_made,
+                scheduled_at,
+                lease_ttl,
+            } => {
+                let now = self.tx.timestamp(&self.stmts.now, &[]).await?;
+                Ok(match self.lock_row(*id).await? {
+                    RowLock::Locked(r)
+                        if r.status == Status::Pending
+                            && (r.locked_at.is_none()
+                                || inbox_order::lease_expired(&r, now, *lease_ttl))
+                            && r.attempts_made == *attempts_made
+                            && r.scheduled_at == *scheduled_at =>
+                    {
+                        Some(r)
+                    }
+                    _ => None,
+                })
+            }
+            Guard::HeldBy { id, worker } => Ok(match self.lock_row(*id).await? {
+                RowLock::Locked(r)
+                    if r.status == Status::Pending
+                        && r.locked_by.as_deref() == Some(worker.as_str()) =>
+                {
+                    Some(r)
+                }
+                _ => None,
+            }),
+        }
+    }
+
+    async fn commit(self) -> Result<(), RepositoryError> {
+        if self.faults.fail_next_commit.swap(false, Ordering::SeqCst) {
+            self.tx.rollback().await;
+            return Err(RepositoryError::Unavailable {
+                message: "injected failure of the commit (fail_next_row_commit)".into(),
+            });
+        }
+        self.tx.commit().await
+    }
+
+    async fn rollback(self) {
+        self.tx.rollback().await;
+    }
+}

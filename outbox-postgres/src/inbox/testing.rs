@@ -1,0 +1,321 @@
+//! The inbox conformance harness (feature `testing`): a fresh schema per trial with the inbox
+//! table (plain, or partitioned with a DEFAULT partition), an effects table for the handlers'
+//! own writes, the test clock and the fixtures of scenarios.md section 19. The driver-neutral
+//! parts ([`patch`], [`effects`]) serve outbox-diesel's harness too.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_conformance::harness::BackendKind;
+use outbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
+use outbox_core::clock::{Clock, ManualClock};
+use outbox_core::inbox::HandlerError;
+use sqlx::postgres::PgPool;
+use sqlx::{AssertSqlSafe, Postgres, Transaction};
+use uuid::Uuid;
+
+use crate::driver::inbox::Bind;
+use crate::inbox::sql::{
+    DEFAULT_INBOX_TABLE, DEFAULT_PARTITIONED_INBOX_TABLE, InboxStatements,
+};
+use crate::inbox::{SqlxInbox, create_inbox_schema};
+use crate::sql::{Layout, TableName, micros};
+use crate::testing::{
+    HARNESS_CONNECTIONS, HARNESS_SHARE, ConnectionShare, database_url, fresh_schema_name,
+    reserve_connections, trial_pool,
+};
+
+/// The suite's `set`: an UPDATE of the patched columns of one row, `$1` the id.
+pub fn patch(table: &TableName, id: Uuid, p: &InboxPatch) -> Option<(String, Vec<Bind>)> {
+    let mut sets: Vec<String> = Vec::new();
+    let mut binds = vec![Bind::Uuid(id)];
+    let mut set = |col: &str, cast: &str, b: Bind, binds: &mut Vec<Bind>| {
+        binds.push(b);
+        sets.push(format!("{col} = ${}::{cast}", binds.len()));
+    };
+    if let Some(v) = p.status {
+        set("status", "text", Bind::text(v.as_str()), &mut binds);
+    }
+    if let Some(v) = p.attempts_made {
+        set("attempts_made", "int4", Bind::Int4(v), &mut binds);
+    }
+    if let Some(v) = p.max_attempts {
+        set("max_attempts", "int4", Bind::Int4(v), &mut binds);
+    }
+    if let Some(v) = &p.last_error {
+        set("last_error", "text", Bind::Text(v.clone()), &mut binds);
+    }
+    if let Some(v) = p.scheduled_at {
+        set("scheduled_at", "timestamptz", Bind::Timestamp(Some(v)), &mut binds);
+    }
+    if let Some(v) = p.completed_at {
+        set("completed_at", "timestamptz", Bind::Timestamp(v), &mut binds);
+    }
+    if let Some(v) = &p.lock {
+        let (by, at) = match v {
+            Some((w, t)) => (Some(w.clone()), Some(*t)),
+            None => (None, None),
+        };
+        set("locked_by", "text", Bind::Text(by), &mut binds);
+        set("locked_at", "timestamptz", Bind::Timestamp(at), &mut binds);
+    }
+    if sets.is_empty() {
+        return None;
+    }
+    Some((
+        format!(
+            "UPDATE {} SET {} WHERE id = $1::uuid",
+            table.qualified(),
+            sets.join(", ")
+        ),
+        binds,
+    ))
+}
+
+/// The effects table of the suite's handlers (their own writes, R115): DDL, insert, read.
+pub mod effects {
+    /// `CREATE TABLE` of the effects in `schema`.
+    pub fn ddl(schema: &str) -> String {
+        format!(
+            "CREATE TABLE IF NOT EXISTS \"{schema}\".inbox_effects (seq bigserial PRIMARY KEY, message_id text NOT NULL, key text, n int8 NOT NULL)"
+        )
+    }
+    /// Insert one effect: `$1 text` message_id, `$2 text` key (or NULL), `$3 int8` n.
+    pub fn insert(schema: &str) -> String {
+        format!(
+            "INSERT INTO \"{schema}\".inbox_effects (message_id, key, n) VALUES ($1::text, $2::text, $3::int8)"
+        )
+    }
+    /// The committed effects' message ids in store order.
+    pub fn select(schema: &str) -> String {
+        format!("SELECT message_id FROM \"{schema}\".inbox_effects ORDER BY seq")
+    }
+    /// Ends the transaction's connection (the suite's `break_tx`).
+    pub const BREAK: &str = "SELECT pg_terminate_backend(pg_backend_pid())";
+}
+
+/// The table of a trial: the default name for the layout, in `schema`.
+pub fn trial_table(schema: &str, layout: Layout) -> TableName {
+    let t = match layout {
+        Layout::Plain => DEFAULT_INBOX_TABLE,
+        Layout::Partitioned => DEFAULT_PARTITIONED_INBOX_TABLE,
+    };
+    TableName::new(&format!("{schema}.{t}")).expect("valid table name")
+}
+
+/// The statements that set up a trial's schema after the inbox DDL: the DEFAULT partition of
+/// a partitioned table and the effects table.
+pub fn trial_setup(schema: &str, table: &TableName, layout: Layout) -> Vec<String> {
+    let mut v = Vec::new();
+    if layout == Layout::Partitioned {
+        v.push(format!(
+            "CREATE TABLE IF NOT EXISTS \"{schema}\".\"{}_default\" PARTITION OF {} DEFAULT",
+            table.table(),
+            table.qualified()
+        ));
+    }
+    v.push(effects::ddl(schema));
+    v
+}
+
+/// Makes a fresh [`PgInboxHarness`] per trial.
+#[derive(Debug, Clone, Copy)]
+pub struct PgInboxFactory {
+    layout: Layout,
+}
+
+impl PgInboxFactory {
+    /// Trials on the plain table.
+    pub fn plain() -> Self {
+        Self {
+            layout: Layout::Plain,
+        }
+    }
+    /// Trials on the partitioned table (one DEFAULT partition).
+    pub fn partitioned() -> Self {
+        Self {
+            layout: Layout::Partitioned,
+        }
+    }
+}
+
+#[async_trait]
+impl InboxFactory for PgInboxFactory {
+    type Harness = PgInboxHarness;
+    async fn create(&self) -> Arc<PgInboxHarness> {
+        Arc::new(PgInboxHarness::create(self.layout).await)
+    }
+}
+
+/// One trial's sqlx inbox in a schema of its own (dropped with the harness).
+pub struct PgInboxHarness {
+    url: String,
+    pool: PgPool,
+    schema: String,
+    inbox: SqlxInbox,
+    stmts: Arc<InboxStatements>,
+    clock: ManualClock,
+    _share: ConnectionShare,
+}
+
+impl std::fmt::Debug for PgInboxHarness {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgInboxHarness")
+            .field("schema", &self.schema)
+            .finish()
+    }
+}
+
+impl PgInboxHarness {
+    /// A fresh schema with the inbox table in `layout`.
+    pub async fn create(layout: Layout) -> Self {
+        let url = database_url();
+        let schema = fresh_schema_name();
+        let table = trial_table(&schema, layout);
+        let share = reserve_connections(HARNESS_SHARE).await;
+        let pool = trial_pool(&url, HARNESS_CONNECTIONS).await;
+        create_inbox_schema(&pool, &table, layout)
+            .await
+            .expect("inbox schema creation");
+        for s in trial_setup(&schema, &table, layout) {
+            sqlx::raw_sql(AssertSqlSafe(s))
+                .execute(&pool)
+                .await
+                .expect("trial setup");
+        }
+        let inbox = SqlxInbox::sqlx(pool.clone(), &table, layout);
+        Self {
+            url,
+            stmts: Arc::new(InboxStatements::new(&table, layout)),
+            pool,
+            schema,
+            inbox,
+            clock: ManualClock::starting_now(),
+            _share: share,
+        }
+    }
+
+    /// The trial's pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The trial's schema.
+    pub fn schema(&self) -> &str {
+        &self.schema
+    }
+}
+
+impl Drop for PgInboxHarness {
+    fn drop(&mut self) {
+        let url = self.url.clone();
+        let schema = self.schema.clone();
+        // Drop cannot await: a thread of its own with its own runtime.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async move {
+                use sqlx::Connection;
+                let connect = || sqlx::PgConnection::connect(&url);
+                if let Ok(mut c) = crate::testing::connect_patiently(connect).await {
+                    let drop = crate::sql::fixtures::drop_schema(&schema);
+                    let _ = sqlx::query(AssertSqlSafe(drop)).execute(&mut c).await;
+                    let _ = c.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+fn bind_all<'q>(
+    mut q: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    binds: Vec<Bind>,
+) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+    for b in binds {
+        q = match b {
+            Bind::Uuid(v) => q.bind(v),
+            Bind::Text(v) => q.bind(v),
+            Bind::Int4(v) => q.bind(v),
+            Bind::Int8(v) => q.bind(v),
+            Bind::Timestamp(v) => q.bind(v),
+            Bind::UuidArray(v) => q.bind(v),
+            Bind::TextArray(v) => q.bind(v),
+        };
+    }
+    q
+}
+
+#[async_trait]
+impl InboxHarness for PgInboxHarness {
+    type Backend = SqlxInbox;
+    fn kind(&self) -> BackendKind {
+        BackendKind::Postgres
+    }
+    fn backend(&self) -> SqlxInbox {
+        self.inbox.clone()
+    }
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::new(self.clock.clone())
+    }
+    async fn advance(&self, d: Duration) {
+        sqlx::query(AssertSqlSafe(self.stmts.shift_clock.as_str()))
+            .bind(micros(d))
+            .execute(&self.pool)
+            .await
+            .expect("advance: shift the table's times");
+        self.clock
+            .set(self.clock.now() + chrono::Duration::from_std(d).expect("duration"));
+    }
+    async fn set(&self, id: Uuid, p: InboxPatch) {
+        let Some((sql, binds)) = patch(&self.stmts.table, id, &p) else {
+            return;
+        };
+        let n = bind_all(sqlx::query(AssertSqlSafe(sql)), binds)
+            .execute(&self.pool)
+            .await
+            .expect("set")
+            .rows_affected();
+        assert_eq!(n, 1, "set: no inbox row {id}");
+    }
+    fn fail_next_row_commit(&self) {
+        self.inbox.faults().fail_next_commit();
+    }
+    fn set_db_down(&self, down: bool) {
+        self.inbox.faults().set_down(down);
+    }
+    fn before_next_begin(
+        &self,
+        f: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+    ) {
+        self.inbox.faults().before_next_begin(f);
+    }
+    async fn effects(&self) -> Vec<String> {
+        sqlx::query_scalar::<_, String>(AssertSqlSafe(effects::select(&self.schema)))
+            .fetch_all(&self.pool)
+            .await
+            .expect("effects")
+    }
+    async fn write_effect(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        message_id: &str,
+        key: Option<&str>,
+        n: i64,
+    ) -> Result<(), HandlerError> {
+        sqlx::query(AssertSqlSafe(effects::insert(&self.schema)))
+            .bind(message_id)
+            .bind(key)
+            .bind(n)
+            .execute(&mut **tx)
+            .await
+            .map(|_| ())
+            .map_err(HandlerError::new)
+    }
+    async fn break_tx(&self, tx: &mut Transaction<'static, Postgres>) {
+        let _ = sqlx::query(effects::BREAK).execute(&mut **tx).await;
+    }
+}

@@ -1,0 +1,31 @@
+-- write (R126, R128, R154, R56): one outcome write to a row the transaction holds the lock of.
+-- Every write sets updated_at = now() and releases the lease.
+-- Parameters: $1 uuid id, $2 text kind: 'complete' (completed, completed_at = now(); attempts
+-- and last_error kept), 'counted' (attempts_made + 1, 'failed' when it reaches max_attempts),
+-- 'not_counted' (no attempt spent), 'terminal' ('failed', attempts_made = max_attempts) or
+-- 'clear_lease' (only the release); $3 text last_error (already normalized, R9; for counted,
+-- not_counted and terminal); $4 int8 retry after this many microseconds from now() and $5
+-- timestamptz explicit retry time (wins over $4); both NULL keep scheduled_at (counted and
+-- not_counted only). Returns {columns} of the row as written.
+UPDATE {table} t
+   SET status = CASE
+           WHEN $2::text = 'complete' THEN 'completed'
+           WHEN $2::text = 'terminal' THEN 'failed'
+           WHEN $2::text = 'counted' AND t.attempts_made + 1 >= t.max_attempts THEN 'failed'
+           ELSE t.status END,
+       completed_at = CASE WHEN $2::text = 'complete' THEN now() ELSE t.completed_at END,
+       attempts_made = CASE
+           WHEN $2::text = 'counted' THEN t.attempts_made + 1
+           WHEN $2::text = 'terminal' THEN t.max_attempts
+           ELSE t.attempts_made END,
+       last_error = CASE
+           WHEN $2::text IN ('counted', 'not_counted', 'terminal') THEN $3::text
+           ELSE t.last_error END,
+       scheduled_at = CASE
+           WHEN $2::text IN ('counted', 'not_counted')
+               THEN COALESCE($5::timestamptz, now() + $4::int8 * INTERVAL '1 microsecond',
+                             t.scheduled_at)
+           ELSE t.scheduled_at END,
+       locked_at = NULL, locked_by = NULL, updated_at = now()
+ WHERE t.id = $1::uuid
+RETURNING {t_columns}
