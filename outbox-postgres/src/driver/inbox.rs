@@ -1,11 +1,11 @@
-//! The inbox's driver layer (semver-exempt): what the one inbox store
-//! ([`crate::inbox::store`]) needs from a Postgres driver, one method per statement kind, typed
-//! binds in, decoded rows out, a transaction handle. sqlx implements it in this crate
-//! ([`crate::inbox::sqlx`]), diesel-async in `outbox-diesel`; the flow (which statement, in
-//! which order, under which lock) is written once, in the store.
+//! The inbox's row shapes (semver-exempt, see [`crate::driver`]): each method runs one
+//! statement of [`crate::inbox::sql::InboxStatements`] and decodes its rows. The inbox store
+//! ([`crate::inbox::store`]) is written once over [`super::Driver`] and these; sqlx implements
+//! them in `driver::sqlx`, diesel-async in `outbox-diesel`.
 //!
-//! Every value reaches SQL as a bound parameter ([`Bind`]); statement texts come from
-//! [`crate::inbox::sql::InboxStatements`], rendered for a validated table name.
+//! [`Bind`] has no nullable scalar, so the inbox statements take a nullable value as a
+//! one-element array (`($n::text[])[1]`), bound with [`nullable_text`], [`nullable_int8`] and
+//! [`nullable_timestamp`].
 
 use std::collections::BTreeMap;
 
@@ -16,30 +16,21 @@ use outbox_core::event::Status;
 use outbox_core::inbox::InboxEvent;
 use uuid::Uuid;
 
-/// One bound parameter, in the Postgres type the statement casts it to.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Bind {
-    /// `uuid`.
-    Uuid(Uuid),
-    /// `text`, or NULL.
-    Text(Option<String>),
-    /// `int4`.
-    Int4(i32),
-    /// `int8`, or NULL.
-    Int8(Option<i64>),
-    /// `timestamptz`, or NULL.
-    Timestamp(Option<DateTime<Utc>>),
-    /// `uuid[]`.
-    UuidArray(Vec<Uuid>),
-    /// `text[]`, or NULL.
-    TextArray(Option<Vec<String>>),
+use super::{Bind, Connection};
+
+/// A nullable `text` as the inbox statements bind it: a one-element `text[]`.
+pub fn nullable_text(v: Option<&str>) -> Bind {
+    Bind::NullableTexts(vec![v.map(str::to_owned)])
 }
 
-impl Bind {
-    /// A non-null `text`.
-    pub fn text(v: impl Into<String>) -> Self {
-        Bind::Text(Some(v.into()))
-    }
+/// A nullable `int8` as the inbox statements bind it: a one-element `int8[]`.
+pub fn nullable_int8(v: Option<i64>) -> Bind {
+    Bind::NullableInt8s(vec![v])
+}
+
+/// A nullable `timestamptz` as the inbox statements bind it: a one-element `timestamptz[]`.
+pub fn nullable_timestamp(v: Option<DateTime<Utc>>) -> Bind {
+    Bind::NullableTimestamps(vec![v])
 }
 
 /// The inbox columns of one row as a driver reads them ([`crate::inbox::sql::INBOX_COLUMNS`]
@@ -135,58 +126,45 @@ impl InboxRawRow {
     }
 }
 
-/// A Postgres driver as the inbox store uses it: a way to begin a transaction.
+/// The inbox statements' row shapes on a [`Connection`].
 #[async_trait]
-pub trait InboxDriver: Clone + Send + Sync + 'static {
-    /// The driver's open transaction.
-    type Tx: InboxDriverTx;
-
-    /// Begins a transaction (READ COMMITTED); an error is a persistence error (R132).
-    async fn begin(&self) -> Result<Self::Tx, RepositoryError>;
-}
-
-/// An open transaction of a driver. Dropping it without [`commit`](Self::commit) rolls it back.
-#[async_trait]
-pub trait InboxDriverTx: Send + Sized {
-    /// What a handler gets (R181): the driver's own transaction type.
-    type Handle: Send;
-
-    /// The handler's view of this transaction.
-    fn handle(&mut self) -> &mut Self::Handle;
-
-    /// Runs a statement returning inbox rows ([`crate::inbox::sql::INBOX_COLUMNS`]).
+pub trait InboxRows: Connection {
+    /// Rows of [`crate::inbox::sql::INBOX_COLUMNS`], read column by column.
     async fn inbox_rows(
         &mut self,
         sql: &str,
-        binds: &[Bind],
-    ) -> Result<Vec<InboxRawRow>, RepositoryError>;
+        binds: Vec<Bind>,
+    ) -> Result<Vec<InboxRawRow>, Self::Error>;
 
-    /// Runs a statement; returns the affected-row count.
-    async fn execute(&mut self, sql: &str, binds: &[Bind]) -> Result<u64, RepositoryError>;
+    /// One row whose first column is a nullable `int8` (counts, probes, ages).
+    async fn inbox_int8(&mut self, sql: &str, binds: Vec<Bind>)
+    -> Result<Option<i64>, Self::Error>;
 
-    /// Runs a statement returning one row whose first column is a nullable `int8`.
-    async fn int8(&mut self, sql: &str, binds: &[Bind]) -> Result<Option<i64>, RepositoryError>;
-
-    /// Runs a statement returning one row whose first column is a nullable `text`.
-    async fn text(&mut self, sql: &str, binds: &[Bind]) -> Result<Option<String>, RepositoryError>;
-
-    /// Runs a statement returning one row whose first column is a `timestamptz`.
-    async fn timestamp(
+    /// One row whose first column is a nullable `text` (the statement timeout before a run).
+    async fn inbox_text(
         &mut self,
         sql: &str,
-        binds: &[Bind],
-    ) -> Result<DateTime<Utc>, RepositoryError>;
+        binds: Vec<Bind>,
+    ) -> Result<Option<String>, Self::Error>;
 
-    /// Runs a statement returning `(text, text, int8)` rows.
-    async fn text_text_int8(
+    /// `now`: the database's clock.
+    async fn inbox_now(&mut self, sql: &str) -> Result<DateTime<Utc>, Self::Error>;
+
+    /// `counts`: `(source, status, count)` rows.
+    async fn inbox_counts(
         &mut self,
         sql: &str,
-        binds: &[Bind],
-    ) -> Result<Vec<(String, String, i64)>, RepositoryError>;
+        binds: Vec<Bind>,
+    ) -> Result<Vec<(String, String, i64)>, Self::Error>;
+}
 
-    /// Commits.
-    async fn commit(self) -> Result<(), RepositoryError>;
+/// A driver the inbox store runs on: its connections have the inbox's row shapes, and it names
+/// what a handler gets from the transaction of its run (R181): sqlx's `Transaction`, the
+/// diesel-async connection inside its transaction.
+pub trait InboxDriver: super::Driver<Conn: InboxRows> {
+    /// What a handler gets.
+    type Handle: Send;
 
-    /// Rolls back (errors are ignored: the connection is then discarded).
-    async fn rollback(self);
+    /// The handler's view of an open transaction.
+    fn handle(tx: &mut Self::Tx) -> &mut Self::Handle;
 }

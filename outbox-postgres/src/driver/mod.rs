@@ -48,6 +48,8 @@
 
 pub mod inbox;
 pub mod outbox;
+#[cfg(feature = "sqlx")]
+pub mod sqlx;
 
 use std::ops::DerefMut;
 

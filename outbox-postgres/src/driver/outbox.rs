@@ -52,12 +52,18 @@ pub trait OutboxRows: Connection {
     async fn events(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<RawRow>, Self::Error>;
 
     /// An outcome statement's rows.
-    async fn applied(&mut self, sql: &str, binds: Vec<Bind>)
-    -> Result<Vec<AppliedRow>, Self::Error>;
+    async fn applied(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<AppliedRow>, Self::Error>;
 
     /// `blocked_keys`.
-    async fn blocked(&mut self, sql: &str, binds: Vec<Bind>)
-    -> Result<Vec<BlockedKey>, Self::Error>;
+    async fn blocked(
+        &mut self,
+        sql: &str,
+        binds: Vec<Bind>,
+    ) -> Result<Vec<BlockedKey>, Self::Error>;
 
     /// `counts`.
     async fn counts(&mut self, sql: &str) -> Result<Vec<CountRow>, Self::Error>;

@@ -14,5 +14,5 @@ pub mod store;
 pub mod testing;
 
 #[cfg(feature = "sqlx")]
-pub use self::sqlx::{SqlxInbox, SqlxInboxDriver, create_inbox_schema};
+pub use self::sqlx::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
 pub use store::{InboxFaults, PgInbox, PgInboxTx};

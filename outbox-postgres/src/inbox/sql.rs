@@ -465,11 +465,18 @@ mod tests {
         };
         assert_eq!(names(&plain, Layout::Plain)[0], "idx_inbox_deduplication");
         assert!(names(&plain, Layout::Plain).contains(&"idx_inbox_events_pending_fetch".into()));
-        assert_eq!(names(&part, Layout::Partitioned)[0], "idx_inbox_events_p_deduplication");
-        assert!(
-            names(&part, Layout::Partitioned).contains(&"idx_inbox_events_p_message_consumer".into())
+        assert_eq!(
+            names(&part, Layout::Partitioned)[0],
+            "idx_inbox_events_p_deduplication"
         );
-        assert_eq!(names(&other, Layout::Plain)[0], "idx_my_inbox_deduplication");
+        assert!(
+            names(&part, Layout::Partitioned)
+                .contains(&"idx_inbox_events_p_message_consumer".into())
+        );
+        assert_eq!(
+            names(&other, Layout::Plain)[0],
+            "idx_my_inbox_deduplication"
+        );
         let ddl = inbox_ddl(&part, Layout::Partitioned).join(";\n");
         assert!(ddl.contains("\"inbox_events_partitioned_pkey\" PRIMARY KEY (created_at, id)"));
         assert!(ddl.contains("\"ck_inbox_events_p_lock_consistency\""));

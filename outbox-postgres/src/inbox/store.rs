@@ -1,5 +1,6 @@
-//! The inbox store, written once over the driver layer ([`crate::driver::inbox`]): sqlx and
-//! diesel-async run the same flow. [`PgInbox`] is the [`InboxRepository`] and
+//! The inbox store, written once over the driver layer ([`crate::driver::Driver`] and the
+//! inbox's row shapes [`crate::driver::inbox::InboxRows`]): sqlx and diesel-async run the same
+//! flow. [`PgInbox`] is the [`InboxRepository`] and
 //! [`InboxBackend`]; [`PgInboxTx`] the runner's T and the processor's T_row, whose handle is
 //! the driver's own transaction (R181).
 //!
@@ -30,7 +31,10 @@ use outbox_core::ordering;
 use outbox_core::repository::{BLOCKED_WAITING_CAP, FetchFilter, Retry, args};
 use uuid::Uuid;
 
-use crate::driver::inbox::{Bind, InboxDriver, InboxDriverTx, InboxRawRow};
+use crate::driver::inbox::{
+    InboxDriver, InboxRawRow, InboxRows, nullable_int8, nullable_text, nullable_timestamp,
+};
+use crate::driver::{Bind, Connection, Driver};
 use crate::inbox::sql::InboxStatements;
 use crate::sql::{Layout, TableName, micros};
 
@@ -79,7 +83,6 @@ impl InboxFaults {
 pub struct PgInbox<D> {
     driver: D,
     stmts: Arc<InboxStatements>,
-    name: &'static str,
     faults: Arc<InboxFaults>,
 }
 
@@ -88,7 +91,6 @@ impl<D: Clone> Clone for PgInbox<D> {
         Self {
             driver: self.driver.clone(),
             stmts: self.stmts.clone(),
-            name: self.name,
             faults: self.faults.clone(),
         }
     }
@@ -102,18 +104,20 @@ fn one(rows: Vec<InboxRawRow>) -> Result<Option<InboxEvent>, RepositoryError> {
     rows.into_iter().next().map(InboxRawRow::decode).transpose()
 }
 
-fn opt(v: Option<&str>) -> Bind {
-    Bind::Text(v.map(str::to_owned))
+/// The driver's error mapped for the table.
+fn mapped<C: Connection>(table: &TableName) -> impl Fn(C::Error) -> RepositoryError + '_ {
+    move |e| C::map_err(table, e)
 }
 
-impl<D: InboxDriver> PgInbox<D> {
-    /// The store on `table` in `layout`; `name` is the backend's short name
-    /// ([`InboxCapabilities::name`]).
-    pub fn new(driver: D, table: &TableName, layout: Layout, name: &'static str) -> Self {
+impl<D: Driver> PgInbox<D>
+where
+    D::Conn: InboxRows,
+{
+    /// The store on `table` in `layout`.
+    pub fn new(driver: D, table: &TableName, layout: Layout) -> Self {
         Self {
             driver,
             stmts: Arc::new(InboxStatements::new(table, layout)),
-            name,
             faults: Arc::default(),
         }
     }
@@ -133,35 +137,83 @@ impl<D: InboxDriver> PgInbox<D> {
         &self.faults
     }
 
+    /// Runs `f` in a transaction of its own: committed when it succeeds, else rolled back.
     async fn in_tx<T: Send>(
         &self,
         f: impl for<'a> FnOnce(
-            &'a mut D::Tx,
+            Conn<'a, D>,
             &'a InboxStatements,
         )
             -> Pin<Box<dyn Future<Output = Result<T, RepositoryError>> + Send + 'a>>
         + Send,
     ) -> Result<T, RepositoryError> {
-        let mut tx = self.driver.begin().await?;
-        match f(&mut tx, &self.stmts).await {
-            Ok(v) => {
-                tx.commit().await?;
-                Ok(v)
-            }
-            Err(e) => {
-                tx.rollback().await;
-                Err(e)
-            }
-        }
+        let table = &self.stmts.table;
+        let mut tx = self.driver.begin(table).await?;
+        let r = f(Conn { c: &mut *tx, table }, &self.stmts).await;
+        crate::driver::finish::<D, T>(table, tx, r).await
     }
 }
 
+/// A connection with its table, whose statements return repository errors.
+struct Conn<'a, D: Driver> {
+    c: &'a mut D::Conn,
+    table: &'a TableName,
+}
+
+impl<D: Driver> Conn<'_, D>
+where
+    D::Conn: InboxRows,
+{
+    async fn rows(
+        &mut self,
+        sql: &str,
+        binds: &[Bind],
+    ) -> Result<Vec<InboxRawRow>, RepositoryError> {
+        self.c
+            .inbox_rows(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn execute(&mut self, sql: &str, binds: &[Bind]) -> Result<u64, RepositoryError> {
+        self.c
+            .execute(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn int8(&mut self, sql: &str, binds: &[Bind]) -> Result<Option<i64>, RepositoryError> {
+        self.c
+            .inbox_int8(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn text(&mut self, sql: &str, binds: &[Bind]) -> Result<Option<String>, RepositoryError> {
+        self.c
+            .inbox_text(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn now(&mut self, sql: &str) -> Result<DateTime<Utc>, RepositoryError> {
+        self.c
+            .inbox_now(sql)
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+    async fn counts(
+        &mut self,
+        sql: &str,
+        binds: &[Bind],
+    ) -> Result<Vec<(String, String, i64)>, RepositoryError> {
+        self.c
+            .inbox_counts(sql, binds.to_vec())
+            .await
+            .map_err(mapped::<D::Conn>(self.table))
+    }
+}
+
+impl<D: Driver> PgInbox<D> where D::Conn: InboxRows {}
+
 /// The outbox view of the rows, chosen by the outbox's rules (R149, R150).
-fn choose(
-    rows: &[InboxEvent],
-    now: DateTime<Utc>,
-    req: &InboxFetchRequest,
-) -> Vec<Uuid> {
+fn choose(rows: &[InboxEvent], now: DateTime<Utc>, req: &InboxFetchRequest) -> Vec<Uuid> {
     let views: Vec<_> = rows
         .iter()
         .map(|r| inbox_order::view(r, req.key_order))
@@ -180,10 +232,13 @@ fn choose(
 }
 
 #[async_trait]
-impl<D: InboxDriver> InboxRepository for PgInbox<D> {
+impl<D: Driver> InboxRepository for PgInbox<D>
+where
+    D::Conn: InboxRows,
+{
     fn capabilities(&self) -> InboxCapabilities {
         InboxCapabilities {
-            name: self.name,
+            name: D::NAME,
             database_clock: true,
             siblings: self.stmts.layout == Layout::Partitioned,
             undecodable_rows: false,
@@ -191,13 +246,13 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
-        self.in_tx(|tx, s| Box::pin(async move { tx.timestamp(&s.now, &[]).await }))
+        self.in_tx(|mut tx, s| Box::pin(async move { tx.now(&s.now).await }))
             .await
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<InboxEvent>, RepositoryError> {
-        self.in_tx(|tx, s| {
-            Box::pin(async move { one(tx.inbox_rows(&s.get, &[Bind::Uuid(id)]).await?) })
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move { one(tx.rows(&s.get, &[Bind::Uuid(id)]).await?) })
         })
         .await
     }
@@ -207,9 +262,12 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
         message_id: &str,
         group: &ConsumerGroup,
     ) -> Result<Option<InboxEvent>, RepositoryError> {
-        let binds = [Bind::text(message_id), Bind::text(group.as_str())];
-        self.in_tx(|tx, s| {
-            Box::pin(async move { one(tx.inbox_rows(&s.by_message_id, &binds).await?) })
+        let binds = [
+            Bind::Text(String::from(message_id)),
+            Bind::Text(String::from(group.as_str())),
+        ];
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move { one(tx.rows(&s.by_message_id, &binds).await?) })
         })
         .await
     }
@@ -220,14 +278,14 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
     ) -> Result<Vec<InboxEvent>, RepositoryError> {
         req.validate()?;
         let req = req.clone();
-        self.in_tx(|tx, s| {
+        self.in_tx(|mut tx, s| {
             Box::pin(async move {
-                let now = tx.timestamp(&s.now, &[]).await?;
+                let now = tx.now(&s.now).await?;
                 let binds = [
-                    Bind::text(req.group.as_str()),
-                    Bind::TextArray(req.sources.clone()),
+                    Bind::Text(String::from(req.group.as_str())),
+                    Bind::OptTexts(req.sources.clone()),
                 ];
-                let mut rows = decode(tx.inbox_rows(&s.in_line_rows, &binds).await?)?;
+                let mut rows = decode(tx.rows(&s.in_line_rows, &binds).await?)?;
                 let fetchable: Vec<Uuid> = rows
                     .iter()
                     .filter(|r| inbox_order::fetchable(r, now, req.lease_ttl))
@@ -237,7 +295,7 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
                     return Ok(Vec::new());
                 }
                 let locked: std::collections::HashSet<Uuid> = tx
-                    .inbox_rows(&s.try_lock, &[Bind::UuidArray(fetchable.clone())])
+                    .rows(&s.try_lock, &[Bind::Uuids(fetchable.clone())])
                     .await?
                     .into_iter()
                     .map(|r| r.id)
@@ -254,11 +312,11 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
                     return Ok(Vec::new());
                 }
                 let stamped = decode(
-                    tx.inbox_rows(
+                    tx.rows(
                         &s.stamp,
                         &[
-                            Bind::UuidArray(ids.clone()),
-                            Bind::text(req.worker.as_str()),
+                            Bind::Uuids(ids.clone()),
+                            Bind::Text(String::from(req.worker.as_str())),
                         ],
                     )
                     .await?,
@@ -272,13 +330,16 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
     }
 
     async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError> {
-        let binds = [Bind::UuidArray(ids.to_vec()), Bind::text(worker.as_str())];
-        self.in_tx(|tx, s| Box::pin(async move { tx.execute(&s.release_locks, &binds).await }))
+        let binds = [
+            Bind::Uuids(ids.to_vec()),
+            Bind::Text(String::from(worker.as_str())),
+        ];
+        self.in_tx(|mut tx, s| Box::pin(async move { tx.execute(&s.release_locks, &binds).await }))
             .await
     }
 
     async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
-        self.in_tx(|tx, s| {
+        self.in_tx(|mut tx, s| {
             Box::pin(async move { Ok(tx.execute(&s.requeue, &[Bind::Uuid(id)]).await? == 1) })
         })
         .await
@@ -288,12 +349,9 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
         args::stale_timeout(timeout)?;
         let mut total = 0;
         for _ in 0..STALE_ROUNDS {
-            let binds = [
-                Bind::Int8(Some(micros(timeout))),
-                Bind::Int8(Some(STALE_BATCH)),
-            ];
+            let binds = [Bind::Int8(micros(timeout)), Bind::Int8(STALE_BATCH)];
             let n = self
-                .in_tx(|tx, s| {
+                .in_tx(|mut tx, s| {
                     Box::pin(async move { tx.execute(&s.release_stale, &binds).await })
                 })
                 .await?;
@@ -307,9 +365,9 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
 
     async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
         let text = force_unlock_text(reason)?;
-        let binds = [Bind::Uuid(id), Bind::text(text)];
+        let binds = [Bind::Uuid(id), Bind::Text(String::from(text))];
         let n = self
-            .in_tx(|tx, s| Box::pin(async move { tx.execute(&s.force_unlock, &binds).await }))
+            .in_tx(|mut tx, s| Box::pin(async move { tx.execute(&s.force_unlock, &binds).await }))
             .await?;
         if n == 0 {
             return Err(RepositoryError::NotLocked(id));
@@ -325,9 +383,9 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
         args::cleanup(retention_days, batch_size)?;
         let binds = [
             Bind::Int4(i32::try_from(retention_days).unwrap_or(i32::MAX)),
-            Bind::Int8(Some(i64::try_from(batch_size).unwrap_or(i64::MAX))),
+            Bind::Int8(i64::try_from(batch_size).unwrap_or(i64::MAX)),
         ];
-        self.in_tx(|tx, s| {
+        self.in_tx(|mut tx, s| {
             Box::pin(async move { tx.execute(&s.delete_old_completed, &binds).await })
         })
         .await
@@ -340,13 +398,16 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
         limit: usize,
     ) -> Result<Vec<InboxBlockedKey>, RepositoryError> {
         let group = group.clone();
-        self.in_tx(|tx, s| {
+        self.in_tx(|mut tx, s| {
             Box::pin(async move {
-                let now = tx.timestamp(&s.now, &[]).await?;
+                let now = tx.now(&s.now).await?;
                 let rows = decode(
-                    tx.inbox_rows(
+                    tx.rows(
                         &s.in_line_rows,
-                        &[Bind::text(group.as_str()), Bind::TextArray(None)],
+                        &[
+                            Bind::Text(String::from(group.as_str())),
+                            Bind::OptTexts(None),
+                        ],
                     )
                     .await?,
                 )?;
@@ -366,12 +427,12 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
                         .int8(
                             &s.waiting,
                             &[
-                                Bind::text(h.consumer_group.as_str()),
-                                Bind::text(h.source.as_str()),
-                                opt(h.partition_key.as_deref()),
-                                Bind::Timestamp(Some(h.created_at)),
+                                Bind::Text(String::from(h.consumer_group.as_str())),
+                                Bind::Text(String::from(h.source.as_str())),
+                                Bind::Text(h.partition_key.clone().unwrap_or_default()),
+                                Bind::Timestamp(h.created_at),
                                 Bind::Uuid(h.id),
-                                Bind::Int8(Some(BLOCKED_WAITING_CAP)),
+                                Bind::Int8(BLOCKED_WAITING_CAP),
                             ],
                         )
                         .await?
@@ -402,16 +463,18 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
     ) -> Result<Vec<InboxStatusCount>, RepositoryError> {
         let group = group.clone();
         let rows = self
-            .in_tx(|tx, s| {
-                let binds = [Bind::text(group.as_str())];
-                Box::pin(async move { tx.text_text_int8(&s.counts, &binds).await })
+            .in_tx(|mut tx, s| {
+                let binds = [Bind::Text(String::from(group.as_str()))];
+                Box::pin(async move { tx.counts(&s.counts, &binds).await })
             })
             .await?;
         let mut out = rows
             .into_iter()
             .map(|(source, status, count)| {
                 let status: Status = status.parse().map_err(|_| {
-                    RepositoryError::Other(format!("counts: status {status:?} is not one of the three"))
+                    RepositoryError::Other(format!(
+                        "counts: status {status:?} is not one of the three"
+                    ))
                 })?;
                 Ok(InboxStatusCount {
                     consumer_group: group.as_str().to_owned(),
@@ -429,9 +492,9 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
         &self,
         group: &ConsumerGroup,
     ) -> Result<Option<Duration>, RepositoryError> {
-        let binds = [Bind::text(group.as_str())];
+        let binds = [Bind::Text(String::from(group.as_str()))];
         let us = self
-            .in_tx(|tx, s| Box::pin(async move { tx.int8(&s.oldest_due_age, &binds).await }))
+            .in_tx(|mut tx, s| Box::pin(async move { tx.int8(&s.oldest_due_age, &binds).await }))
             .await?;
         Ok(us.map(|us| Duration::from_micros(u64::try_from(us).unwrap_or(0))))
     }
@@ -439,10 +502,15 @@ impl<D: InboxDriver> InboxRepository for PgInbox<D> {
 
 #[async_trait]
 impl<D: InboxDriver> InboxBackend for PgInbox<D> {
-    type Tx = PgInboxTx<D::Tx>;
+    type Tx = PgInboxTx<D>;
 
     async fn begin(&self) -> Result<Self::Tx, RepositoryError> {
-        let hook = self.faults.before_next_begin.lock().expect("poisoned").take();
+        let hook = self
+            .faults
+            .before_next_begin
+            .lock()
+            .expect("poisoned")
+            .take();
         if let Some(f) = hook {
             f.await;
         }
@@ -452,7 +520,7 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
             });
         }
         Ok(PgInboxTx {
-            tx: self.driver.begin().await?,
+            tx: self.driver.begin(&self.stmts.table).await?,
             stmts: self.stmts.clone(),
             faults: self.faults.clone(),
             timeout_before: None,
@@ -461,14 +529,14 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
 }
 
 /// One open inbox transaction over a driver transaction `T`.
-pub struct PgInboxTx<T> {
-    tx: T,
+pub struct PgInboxTx<D: Driver> {
+    tx: D::Tx,
     stmts: Arc<InboxStatements>,
     faults: Arc<InboxFaults>,
     timeout_before: Option<String>,
 }
 
-impl<T> std::fmt::Debug for PgInboxTx<T> {
+impl<D: Driver> std::fmt::Debug for PgInboxTx<D> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgInboxTx")
             .field("table", &self.stmts.table)
@@ -477,25 +545,51 @@ impl<T> std::fmt::Debug for PgInboxTx<T> {
 }
 
 fn error_text(e: &str) -> String {
-    normalize_error(&e.replace('\0', "\u{FFFD}"), limits::DEFAULT_ERROR_MAX_LENGTH)
+    normalize_error(
+        &e.replace('\0', "\u{FFFD}"),
+        limits::DEFAULT_ERROR_MAX_LENGTH,
+    )
 }
 
 fn retry_binds(retry: &Retry) -> (Bind, Bind) {
     match retry {
-        Retry::Keep => (Bind::Int8(None), Bind::Timestamp(None)),
-        Retry::After(d) => (Bind::Int8(Some(micros(*d))), Bind::Timestamp(None)),
-        Retry::At(t) => (Bind::Int8(None), Bind::Timestamp(Some(*t))),
+        Retry::Keep => (nullable_int8(None), nullable_timestamp(None)),
+        Retry::After(d) => (nullable_int8(Some(micros(*d))), nullable_timestamp(None)),
+        Retry::At(t) => (nullable_int8(None), nullable_timestamp(Some(*t))),
     }
 }
 
-impl<T: InboxDriverTx> PgInboxTx<T> {
+impl<D: Driver> PgInboxTx<D>
+where
+    D::Conn: InboxRows,
+{
+    fn c(&mut self) -> Conn<'_, D> {
+        Conn {
+            c: &mut *self.tx,
+            table: &self.stmts.table,
+        }
+    }
+
     async fn land_one(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
         let s = self.stmts.clone();
-        let key = [Bind::text(e.message_id()), Bind::text(e.consumer_group())];
+        let key = [
+            Bind::Text(String::from(e.message_id())),
+            Bind::Text(String::from(e.consumer_group())),
+        ];
         if s.layout == Layout::Partitioned {
+            // A dedup key already stored needs no insert, so nothing to serialize: its row is
+            // returned without the advisory lock, and a processor's T_row that holds the lock
+            // while its handler runs (R152) is not waited for; the row lock that follows skips
+            // that row (R116 step 3; G-05).
+            if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
+                return Ok(Landed {
+                    row,
+                    inserted: false,
+                });
+            }
             // R111: the dedup key's advisory lock, then the rows of the key.
-            self.tx.execute(&s.dedup_lock, &key).await?;
-            if let Some(row) = one(self.tx.inbox_rows(&s.by_message_id, &key).await?)? {
+            self.c().execute(&s.dedup_lock, &key).await?;
+            if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
                 return Ok(Landed {
                     row,
                     inserted: false,
@@ -509,26 +603,26 @@ impl<T: InboxDriverTx> PgInboxTx<T> {
         let row = e.clone().into_row(DateTime::<Utc>::MIN_UTC);
         let binds = [
             Bind::Uuid(e.id()),
-            Bind::text(e.event_type()),
-            Bind::text(payload),
-            Bind::Text(headers),
-            opt(row.trace_id.as_deref()),
-            opt(row.correlation_id.as_deref()),
-            opt(row.causation_id.as_deref()),
-            opt(row.schema_version.as_deref()),
+            Bind::Text(String::from(e.event_type())),
+            Bind::Text(String::from(payload)),
+            nullable_text(headers.as_deref()),
+            nullable_text(row.trace_id.as_deref()),
+            nullable_text(row.correlation_id.as_deref()),
+            nullable_text(row.causation_id.as_deref()),
+            nullable_text(row.schema_version.as_deref()),
             Bind::Int4(e.max_attempts()),
-            Bind::text(e.message_id()),
-            Bind::text(e.consumer_group()),
-            Bind::text(e.source()),
-            opt(e.partition_key()),
+            Bind::Text(String::from(e.message_id())),
+            Bind::Text(String::from(e.consumer_group())),
+            Bind::Text(String::from(e.source())),
+            nullable_text(e.partition_key()),
         ];
-        if let Some(row) = one(self.tx.inbox_rows(&s.land, &binds).await?)? {
+        if let Some(row) = one(self.c().rows(&s.land, &binds).await?)? {
             return Ok(Landed {
                 row,
                 inserted: true,
             });
         }
-        match one(self.tx.inbox_rows(&s.by_message_id, &key).await?)? {
+        match one(self.c().rows(&s.by_message_id, &key).await?)? {
             Some(row) => Ok(Landed {
                 row,
                 inserted: false,
@@ -543,20 +637,21 @@ impl<T: InboxDriverTx> PgInboxTx<T> {
 }
 
 #[async_trait]
-impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
-    type Handle = T::Handle;
+impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
+    type Handle = D::Handle;
 
-    fn handle(&mut self) -> &mut T::Handle {
-        self.tx.handle()
+    fn handle(&mut self) -> &mut D::Handle {
+        D::handle(&mut self.tx)
     }
 
     async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
         let binds = [
-            Bind::text(key.consumer_group.as_str()),
-            Bind::text(key.source.as_str()),
-            Bind::text(key.partition_key.as_str()),
+            Bind::Text(String::from(key.consumer_group.as_str())),
+            Bind::Text(String::from(key.source.as_str())),
+            Bind::Text(String::from(key.partition_key.as_str())),
         ];
-        self.tx.execute(&self.stmts.key_lock, &binds).await?;
+        self.c().execute(&s.key_lock, &binds).await?;
         Ok(())
     }
 
@@ -570,10 +665,10 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
 
     async fn lock_row(&mut self, id: Uuid) -> Result<RowLock, RepositoryError> {
         let s = self.stmts.clone();
-        if let Some(r) = one(self.tx.inbox_rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
+        if let Some(r) = one(self.c().rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
             return Ok(RowLock::Locked(r));
         }
-        Ok(match self.tx.int8(&s.exists, &[Bind::Uuid(id)]).await? {
+        Ok(match self.c().int8(&s.exists, &[Bind::Uuid(id)]).await? {
             Some(n) if n > 0 => RowLock::Busy,
             _ => RowLock::Missing,
         })
@@ -583,14 +678,15 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
         let Some(pk) = row.partition_key.as_deref() else {
             return Ok(false);
         };
+        let s = self.stmts.clone();
         let binds = [
-            Bind::text(row.consumer_group.as_str()),
-            Bind::text(row.source.as_str()),
-            Bind::text(pk),
-            Bind::Timestamp(Some(row.created_at)),
+            Bind::Text(String::from(row.consumer_group.as_str())),
+            Bind::Text(String::from(row.source.as_str())),
+            Bind::Text(String::from(pk)),
+            Bind::Timestamp(row.created_at),
             Bind::Uuid(row.id),
         ];
-        Ok(self.tx.int8(&self.stmts.earlier, &binds).await?.unwrap_or(0) > 0)
+        Ok(self.c().int8(&s.earlier, &binds).await?.unwrap_or(0) > 0)
     }
 
     async fn completed_sibling(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
@@ -600,22 +696,30 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
         }
         let s = self.stmts.clone();
         let key = [
-            Bind::text(row.message_id.as_str()),
-            Bind::text(row.consumer_group.as_str()),
+            Bind::Text(String::from(row.message_id.as_str())),
+            Bind::Text(String::from(row.consumer_group.as_str())),
         ];
-        self.tx.execute(&s.dedup_lock, &key).await?;
+        self.c().execute(&s.dedup_lock, &key).await?;
         let binds = [key[0].clone(), key[1].clone(), Bind::Uuid(row.id)];
-        Ok(self.tx.int8(&s.completed_sibling, &binds).await?.unwrap_or(0) > 0)
+        Ok(self
+            .c()
+            .int8(&s.completed_sibling, &binds)
+            .await?
+            .unwrap_or(0)
+            > 0)
     }
 
     async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
         let s = self.stmts.clone();
-        self.tx.execute(&s.savepoint, &[]).await?;
+        self.c().execute(&s.savepoint, &[]).await?;
         // Whole milliseconds, rounded up (R181); at least 1 (0 would turn the bound off).
         let ms = timeout.as_micros().div_ceil(1000).max(1);
         let before = self
-            .tx
-            .text(&s.statement_timeout, &[Bind::text(ms.to_string())])
+            .c()
+            .text(
+                &s.statement_timeout,
+                &[Bind::Text(String::from(ms.to_string()))],
+            )
             .await?;
         self.timeout_before = before;
         Ok(())
@@ -623,10 +727,10 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
 
     async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
         let s = self.stmts.clone();
-        self.tx.execute(&s.release_savepoint, &[]).await?;
+        self.c().execute(&s.release_savepoint, &[]).await?;
         if let Some(before) = self.timeout_before.take() {
-            self.tx
-                .execute(&s.restore_timeout, &[Bind::text(before)])
+            self.c()
+                .execute(&s.restore_timeout, &[Bind::Text(String::from(before))])
                 .await?;
         }
         Ok(())
@@ -636,11 +740,12 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
         // The rollback also undoes the statement timeout's set_config.
         self.timeout_before = None;
         let s = self.stmts.clone();
-        self.tx.execute(&s.rollback_to_savepoint, &[]).await?;
+        self.c().execute(&s.rollback_to_savepoint, &[]).await?;
         Ok(())
     }
 
     async fn write(&mut self, id: Uuid, write: RowWrite) -> Result<InboxEvent, RepositoryError> {
+        let s = self.stmts.clone();
         let (kind, error, (after, at)) = match &write {
             RowWrite::Complete => ("complete", None, retry_binds(&Retry::Keep)),
             RowWrite::Counted { error, retry } => {
@@ -649,17 +754,26 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
             RowWrite::NotCounted { error, retry } => {
                 ("not_counted", Some(error_text(error)), retry_binds(retry))
             }
-            RowWrite::Terminal { error } => {
-                ("terminal", Some(error_text(error)), retry_binds(&Retry::Keep))
-            }
+            RowWrite::Terminal { error } => (
+                "terminal",
+                Some(error_text(error)),
+                retry_binds(&Retry::Keep),
+            ),
             RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
         };
-        let binds = [Bind::Uuid(id), Bind::text(kind), Bind::Text(error), after, at];
-        one(self.tx.inbox_rows(&self.stmts.write, &binds).await?)?
+        let binds = [
+            Bind::Uuid(id),
+            Bind::Text(String::from(kind)),
+            nullable_text(error.as_deref()),
+            after,
+            at,
+        ];
+        one(self.c().rows(&s.write, &binds).await?)?
             .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
     }
 
     async fn guard(&mut self, guard: &Guard) -> Result<Option<InboxEvent>, RepositoryError> {
+        let s = self.stmts.clone();
         match guard {
             Guard::Reland(e) => {
                 let l = self.land_one(e).await?;
@@ -671,7 +785,7 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
                 scheduled_at,
                 lease_ttl,
             } => {
-                let now = self.tx.timestamp(&self.stmts.now, &[]).await?;
+                let now = self.c().now(&s.now).await?;
                 Ok(match self.lock_row(*id).await? {
                     RowLock::Locked(r)
                         if r.status == Status::Pending
@@ -698,16 +812,17 @@ impl<T: InboxDriverTx + 'static> InboxTransaction for PgInboxTx<T> {
     }
 
     async fn commit(self) -> Result<(), RepositoryError> {
+        let table = self.stmts.table.clone();
         if self.faults.fail_next_commit.swap(false, Ordering::SeqCst) {
-            self.tx.rollback().await;
+            let _ = D::rollback(&table, self.tx).await;
             return Err(RepositoryError::Unavailable {
                 message: "injected failure of the commit (fail_next_row_commit)".into(),
             });
         }
-        self.tx.commit().await
+        D::commit(&table, self.tx).await
     }
 
     async fn rollback(self) {
-        self.tx.rollback().await;
+        let _ = D::rollback(&self.stmts.table, self.tx).await;
     }
 }

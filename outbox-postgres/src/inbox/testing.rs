@@ -15,14 +15,13 @@ use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use uuid::Uuid;
 
-use crate::driver::inbox::Bind;
-use crate::inbox::sql::{
-    DEFAULT_INBOX_TABLE, DEFAULT_PARTITIONED_INBOX_TABLE, InboxStatements,
-};
+use crate::driver::Bind;
+use crate::driver::inbox::{nullable_text, nullable_timestamp};
+use crate::inbox::sql::{DEFAULT_INBOX_TABLE, DEFAULT_PARTITIONED_INBOX_TABLE, InboxStatements};
 use crate::inbox::{SqlxInbox, create_inbox_schema};
 use crate::sql::{Layout, TableName, micros};
 use crate::testing::{
-    HARNESS_CONNECTIONS, HARNESS_SHARE, ConnectionShare, database_url, fresh_schema_name,
+    ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, database_url, fresh_schema_name,
     reserve_connections, trial_pool,
 };
 
@@ -30,12 +29,28 @@ use crate::testing::{
 pub fn patch(table: &TableName, id: Uuid, p: &InboxPatch) -> Option<(String, Vec<Bind>)> {
     let mut sets: Vec<String> = Vec::new();
     let mut binds = vec![Bind::Uuid(id)];
+    // Nullable values are one-element arrays (see driver::inbox), so every value reads
+    // `($n::type[])[1]` or `$n::type`.
     let mut set = |col: &str, cast: &str, b: Bind, binds: &mut Vec<Bind>| {
+        let array = matches!(
+            b,
+            Bind::NullableTexts(_) | Bind::NullableTimestamps(_) | Bind::NullableInt8s(_)
+        );
         binds.push(b);
-        sets.push(format!("{col} = ${}::{cast}", binds.len()));
+        let n = binds.len();
+        sets.push(if array {
+            format!("{col} = (${n}::{cast}[])[1]")
+        } else {
+            format!("{col} = ${n}::{cast}")
+        });
     };
     if let Some(v) = p.status {
-        set("status", "text", Bind::text(v.as_str()), &mut binds);
+        set(
+            "status",
+            "text",
+            Bind::Text(v.as_str().to_owned()),
+            &mut binds,
+        );
     }
     if let Some(v) = p.attempts_made {
         set("attempts_made", "int4", Bind::Int4(v), &mut binds);
@@ -44,21 +59,46 @@ pub fn patch(table: &TableName, id: Uuid, p: &InboxPatch) -> Option<(String, Vec
         set("max_attempts", "int4", Bind::Int4(v), &mut binds);
     }
     if let Some(v) = &p.last_error {
-        set("last_error", "text", Bind::Text(v.clone()), &mut binds);
+        set(
+            "last_error",
+            "text",
+            nullable_text(v.as_deref()),
+            &mut binds,
+        );
     }
     if let Some(v) = p.scheduled_at {
-        set("scheduled_at", "timestamptz", Bind::Timestamp(Some(v)), &mut binds);
+        set(
+            "scheduled_at",
+            "timestamptz",
+            Bind::Timestamp(v),
+            &mut binds,
+        );
     }
     if let Some(v) = p.completed_at {
-        set("completed_at", "timestamptz", Bind::Timestamp(v), &mut binds);
+        set(
+            "completed_at",
+            "timestamptz",
+            nullable_timestamp(v),
+            &mut binds,
+        );
     }
     if let Some(v) = &p.lock {
         let (by, at) = match v {
             Some((w, t)) => (Some(w.clone()), Some(*t)),
             None => (None, None),
         };
-        set("locked_by", "text", Bind::Text(by), &mut binds);
-        set("locked_at", "timestamptz", Bind::Timestamp(at), &mut binds);
+        set(
+            "locked_by",
+            "text",
+            nullable_text(by.as_deref()),
+            &mut binds,
+        );
+        set(
+            "locked_at",
+            "timestamptz",
+            nullable_timestamp(at),
+            &mut binds,
+        );
     }
     if sets.is_empty() {
         return None;
@@ -231,24 +271,6 @@ impl Drop for PgInboxHarness {
     }
 }
 
-fn bind_all<'q>(
-    mut q: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    binds: Vec<Bind>,
-) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
-    for b in binds {
-        q = match b {
-            Bind::Uuid(v) => q.bind(v),
-            Bind::Text(v) => q.bind(v),
-            Bind::Int4(v) => q.bind(v),
-            Bind::Int8(v) => q.bind(v),
-            Bind::Timestamp(v) => q.bind(v),
-            Bind::UuidArray(v) => q.bind(v),
-            Bind::TextArray(v) => q.bind(v),
-        };
-    }
-    q
-}
-
 #[async_trait]
 impl InboxHarness for PgInboxHarness {
     type Backend = SqlxInbox;
@@ -274,7 +296,7 @@ impl InboxHarness for PgInboxHarness {
         let Some((sql, binds)) = patch(&self.stmts.table, id, &p) else {
             return;
         };
-        let n = bind_all(sqlx::query(AssertSqlSafe(sql)), binds)
+        let n = crate::driver::sqlx::bind_all(sqlx::query(AssertSqlSafe(sql)), binds)
             .execute(&self.pool)
             .await
             .expect("set")

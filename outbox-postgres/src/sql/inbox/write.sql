@@ -3,10 +3,11 @@
 -- Parameters: $1 uuid id, $2 text kind: 'complete' (completed, completed_at = now(); attempts
 -- and last_error kept), 'counted' (attempts_made + 1, 'failed' when it reaches max_attempts),
 -- 'not_counted' (no attempt spent), 'terminal' ('failed', attempts_made = max_attempts) or
--- 'clear_lease' (only the release); $3 text last_error (already normalized, R9; for counted,
--- not_counted and terminal); $4 int8 retry after this many microseconds from now() and $5
--- timestamptz explicit retry time (wins over $4); both NULL keep scheduled_at (counted and
--- not_counted only). Returns {columns} of the row as written.
+-- 'clear_lease' (only the release); $3 text[] last_error (already normalized, R9; for counted,
+-- not_counted and terminal); $4 int8[] retry after this many microseconds from now() and $5
+-- timestamptz[] explicit retry time (wins over $4); both NULL keep scheduled_at (counted and
+-- not_counted only). $3 to $5 are one-element arrays, nullable scalars (see driver::inbox).
+-- Returns {columns} of the row as written.
 UPDATE {table} t
    SET status = CASE
            WHEN $2::text = 'complete' THEN 'completed'
@@ -19,11 +20,11 @@ UPDATE {table} t
            WHEN $2::text = 'terminal' THEN t.max_attempts
            ELSE t.attempts_made END,
        last_error = CASE
-           WHEN $2::text IN ('counted', 'not_counted', 'terminal') THEN $3::text
+           WHEN $2::text IN ('counted', 'not_counted', 'terminal') THEN ($3::text[])[1]
            ELSE t.last_error END,
        scheduled_at = CASE
            WHEN $2::text IN ('counted', 'not_counted')
-               THEN COALESCE($5::timestamptz, now() + $4::int8 * INTERVAL '1 microsecond',
+               THEN COALESCE(($5::timestamptz[])[1], now() + ($4::int8[])[1] * INTERVAL '1 microsecond',
                              t.scheduled_at)
            ELSE t.scheduled_at END,
        locked_at = NULL, locked_by = NULL, updated_at = now()
