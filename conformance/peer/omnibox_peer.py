@@ -9,8 +9,8 @@ go on with others; `started` replies come when a gated handler has begun.
 
 It uses omni-box's own classes only: `InboxConsumerRunner` fed by a one-message consumer,
 `create_inbox_processor` over `PostgresInboxRepository`, and `PostgresInboxRepository.create`.
-Handlers write one row `(message_id, 'omnibox')` into the table `effects` of the same schema,
-in the inbox transaction (the repository's session).
+Handlers write one effect row in the inbox transaction (the repository's session), with the
+statement given to `init` as `effects_insert` (its `:m` is the message id).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ class Peer:
         self.group = "g"
         self.worker = "omnibox-1"
         self.gates: dict[str, _Gate] = {}
-        self.write_lock = asyncio.Lock()
+        self.effects_insert = "INSERT INTO effects (message_id, party) VALUES (:m, 'omnibox')"
 
     def gate(self, name: str) -> _Gate:
         if name not in self.gates:
@@ -90,6 +90,7 @@ class Peer:
         table = req["table"]
         self.group = req.get("group", self.group)
         self.worker = req.get("worker", self.worker)
+        self.effects_insert = req.get("effects_insert", self.effects_insert)
         dsn = req["dsn"].replace("postgres://", "postgresql+asyncpg://", 1)
         if dsn.startswith("postgresql://"):
             dsn = dsn.replace("postgresql://", "postgresql+asyncpg://", 1)
@@ -115,10 +116,7 @@ class Peer:
             if gate is not None:
                 gate.started.set()
                 await gate.opened.wait()
-            await repo.session.execute(
-                text("INSERT INTO effects (message_id, party) VALUES (:m, 'omnibox')"),
-                {"m": event.message_id},
-            )
+            await repo.session.execute(text(self.effects_insert), {"m": event.message_id})
             return None
 
         return handler

@@ -6,8 +6,7 @@
 //! concurrently, so a test can start an omni-box landing that blocks on a lock, or a handler held
 //! at a gate, and go on with this library's side. The peer uses omni-box's own classes only
 //! (`InboxConsumerRunner`, `create_inbox_processor`, `PostgresInboxRepository`); its handlers
-//! write `(message_id, 'omnibox')` into the table `effects` of the same schema, in the inbox
-//! transaction. A missing interpreter or package is an error that says how to install it: the
+//! write one effect in the inbox transaction with [`PeerTable::effects_insert`]. A missing interpreter or package is an error that says how to install it: the
 //! scenarios fail, they never skip.
 
 use std::collections::HashMap;
@@ -45,6 +44,9 @@ pub struct PeerTable {
     pub group: String,
     /// The peer's worker id.
     pub worker: String,
+    /// The SQL its handlers run to write an effect, `:m` bound to the message id (SQLAlchemy's
+    /// placeholder), e.g. `INSERT INTO "s".effects (message_id) VALUES (:m)`.
+    pub effects_insert: String,
 }
 
 /// A running omni-box peer process.
@@ -131,6 +133,7 @@ impl OmniBoxPeer {
             "partitioned": table.partitioned,
             "group": table.group,
             "worker": table.worker,
+            "effects_insert": table.effects_insert,
         }))
         .await?;
         Ok(peer)
