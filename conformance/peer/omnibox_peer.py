@@ -98,6 +98,11 @@ class Peer:
             dsn, connect_args={"server_settings": {"search_path": schema}}, pool_size=8
         )
         self.sessions = async_sessionmaker(self.engine, expire_on_commit=False)
+        # The processor runs each statement in its own transaction, so the lease its fetch
+        # stamps is committed (visible to other workers) before its handlers run.
+        self.autocommit = async_sessionmaker(
+            self.engine.execution_options(isolation_level="AUTOCOMMIT"), expire_on_commit=False
+        )
 
         class Base(DeclarativeBase):
             pass
@@ -164,12 +169,12 @@ class Peer:
         }
 
     async def process(self, req: dict[str, Any]) -> dict[str, Any]:
-        """One batch of omni-box's inbox processor, in one transaction."""
+        """One batch of omni-box's inbox processor; each statement commits on its own, so the
+        fetch's lease is stamped (committed) before the handlers run."""
         handler = await self.handler_for(req)
-        async with self.sessions() as session:
-            async with session.begin():
-                processor = create_inbox_processor(self.repo(session), handler)
-                result = await processor.process_batch(self.worker, int(req.get("batch", 10)))
+        async with self.autocommit() as session:
+            processor = create_inbox_processor(self.repo(session), handler)
+            result = await processor.process_batch(self.worker, int(req.get("batch", 10)))
         return {
             "processed": [str(i) for i in result.processed_event_ids],
             "failed": len(result.failed_counted) + len(result.failed_noncounted),
