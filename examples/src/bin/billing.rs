@@ -1,0 +1,289 @@
+//! `billing`: the consuming half of the two-service example (see examples/README.md, "Two
+//! services"). It reads the `order.placed` events that `orders` publishes, from NATS JetStream
+//! or Redis Streams, through the inbox: each message lands in `billing_service.inbox_events`
+//! and its handler writes one ledger row in the same transaction, so a message redelivered (a
+//! relay that published twice, a runner killed before its ack) is a duplicate and bills
+//! nothing twice; one customer's orders are billed in the order they were placed.
+//!
+//! ```sh
+//! cargo run -p outbox-examples --features redis --bin billing -- --broker nats
+//! ```
+//!
+//! A failed handler run is recorded in the inbox row (the default `on_failure record`) and
+//! retried by the runner's embedded processor with backoff, while the customer's later orders
+//! wait behind it. `--fail-rate 0.05` makes the handler fail on purpose, to watch that happen;
+//! the end-to-end fault trial (examples/tests/e2e_faults.rs) runs it so.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use clap::{Parser, ValueEnum};
+use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent, Runner};
+use outbox_core::{Backoff, inbox::Subscription};
+use outbox_postgres::inbox::{SqlxInbox, create_inbox_schema};
+use outbox_postgres::sqlx::{self, PgPool, Postgres, Transaction};
+use outbox_postgres::{Layout, TableName};
+use rand::RngExt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum BrokerKind {
+    /// NATS JetStream: a durable pull consumer named after the group.
+    Nats,
+    /// Redis Streams: a consumer group.
+    #[cfg(feature = "redis")]
+    Redis,
+}
+
+/// Bills each placed order once, in order per customer.
+#[derive(Debug, Parser)]
+#[command(name = "billing", version)]
+struct Args {
+    /// PostgreSQL URL.
+    #[arg(
+        long,
+        env = "DATABASE_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test",
+        hide_env_values = true
+    )]
+    database_url: String,
+    /// The schema of the service's tables (`inbox_events`, `billing_ledger`).
+    #[arg(long, default_value = "billing_service")]
+    schema: String,
+    /// The broker to read from.
+    #[arg(long, value_enum, default_value_t = BrokerKind::Nats)]
+    broker: BrokerKind,
+    /// NATS URL.
+    #[arg(long, env = "NATS_URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
+    /// The JetStream stream that holds the orders' subjects.
+    #[arg(long, default_value = "ORDERS")]
+    nats_stream: String,
+    /// Subject prefix (the relay's): subjects are prefix + topic.
+    #[arg(long, default_value = "shop.")]
+    subject_prefix: String,
+    /// How long NATS waits for an ack before it redelivers (a killed runner's message).
+    #[arg(long, default_value = "30s", value_parser = parse_dur)]
+    ack_wait: Duration,
+    /// Redis URL.
+    #[arg(long, env = "REDIS_URL", default_value = "redis://127.0.0.1:6379")]
+    redis_url: String,
+    /// Redis stream key prefix (the relay's): streams are prefix + topic.
+    #[arg(long, default_value = "shop:")]
+    redis_key_prefix: String,
+    /// How long a Redis entry stays idle before another consumer claims it.
+    #[arg(long, default_value = "60s", value_parser = parse_dur)]
+    claim_idle: Duration,
+    /// The consumer group (one inbox line per group).
+    #[arg(long, default_value = "billing")]
+    group: String,
+    /// This runner's worker id (default: host-pid).
+    #[arg(long)]
+    worker_id: Option<String>,
+    /// Attempts a message gets before it is `failed`.
+    #[arg(long, default_value_t = 3)]
+    max_attempts: u32,
+    /// Retry backoff base and cap of a failed run.
+    #[arg(long, default_value = "10s", value_parser = parse_dur)]
+    retry_base: Duration,
+    /// Retry backoff cap.
+    #[arg(long, default_value = "60s", value_parser = parse_dur)]
+    retry_cap: Duration,
+    /// How long a row taken by the embedded processor stays held by this runner (a killed
+    /// runner's row is taken over after it).
+    #[arg(long, default_value = "60s", value_parser = parse_dur)]
+    lease: Duration,
+    /// Longest handler run; a run past it is a counted failure (below --lease).
+    #[arg(long, default_value = "30s", value_parser = parse_dur)]
+    handler_timeout: Duration,
+    /// Messages handled at once (each key one at a time).
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Fraction of handler runs that fail on purpose (a counted failure), 0 to 1.
+    #[arg(long, default_value_t = 0.0)]
+    fail_rate: f64,
+}
+
+fn parse_dur(s: &str) -> Result<Duration, String> {
+    let (n, unit) = s
+        .find(|c: char| !c.is_ascii_digit())
+        .map(|i| s.split_at(i))
+        .ok_or_else(|| format!("{s:?}: give a duration like 500ms, 2s or 1m"))?;
+    let n: u64 = n.parse().map_err(|e| format!("{s:?}: {e}"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n * 60)),
+        _ => Err(format!("{s:?}: the unit is ms, s or m")),
+    }
+}
+
+/// Writes one ledger row per order, in the inbox transaction.
+struct Bill {
+    ledger: String,
+    fail_rate: f64,
+}
+
+#[async_trait]
+impl Handler<Transaction<'static, Postgres>> for Bill {
+    async fn handle(
+        &self,
+        row: &InboxEvent,
+        tx: &mut Transaction<'static, Postgres>,
+    ) -> Result<HandlerOutcome, HandlerError> {
+        let p = &row.payload;
+        let (Some(customer), Some(seq)) = (p["customer"].as_str(), p["seq"].as_i64()) else {
+            return Ok(HandlerOutcome::skipped("not an order.placed payload"));
+        };
+        if self.fail_rate > 0.0 && rand::rng().random_range(0.0..1.0) < self.fail_rate {
+            println!(
+                "billing: injected failure for {} ({customer} #{seq}, attempt {})",
+                row.message_id,
+                row.attempts_made + 1
+            );
+            return Err(HandlerError::new("injected failure (--fail-rate)"));
+        }
+        let order = p["order"]
+            .as_str()
+            .and_then(|s| s.parse::<uuid::Uuid>().ok());
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "INSERT INTO {} (message_id, order_id, customer, seq, total_cents)
+             VALUES ($1, $2, $3, $4, $5)",
+            self.ledger
+        )))
+        .bind(&row.message_id)
+        .bind(order)
+        .bind(customer)
+        .bind(seq as i32)
+        .bind(p["total_cents"].as_i64().unwrap_or(0))
+        .execute(&mut **tx)
+        .await
+        .map_err(|e| HandlerError::new(format!("ledger insert: {e}")))?;
+        println!(
+            "billing: billed {customer} #{seq} (message {}, {} cents)",
+            row.message_id,
+            p["total_cents"].as_i64().unwrap_or(0)
+        );
+        Ok(HandlerOutcome::completed())
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let args = Args::parse();
+    if !(0.0..=1.0).contains(&args.fail_rate) {
+        return Err(format!("--fail-rate {} is not between 0 and 1", args.fail_rate).into());
+    }
+    let worker = args
+        .worker_id
+        .clone()
+        .unwrap_or_else(outbox_examples::default_worker_id);
+    let pool = PgPool::connect(&args.database_url).await?;
+    let inbox_table = TableName::new(&format!("{}.inbox_events", args.schema))?;
+    let ledger = TableName::new(&format!("{}.billing_ledger", args.schema))?.qualified();
+    create_inbox_schema(&pool, &inbox_table, Layout::Plain).await?;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE IF NOT EXISTS {ledger} (
+             id bigserial PRIMARY KEY, message_id text NOT NULL, order_id uuid,
+             customer text NOT NULL, seq integer NOT NULL, total_cents bigint NOT NULL,
+             billed_at timestamptz NOT NULL DEFAULT clock_timestamp())"
+    )))
+    .execute(&pool)
+    .await?;
+    let inbox = SqlxInbox::sqlx(pool.clone(), &inbox_table, Layout::Plain);
+    // The stream is the producer's: until it exists (orders not started yet), wait for it.
+    let subscription = loop {
+        match subscription(&args, &worker).await {
+            Ok(s) => break s,
+            Err(e) => {
+                println!("billing: cannot subscribe yet ({e}); trying again in 2 s");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    };
+    let runner = Runner::builder(inbox, subscription, args.group.clone())
+        .handler(Arc::new(Bill {
+            ledger,
+            fail_rate: args.fail_rate,
+        }))
+        .worker_id(worker.clone())
+        .max_attempts(args.max_attempts)
+        .backoff(Backoff::new(
+            args.retry_base.as_secs_f64(),
+            args.retry_cap.as_secs_f64(),
+        )?)
+        .concurrency(args.concurrency)
+        .lease_ttl(args.lease)
+        .handler_timeout(args.handler_timeout)
+        // The embedded processor retries recorded failures of this source (R121).
+        .sources(["orders"])
+        .build()?;
+    println!(
+        "billing: {worker} consuming as group {} from {:?}",
+        args.group, args.broker
+    );
+    runner.start();
+    let runner = Arc::new(runner);
+    let running = tokio::spawn({
+        let runner = runner.clone();
+        async move { runner.run().await }
+    });
+    shutdown_signal().await;
+    println!("billing: stopping");
+    runner.stop();
+    running.await??;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+async fn subscription(
+    args: &Args,
+    worker: &str,
+) -> Result<Arc<dyn Subscription>, Box<dyn std::error::Error>> {
+    Ok(match args.broker {
+        BrokerKind::Nats => {
+            use outbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
+            let client = outbox_nats_broker::async_nats::connect(&args.nats_url).await?;
+            Arc::new(
+                NatsSubscription::bind(
+                    client,
+                    NatsSubscriptionConfig::new(args.nats_stream.clone(), args.group.clone())
+                        .subject_prefix(args.subject_prefix.clone())
+                        .topics(["orders"])
+                        .ack_wait(args.ack_wait),
+                )
+                .await?,
+            )
+        }
+        #[cfg(feature = "redis")]
+        BrokerKind::Redis => {
+            use outbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
+            Arc::new(
+                RedisSubscription::connect(
+                    RedisSubscriptionConfig::new(
+                        args.redis_url.clone(),
+                        args.group.clone(),
+                        worker,
+                        ["orders"],
+                    )
+                    .key_prefix(args.redis_key_prefix.clone())
+                    .claim_idle(args.claim_idle),
+                )
+                .await?,
+            )
+        }
+    })
+}
