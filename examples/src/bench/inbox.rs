@@ -88,7 +88,12 @@ impl InboxShape {
 #[derive(Args, Debug, Clone)]
 pub struct InboxArgs {
     /// The shapes to run, in this order within each run (comma-separated).
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "land,drain,duplicates")]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "land,drain,duplicates"
+    )]
     pub shapes: Vec<InboxShape>,
     /// Deliveries of `land` (and redeliveries of `duplicates`).
     #[arg(long, default_value_t = 10_000)]
@@ -227,7 +232,11 @@ impl Bed {
 
 /// The effect table beside inbox table `t`.
 pub fn effects(t: &TableName) -> String {
-    format!("\"{}\".\"{}_effects\"", t.schema().unwrap_or("public"), t.table())
+    format!(
+        "\"{}\".\"{}_effects\"",
+        t.schema().unwrap_or("public"),
+        t.table()
+    )
 }
 
 /// The handler of every shape: one row of its own in the effect table, in the inbox's
@@ -394,7 +403,13 @@ async fn scripted_runner(
 ) -> Result<(f64, Arc<Ended>), BenchError> {
     let sub = ScriptedSubscription::new(Arc::new(SystemClock));
     let ended = Arc::new(Ended::default());
-    let runner = runner(store, Arc::new(sub.clone()), lib, concurrency, ended.clone())?;
+    let runner = runner(
+        store,
+        Arc::new(sub.clone()),
+        lib,
+        concurrency,
+        ended.clone(),
+    )?;
     let window = 4 * concurrency.max(1);
     let factory = MessageFactory::new();
     let msg = |i: usize| -> BrokerMessage {
@@ -418,8 +433,7 @@ async fn scripted_runner(
         let msgs: Vec<BrokerMessage> = (first..n).map(msg).collect();
         let sub = sub.clone();
         tokio::spawn(async move {
-            let mut pushed = first;
-            for m in msgs {
+            for (pushed, m) in (first..).zip(msgs) {
                 loop {
                     let woken = ended.changed.notified();
                     if pushed < ended.total() + window {
@@ -428,7 +442,6 @@ async fn scripted_runner(
                     let _ = tokio::time::timeout(Duration::from_millis(50), woken).await;
                 }
                 sub.push(m);
-                pushed += 1;
             }
         })
     };
@@ -617,7 +630,10 @@ async fn land_and_duplicates(
             let run_lib = || scripted_runner(store.clone(), &bed.lib, a.messages, a.keys, c);
             let ((lib_secs, ended), (ref_secs, inserted)) = if lib_first {
                 let l = run_lib().await?;
-                (l, reference_duplicates(&bed, &a.conn, a.messages, a.keys, c).await?)
+                (
+                    l,
+                    reference_duplicates(&bed, &a.conn, a.messages, a.keys, c).await?,
+                )
             } else {
                 let r = reference_duplicates(&bed, &a.conn, a.messages, a.keys, c).await?;
                 (run_lib().await?, r)
@@ -629,7 +645,11 @@ async fn land_and_duplicates(
                     ended.json()
                 )));
             }
-            check(a.messages, bed.done(&bed.lib).await?, "duplicates (library)")?;
+            check(
+                a.messages,
+                bed.done(&bed.lib).await?,
+                "duplicates (library)",
+            )?;
             out.push((
                 InboxShape::Duplicates,
                 Measured {
@@ -862,9 +882,15 @@ pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
             ratio,
             s.target(),
             vs,
-            if ratio >= s.target() { "met" } else { "NOT met" }
+            if ratio >= s.target() {
+                "met"
+            } else {
+                "NOT met"
+            }
         );
     }
-    eprintln!("(medians of the runs; ratio = median of library / reference per run, both measured in the same run)");
+    eprintln!(
+        "(medians of the runs; ratio = median of library / reference per run, both measured in the same run)"
+    );
     Ok(())
 }

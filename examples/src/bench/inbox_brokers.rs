@@ -16,10 +16,10 @@ use futures::StreamExt;
 #[cfg(any(feature = "nats", feature = "redis"))]
 use serde_json::json;
 
+use crate::BenchError;
 #[cfg(any(feature = "nats", feature = "redis"))]
 use crate::inbox::{Bed, Ended, SOURCE, attrs, body, check, run_until, runner, scripted_rate};
 use crate::inbox::{InboxArgs, InboxShape, Measured};
-use crate::BenchError;
 
 /// Measures one broker shape.
 pub async fn measure(
@@ -55,7 +55,11 @@ async fn library(
     sub.close().await;
     pool.close().await;
     let secs = secs?;
-    check(a.broker_messages, bed.done(&bed.lib).await?, "broker runner")?;
+    check(
+        a.broker_messages,
+        bed.done(&bed.lib).await?,
+        "broker runner",
+    )?;
     Ok(secs)
 }
 
@@ -141,7 +145,11 @@ mod nats {
         res
     }
 
-    async fn publish(js: &jetstream::Context, prefix: &str, a: &InboxArgs) -> Result<(), BenchError> {
+    async fn publish(
+        js: &jetstream::Context,
+        prefix: &str,
+        a: &InboxArgs,
+    ) -> Result<(), BenchError> {
         let subject = format!("{prefix}{SOURCE}");
         let results: Vec<Result<(), String>> = futures::stream::iter(0..a.broker_messages)
             .map(|i| {

@@ -365,7 +365,7 @@ where
 
     async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError> {
         let text = force_unlock_text(reason)?;
-        let binds = [Bind::Uuid(id), Bind::Text(String::from(text))];
+        let binds = [Bind::Uuid(id), Bind::Text(text)];
         let n = self
             .in_tx(|mut tx, s| Box::pin(async move { tx.execute(&s.force_unlock, &binds).await }))
             .await?;
@@ -604,7 +604,7 @@ where
         let binds = [
             Bind::Uuid(e.id()),
             Bind::Text(String::from(e.event_type())),
-            Bind::Text(String::from(payload)),
+            Bind::Text(payload),
             nullable_text(headers.as_deref()),
             nullable_text(row.trace_id.as_deref()),
             nullable_text(row.correlation_id.as_deref()),
@@ -718,7 +718,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
             .c()
             .text(
                 &s.statement_timeout,
-                &[Bind::Text(String::from(ms.to_string()))],
+                &[Bind::Text(ms.to_string())],
             )
             .await?;
         self.timeout_before = before;
@@ -730,7 +730,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         self.c().execute(&s.release_savepoint, &[]).await?;
         if let Some(before) = self.timeout_before.take() {
             self.c()
-                .execute(&s.restore_timeout, &[Bind::Text(String::from(before))])
+                .execute(&s.restore_timeout, &[Bind::Text(before)])
                 .await?;
         }
         Ok(())
