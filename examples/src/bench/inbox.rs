@@ -801,6 +801,7 @@ async fn drain(a: &InboxArgs, lib_first: bool) -> Result<Measured, BenchError> {
 
 /// The scripted runner alone on `n` messages (for the broker shapes' second comparison);
 /// returns messages per second.
+#[cfg(any(feature = "nats", feature = "redis"))]
 pub async fn scripted_rate(a: &InboxArgs, n: usize) -> Result<f64, BenchError> {
     let bed = Bed::create(&a.conn, 2).await?;
     let res = async {

@@ -716,10 +716,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         let ms = timeout.as_micros().div_ceil(1000).max(1);
         let before = self
             .c()
-            .text(
-                &s.statement_timeout,
-                &[Bind::Text(ms.to_string())],
-            )
+            .text(&s.statement_timeout, &[Bind::Text(ms.to_string())])
             .await?;
         self.timeout_before = before;
         Ok(())
