@@ -154,7 +154,10 @@ impl OmniBoxPeer {
                 .write_all(line.as_bytes())
                 .await
                 .map_err(|e| PeerError::Gone(format!("{op}: cannot write the request: {e}")))?;
-            stdin.flush().await.map_err(|e| PeerError::Gone(e.to_string()))?;
+            stdin
+                .flush()
+                .await
+                .map_err(|e| PeerError::Gone(e.to_string()))?;
         }
         let reply = tokio::time::timeout(PEER_PATIENCE, rx)
             .await
@@ -206,12 +209,16 @@ impl OmniBoxPeer {
 
     /// Waits until the handler (or open transaction) held at `gate` has started.
     pub async fn started(&self, gate: &str) -> Result<(), PeerError> {
-        self.call(json!({"op": "started", "gate": gate})).await.map(|_| ())
+        self.call(json!({"op": "started", "gate": gate}))
+            .await
+            .map(|_| ())
     }
 
     /// Lets what is held at `gate` go on.
     pub async fn open(&self, gate: &str) -> Result<(), PeerError> {
-        self.call(json!({"op": "open", "gate": gate})).await.map(|_| ())
+        self.call(json!({"op": "open", "gate": gate}))
+            .await
+            .map(|_| ())
     }
 
     /// Closes the peer's connections and ends the process.

@@ -21,6 +21,8 @@ mod brokers;
 mod burst;
 mod capacity;
 mod db;
+mod inbox;
+mod inbox_brokers;
 mod suite;
 mod timed;
 
@@ -67,6 +69,9 @@ enum Cmd {
     /// Sustained capacity (issue 19): the highest write rate the relays keep up with, per
     /// delivery mode and broker (runs of `run --mode capacity`).
     Capacity(capacity::SearchArgs),
+    /// The inbox shapes of issues 21 and 22 (land, drain, duplicates, nats, redis), each with
+    /// its plain-SQL or raw-broker reference in the same run.
+    Inbox(inbox::InboxArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -480,6 +485,7 @@ async fn main() -> std::process::ExitCode {
         Cmd::Suite(s) => suite::suite(s).await,
         Cmd::Burst(b) => burst::burst(b).await,
         Cmd::Capacity(c) => capacity::search(c).await,
+        Cmd::Inbox(i) => inbox::inbox(i).await,
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,
