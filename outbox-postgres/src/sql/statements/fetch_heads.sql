@@ -24,7 +24,9 @@
 -- them does not make the fetch lock twice the window, and fetch_take locks the ones it takes.
 -- Only the earliest window row of each key can be its head; it is one when no earlier in-line
 -- row of its key exists (one LIMIT 1 probe of idx_<t>_pending_key_order per key, filters
--- ignored, R29).
+-- ignored, R29). Keys are probed in head order and the probes stop at $1 heads: a fetch takes
+-- at most $1, so probing the window's other keys (about 85 of 185 in a 200-row window) was
+-- server time spent on candidates fetch_take never reached.
 --
 -- Path B, the walk, runs only when path A found fewer than $1 heads (the window is full of rows
 -- queued behind blocked heads, or of one hot key). It visits keys in (topic, partition_key)
@@ -34,6 +36,15 @@
 -- turn come within a bounded number of fetches (R20). Walk heads are not locked here.
 --
 -- Nothing here takes an advisory lock, and the only row locks are at most $6 window rows.
+--
+-- Planning: the statement is prepared once per connection and must run on PostgreSQL's
+-- generic plan, or every fetch plans it again (about as long as it runs, measured in
+-- examples/BENCHMARKS.md). PostgreSQL keeps a generic plan only when its estimated cost is
+-- below the custom plans' average; in the generic plan the lease TTL $2 is unknown, so a
+-- lone `x.locked_at < now() - $2 ...` is estimated at a third of the table (a bitmap read of
+-- the whole table, ten times the custom plan's cost) and the generic plan was never chosen.
+-- Written as a range, `x.locked_at >= '-infinity' AND x.locked_at < ...` (the same rows:
+-- locked_at is not null), it is estimated as a narrow range, as it is in fact.
 WITH RECURSIVE
 win_u AS MATERIALIZED (
     SELECT u.id, u.topic, u.partition_key, u.scheduled_at, u.created_at
@@ -46,7 +57,8 @@ win_u AS MATERIALIZED (
 win_x AS MATERIALIZED (
     SELECT x.id, x.topic, x.partition_key, x.scheduled_at, x.created_at
       FROM {table} x
-     WHERE x.locked_at < now() - $2::int8 * INTERVAL '1 microsecond'
+     WHERE x.locked_at >= '-infinity'::timestamptz
+       AND x.locked_at < now() - $2::int8 * INTERVAL '1 microsecond'
        AND {pending:x} AND x.attempts_made < x.max_attempts AND x.scheduled_at <= now()
        AND {filters:x}
      ORDER BY x.scheduled_at, x.created_at, x.id
@@ -59,11 +71,13 @@ win AS (
 ),
 heads_a AS MATERIALIZED (
     SELECT c.id, c.topic, c.partition_key, c.scheduled_at, c.created_at
-      FROM (SELECT DISTINCT ON (d.topic, d.partition_key) d.*
-              FROM win d
-             ORDER BY d.topic, d.partition_key, d.created_at, d.id) c
+      FROM (SELECT k.* FROM (SELECT DISTINCT ON (d.topic, d.partition_key) d.*
+                               FROM win d
+                              ORDER BY d.topic, d.partition_key, d.created_at, d.id) k
+             ORDER BY k.scheduled_at, k.created_at, k.id) c
       LEFT JOIN LATERAL ({earlier:c}) earlier ON true
      WHERE earlier.found IS NULL
+     LIMIT $1::int8
 ),
 walk AS (
     SELECT 1 AS depth, f.*, o.ok, o.ok::int AS found
