@@ -91,6 +91,22 @@ fn transient_code(code: ErrorCode, idempotent: bool) -> bool {
 }
 
 /// Maps the outcome the client reports for a record (R88).
+/// Whether a failed send says the broker lost the idempotent producer's identity or sequences
+/// (UNKNOWN_PRODUCER_ID, OUT_OF_ORDER_SEQUENCE_NUMBER, INVALID_PRODUCER_EPOCH): the producer is
+/// rebuilt with a new id.
+pub(crate) fn producer_identity_lost(e: &KrafkaError) -> bool {
+    match e {
+        KrafkaError::OutOfOrderSequence { .. } => true,
+        KrafkaError::Broker { code, .. } => matches!(
+            code,
+            ErrorCode::OutOfOrderSequenceNumber
+                | ErrorCode::UnknownProducerId
+                | ErrorCode::InvalidProducerEpoch
+        ),
+        _ => false,
+    }
+}
+
 pub(crate) fn map_send_error(e: &KrafkaError, topic: &str, idempotent: bool) -> BrokerError {
     let unreachable =
         |cause: String| BrokerError::transient(format!("Kafka broker unreachable: {cause}"));

@@ -220,6 +220,37 @@ impl KafkaBroker {
     fn idempotent(&self) -> bool {
         self.inner.config.idempotence == Idempotence::On
     }
+
+    /// Drops `stale` (if it is still the adapter's producer) after the broker stopped knowing
+    /// its producer id or sequences, as after a restart that lost the broker's producer state:
+    /// the client answers such a failure by bumping its epoch under the same id, which a broker
+    /// that never issued the id keeps refusing (UNKNOWN_PRODUCER_ID on every later send). The
+    /// next publish builds a producer with a new id from InitProducerId. Order is kept because
+    /// the failed publish was not written and is retried by the relay, and a key's next event
+    /// is not published before it completes.
+    fn forget_producer(&self, stale: &Client) {
+        let Ok(mut slot) = self.inner.client.try_lock() else {
+            // Another task is building or reading the producer; the next failure retries.
+            return;
+        };
+        if slot
+            .as_ref()
+            .is_some_and(|c| Arc::ptr_eq(&c.producer, &stale.producer))
+        {
+            *slot = None;
+            // The old producer finishes what it holds (each send reports its own outcome)
+            // within the delivery timeout, then closes.
+            let (old, within) = (stale.producer.clone(), self.inner.config.delivery_timeout);
+            tokio::spawn(async move {
+                let _ = old
+                    .close_with(krafka::CloseOptions::new().timeout(within))
+                    .await;
+            });
+            tracing::warn!(
+                "Kafka: the broker no longer knows the idempotent producer's id or sequences; building a new producer"
+            );
+        }
+    }
 }
 
 /// The client's TLS and SASL settings (shared by the adapter and the inbox subscription).
@@ -330,11 +361,12 @@ impl Broker for KafkaBroker {
             for (k, v) in headers {
                 r = r.header(k, v.into_bytes());
             }
-            client
-                .producer
-                .send(r)
-                .await
-                .map_err(|e| error::map_send_error(&e, &topic, self.idempotent()))
+            client.producer.send(r).await.map_err(|e| {
+                if self.idempotent() && error::producer_identity_lost(&e) {
+                    self.forget_producer(&client);
+                }
+                error::map_send_error(&e, &topic, self.idempotent())
+            })
         })
         .await;
         match sent {

@@ -271,34 +271,12 @@ impl KafkaUnderTest for TestKafka {
         if std::env::var_os("KAFKA_BROKERS").is_some() {
             return None;
         }
-        let bin = tansu_binary();
         let listen = outbox_conformance::broker::closed_port().await;
-        let child = tokio::process::Command::new(&bin)
-            .args([
-                "broker",
-                "--listener-url",
-                &format!("tcp://{listen}"),
-                "--advertised-listener-url",
-                &format!("tcp://{advertised}"),
-                "--storage-engine",
-                &format!("memory://tansu-{}/", fresh_suffix()),
-            ])
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
-        for _ in 0..100 {
-            if tokio::net::TcpStream::connect(listen).await.is_ok() {
-                return Some(PrivateBroker {
-                    listen,
-                    guard: Box::new(std::sync::Mutex::new(child)),
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-        panic!("the private Tansu broker did not listen on {listen} within 10 s");
+        let child = start_tansu(listen, advertised).await;
+        Some(PrivateBroker {
+            listen,
+            guard: Box::new(std::sync::Mutex::new(child)),
+        })
     }
 
     async fn create_topic_at(&self, bootstrap: SocketAddr, name: &str, partitions: i32) {
@@ -308,6 +286,35 @@ impl KafkaUnderTest for TestKafka {
     async fn read_at(&self, bootstrap: SocketAddr, topic: &str) -> Vec<KafkaRecord> {
         read_topic_at(&bootstrap.to_string(), topic).await
     }
+}
+
+/// Starts a private Tansu process (memory storage of its own, killed on drop) listening on
+/// `listen` and advertising `advertised`, and waits until it accepts connections (10 s).
+pub async fn start_tansu(listen: SocketAddr, advertised: SocketAddr) -> tokio::process::Child {
+    let bin = tansu_binary();
+    let child = tokio::process::Command::new(&bin)
+        .args([
+            "broker",
+            "--listener-url",
+            &format!("tcp://{listen}"),
+            "--advertised-listener-url",
+            &format!("tcp://{advertised}"),
+            "--storage-engine",
+            &format!("memory://tansu-{}/", fresh_suffix()),
+        ])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
+    for _ in 0..100 {
+        if tokio::net::TcpStream::connect(listen).await.is_ok() {
+            return child;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the private Tansu broker did not listen on {listen} within 10 s");
 }
 
 /// The Tansu binary: `TANSU_BIN`, else what `scripts/tansu path` prints.
