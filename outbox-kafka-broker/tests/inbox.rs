@@ -193,6 +193,10 @@ impl SubscriptionTrial for Topic {
         Arc::new(sub)
     }
 
+    fn one_reader_per_key(&self) -> Option<&'static str> {
+        Some("a Kafka partition is read by one member of the group at a time (R175)")
+    }
+
     async fn cleanup(&self) {
         Topic::cleanup(self).await;
     }
