@@ -193,7 +193,7 @@ impl SubscriptionTrial for Topic {
         Arc::new(sub)
     }
 
-    fn one_reader_per_key(&self) -> Option<&'static str> {
+    fn no_second_reader_on_demand(&self) -> Option<&'static str> {
         Some("a Kafka partition is read by one member of the group at a time (R175)")
     }
 

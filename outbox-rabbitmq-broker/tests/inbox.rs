@@ -209,6 +209,14 @@ impl SubscriptionTrial for Trial {
         )
     }
 
+    fn no_second_reader_on_demand(&self) -> Option<&'static str> {
+        Some(
+            "RabbitMQ pushes the copy into the first runner's prefetch window (2 x concurrency); \
+             a prefetch of 1 would keep the other trials' runners from holding deliveries that \
+             wait for their key (G-08)",
+        )
+    }
+
     /// RabbitMQ returns a killed runner's deliveries as soon as its connection closes.
     fn redelivery_floor(&self, _redeliver_after: Duration) -> Duration {
         Duration::ZERO

@@ -50,11 +50,13 @@ pub trait SubscriptionTrial: Send + Sync {
     fn redelivery_floor(&self, redeliver_after: Duration) -> Duration {
         redeliver_after / 2
     }
-    /// Why one key's messages can never reach two runners of the group at once on this broker
-    /// (Kafka: a partition is read by one member at a time, R175), or none. G-02 and G-09 stage
-    /// exactly that, so on such a broker they print `SKIPPED … needs two runners reading one key
-    /// at once` with this reason and check nothing; J-21 covers Kafka's two runners instead.
-    fn one_reader_per_key(&self) -> Option<&'static str> {
+    /// Why, on this broker, a trial cannot make a key's second delivery reach a second runner
+    /// while the first runner still runs the first, or none. G-02 and G-09 stage exactly that;
+    /// on such a broker they print `SKIPPED … needs a second runner to get a key's delivery
+    /// while the first runs` with this reason and check nothing (Kafka: a partition is read by
+    /// one member at a time, R175, and J-21 covers its two runners; RabbitMQ: the broker pushes
+    /// the copy into the first runner's prefetch window, and J-28 covers its two runners).
+    fn no_second_reader_on_demand(&self) -> Option<&'static str> {
         None
     }
     /// Removes the trial's streams.
