@@ -141,11 +141,11 @@ macro_rules! suite {
 macro_rules! inbox_suite {
     (postgres: $f:expr) => {
         $crate::inbox_suite!(@all $f);
-        $crate::inbox_suite!(@tests $f; pg::f_13, pg::y_03, pg::z_04);
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::z_04);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::inbox_suite!(@all $f);
-        $crate::inbox_suite!(@tests $f; pg::f_13, pg::y_03, pg::z_04, pg::d_03,
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::z_04, pg::d_03,
             pg::d_04, pg::d_05, pg::p_04, pg::d_06);
     };
     // A partitioned table with one partition for a past month only: E-14.

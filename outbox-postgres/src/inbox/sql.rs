@@ -362,6 +362,10 @@ mod text {
     pub const IN_LINE_ROWS: &str = include_str!("../sql/inbox/in_line_rows.sql");
     pub const TRY_LOCK: &str = include_str!("../sql/inbox/try_lock.sql");
     pub const STAMP: &str = include_str!("../sql/inbox/stamp.sql");
+    pub const FETCH_HEADS: &str = include_str!("../sql/inbox/fetch_heads.sql");
+    pub const FETCH_RUNS: &str = include_str!("../sql/inbox/fetch_runs.sql");
+    pub const WINDOW_OVERFLOW: &str = include_str!("../sql/inbox/window_overflow.sql");
+    pub const SAME_KEY: &str = include_str!("../sql/inbox/same_key.sql");
     pub const WAITING: &str = include_str!("../sql/inbox/waiting.sql");
     pub const COUNTS: &str = include_str!("../sql/inbox/counts.sql");
     pub const OLDEST_DUE_AGE: &str = include_str!("../sql/inbox/oldest_due_age.sql");
@@ -379,13 +383,19 @@ mod text {
 
 /// A statement file made ready to send: comments dropped, fragments expanded, `{table}`
 /// replaced by the quoted validated name and `{columns}` / `{t_columns}` by [`INBOX_COLUMNS`].
+/// The inbox key stands for the outbox's in the shared fragments (`same_key`), and `{lease_us}`
+/// is `$3` in the statements that name it (the fetch's).
 fn render(src: &str, table: &TableName) -> String {
-    fragments::expand(&fragments::strip(src), &[])
-        .replace("{table}", &table.qualified())
-        .replace("{t_columns}", &inbox_column_list("t"))
-        .replace("{columns}", &inbox_column_list(""))
-        .trim()
-        .to_owned()
+    fragments::expand_with(
+        &fragments::strip(src),
+        &[("lease_us", "$3::int8")],
+        &[("same_key", text::SAME_KEY)],
+    )
+    .replace("{table}", &table.qualified())
+    .replace("{t_columns}", &inbox_column_list("t"))
+    .replace("{columns}", &inbox_column_list(""))
+    .trim()
+    .to_owned()
 }
 
 /// Every inbox statement text for one table; parameters and results are documented in each
@@ -432,6 +442,12 @@ pub struct InboxStatements {
     pub try_lock: String,
     /// `stamp.sql`.
     pub stamp: String,
+    /// `fetch_heads.sql`.
+    pub fetch_heads: String,
+    /// `fetch_runs.sql`.
+    pub fetch_runs: String,
+    /// `window_overflow.sql`.
+    pub window_overflow: String,
     /// `waiting.sql`.
     pub waiting: String,
     /// `counts.sql`.
@@ -479,6 +495,9 @@ impl InboxStatements {
             in_line_rows: r(text::IN_LINE_ROWS),
             try_lock: r(text::TRY_LOCK),
             stamp: r(text::STAMP),
+            fetch_heads: r(text::FETCH_HEADS),
+            fetch_runs: r(text::FETCH_RUNS),
+            window_overflow: r(text::WINDOW_OVERFLOW),
             waiting: r(text::WAITING),
             counts: r(text::COUNTS),
             oldest_due_age: r(text::OLDEST_DUE_AGE),
@@ -508,6 +527,9 @@ mod tests {
             &s.write,
             &s.in_line_rows,
             &s.stamp,
+            &s.fetch_heads,
+            &s.fetch_runs,
+            &s.window_overflow,
             &s.get,
             &s.requeue,
             &s.release_stale,

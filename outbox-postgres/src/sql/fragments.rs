@@ -22,7 +22,7 @@
 //!   the partial indexes.
 
 /// The fragment files, by name.
-const FRAGMENTS: [(&str, &str); 8] = [
+const FRAGMENTS: [(&str, &str); 9] = [
     ("in_line", include_str!("fragments/in_line.sql")),
     ("key_order", include_str!("fragments/key_order.sql")),
     ("pending", include_str!("fragments/pending.sql")),
@@ -31,6 +31,7 @@ const FRAGMENTS: [(&str, &str); 8] = [
     ("filters", include_str!("fragments/filters.sql")),
     ("due", include_str!("fragments/due.sql")),
     ("earlier", include_str!("fragments/earlier.sql")),
+    ("same_key", include_str!("fragments/same_key.sql")),
 ];
 
 /// How deep fragments may name fragments.
@@ -59,10 +60,15 @@ fn instance(text: &str, alias: &str) -> String {
         .replace(":@}", &format!(":{alias}}}"))
 }
 
-/// One pass over `body`: every `{name:alias}` of a known fragment replaced by its instance.
-fn expand_fragments(body: &str) -> String {
+/// One pass over `body`: every `{name:alias}` of a known fragment replaced by its instance,
+/// a fragment of `overrides` in place of the one of that name.
+fn expand_fragments(body: &str, overrides: &[(&str, &str)]) -> String {
     let mut out = body.to_owned();
-    for (name, text) in FRAGMENTS {
+    for (name, default) in FRAGMENTS {
+        let text = overrides
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map_or(default, |(_, t)| *t);
         let open = format!("{{{name}:");
         while let Some(at) = out.find(&open) {
             let rest = &out[at + open.len()..];
@@ -78,13 +84,24 @@ fn expand_fragments(body: &str) -> String {
 /// `body` with every part `{name}` of `parts` and every fragment `{name:alias}` substituted,
 /// fragments inside fragments included. Comment lines of parts are dropped.
 pub(crate) fn expand(body: &str, parts: &[(&str, &str)]) -> String {
+    expand_with(body, parts, &[])
+}
+
+/// [`expand`] with some fragments replaced by other texts of the same meaning for another
+/// table: the inbox table names its key `same_key` (consumer_group, source, partition_key), so
+/// that the outbox's `earlier` probe serves it unchanged.
+pub(crate) fn expand_with(
+    body: &str,
+    parts: &[(&str, &str)],
+    overrides: &[(&str, &str)],
+) -> String {
     let mut body = body.to_owned();
     for _ in 0..MAX_DEPTH {
         let before = body.clone();
         for (name, text) in parts {
             body = body.replace(&format!("{{{name}}}"), &strip(text));
         }
-        body = expand_fragments(&body);
+        body = expand_fragments(&body, overrides);
         if body == before {
             break;
         }
