@@ -249,6 +249,8 @@ async fn shutdown_signal() {
     }
 }
 
+// `worker` names the Redis consumer; NATS names its durable consumer after the group.
+#[cfg_attr(not(feature = "redis"), allow(unused_variables))]
 async fn subscription(
     args: &Args,
     worker: &str,
