@@ -8,11 +8,15 @@ use std::ops::DerefMut;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::QueryableByName;
+use diesel::data_types::PgTimestamp;
+use diesel::deserialize::{self, FromSql};
+use diesel::pg::Pg;
+use diesel::row::NamedRow;
 use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use outbox_core::RepositoryError;
 use outbox_postgres::driver::Bind;
-use outbox_postgres::driver::inbox::{InboxDriver, InboxRawRow, InboxRows};
+use outbox_postgres::driver::inbox::{InboxDriver, InboxRawRow, InboxRows, Unreadable};
 use outbox_postgres::inbox::schema::create_inbox_schema_on;
 use outbox_postgres::inbox::store::PgInbox;
 use outbox_postgres::sql::{Layout, TableName};
@@ -65,85 +69,82 @@ impl From<diesel::result::Error> for SchemaError {
     }
 }
 
-/// The inbox columns, read by name.
-#[derive(Debug, QueryableByName)]
-#[diesel(check_for_backend(diesel::pg::Pg))]
-struct InboxRow {
-    #[diesel(sql_type = SqlUuid)]
-    id: Uuid,
-    #[diesel(sql_type = Text)]
-    event_type: String,
-    #[diesel(sql_type = Jsonb)]
-    payload: Value,
-    #[diesel(sql_type = Nullable<Jsonb>)]
-    headers: Option<Value>,
-    #[diesel(sql_type = Nullable<Text>)]
-    trace_id: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    idempotency_key: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    correlation_id: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    causation_id: Option<String>,
-    #[diesel(sql_type = Nullable<Text>)]
-    schema_version: Option<String>,
-    #[diesel(sql_type = Text)]
-    status: String,
-    #[diesel(sql_type = Int4)]
-    attempts_made: i32,
-    #[diesel(sql_type = Int4)]
-    max_attempts: i32,
-    #[diesel(sql_type = Nullable<Text>)]
-    last_error: Option<String>,
-    #[diesel(sql_type = Timestamptz)]
-    scheduled_at: DateTime<Utc>,
-    #[diesel(sql_type = Nullable<Timestamptz>)]
-    completed_at: Option<DateTime<Utc>>,
-    #[diesel(sql_type = Nullable<Timestamptz>)]
-    locked_at: Option<DateTime<Utc>>,
-    #[diesel(sql_type = Nullable<Text>)]
-    locked_by: Option<String>,
-    #[diesel(sql_type = Timestamptz)]
-    created_at: DateTime<Utc>,
-    #[diesel(sql_type = Nullable<Timestamptz>)]
-    updated_at: Option<DateTime<Utc>>,
-    #[diesel(sql_type = Text)]
-    message_id: String,
-    #[diesel(sql_type = Text)]
-    consumer_group: String,
-    #[diesel(sql_type = Text)]
-    source: String,
-    #[diesel(sql_type = Nullable<Text>)]
-    partition_key: Option<String>,
+/// The inbox columns, read by name and one by one: a column that cannot be decoded takes a
+/// placeholder and is recorded in [`InboxRawRow::unreadable`], timestamps are read as their wire
+/// value and range-checked ([`Unreadable::time`]); only an id that cannot be read fails the
+/// load (R106).
+struct InboxRow(InboxRawRow);
+
+/// Column `name`, or its type's default when it cannot be decoded (recorded in `u`).
+fn get<'a, ST, T>(row: &impl NamedRow<'a, Pg>, name: &str, u: &mut Unreadable) -> T
+where
+    T: FromSql<ST, Pg> + Default,
+{
+    u.or(name, NamedRow::get::<ST, T>(row, name), T::default())
 }
 
-impl From<InboxRow> for InboxRawRow {
-    fn from(r: InboxRow) -> Self {
-        InboxRawRow {
-            id: r.id,
-            event_type: r.event_type,
-            payload: r.payload,
-            headers: r.headers,
-            trace_id: r.trace_id,
-            idempotency_key: r.idempotency_key,
-            correlation_id: r.correlation_id,
-            causation_id: r.causation_id,
-            schema_version: r.schema_version,
-            status: r.status,
-            attempts_made: r.attempts_made,
-            max_attempts: r.max_attempts,
-            last_error: r.last_error,
-            scheduled_at: r.scheduled_at,
-            completed_at: r.completed_at,
-            locked_at: r.locked_at,
-            locked_by: r.locked_by,
-            created_at: r.created_at,
-            updated_at: r.updated_at,
-            message_id: r.message_id,
-            consumer_group: r.consumer_group,
-            source: r.source,
-            partition_key: r.partition_key,
+/// A nullable timestamptz column.
+fn time<'a>(row: &impl NamedRow<'a, Pg>, name: &str, u: &mut Unreadable) -> Option<DateTime<Utc>> {
+    match NamedRow::get::<Nullable<Timestamptz>, Option<PgTimestamp>>(row, name) {
+        Ok(v) => v.map(|PgTimestamp(micros)| u.time(name, micros)),
+        Err(e) => {
+            u.record(name, e);
+            None
         }
+    }
+}
+
+impl QueryableByName<Pg> for InboxRow {
+    fn build<'a>(row: &impl NamedRow<'a, Pg>) -> deserialize::Result<Self> {
+        type OptText = Nullable<Text>;
+        let mut u = Unreadable::default();
+        let id = NamedRow::get::<SqlUuid, Uuid>(row, "id")?;
+        let event_type = get::<Text, _>(row, "event_type", &mut u);
+        let payload = get::<Jsonb, Value>(row, "payload", &mut u);
+        let headers = get::<Nullable<Jsonb>, _>(row, "headers", &mut u);
+        let trace_id = get::<OptText, _>(row, "trace_id", &mut u);
+        let idempotency_key = get::<OptText, _>(row, "idempotency_key", &mut u);
+        let correlation_id = get::<OptText, _>(row, "correlation_id", &mut u);
+        let causation_id = get::<OptText, _>(row, "causation_id", &mut u);
+        let schema_version = get::<OptText, _>(row, "schema_version", &mut u);
+        let status = get::<Text, _>(row, "status", &mut u);
+        let attempts_made = get::<Int4, _>(row, "attempts_made", &mut u);
+        let max_attempts = get::<Int4, _>(row, "max_attempts", &mut u);
+        let last_error = get::<OptText, _>(row, "last_error", &mut u);
+        let scheduled_at = time(row, "scheduled_at", &mut u);
+        let scheduled_at = u.required("scheduled_at", scheduled_at);
+        let completed_at = time(row, "completed_at", &mut u);
+        let locked_at = time(row, "locked_at", &mut u);
+        let locked_by = get::<OptText, _>(row, "locked_by", &mut u);
+        let created_at = time(row, "created_at", &mut u);
+        let created_at = u.required("created_at", created_at);
+        let updated_at = time(row, "updated_at", &mut u);
+        Ok(InboxRow(InboxRawRow {
+            id,
+            event_type,
+            payload,
+            headers,
+            trace_id,
+            idempotency_key,
+            correlation_id,
+            causation_id,
+            schema_version,
+            status,
+            attempts_made,
+            max_attempts,
+            last_error,
+            scheduled_at,
+            completed_at,
+            locked_at,
+            locked_by,
+            created_at,
+            updated_at,
+            message_id: get::<Text, _>(row, "message_id", &mut u),
+            consumer_group: get::<Text, _>(row, "consumer_group", &mut u),
+            source: get::<Text, _>(row, "source", &mut u),
+            partition_key: get::<OptText, _>(row, "partition_key", &mut u),
+            unreadable: u.finish(),
+        }))
     }
 }
 
@@ -196,7 +197,7 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> InboxRows for Diesel<T> {
         binds: Vec<Bind>,
     ) -> Result<Vec<InboxRawRow>, Self::Error> {
         let rows: Vec<InboxRow> = query(sql, binds).load(&mut *self.0).await?;
-        Ok(rows.into_iter().map(InboxRawRow::from).collect())
+        Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
     async fn inbox_int8(

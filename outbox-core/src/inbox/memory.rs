@@ -27,8 +27,8 @@ use crate::event::{Status, WorkerId, force_unlock_text, limits, normalize_error}
 use crate::inbox::model::{ConsumerGroup, InboxEvent, InboxKey, NewInboxEvent};
 use crate::inbox::ordering::{self as inbox_order, view};
 use crate::inbox::repository::{
-    Guard, InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxRepository,
-    InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite,
+    Guard, InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxFetched,
+    InboxRepository, InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite, WrittenState,
 };
 use crate::ordering;
 use crate::repository::{BLOCKED_WAITING_CAP, FetchFilter, Retry, args};
@@ -527,6 +527,26 @@ impl InboxTransaction for MemInboxTx {
         }
     }
 
+    /// Rows here always decode: the guard and the write of any row.
+    async fn fail_undecodable(
+        &mut self,
+        id: Uuid,
+        worker: &WorkerId,
+        error: &str,
+        retry: Retry,
+    ) -> Result<Option<WrittenState>, RepositoryError> {
+        let guard = Guard::HeldBy {
+            id,
+            worker: worker.clone(),
+        };
+        if self.guard(&guard).await?.is_none() {
+            return Ok(None);
+        }
+        let error = error.to_owned();
+        let w = self.write(id, RowWrite::Counted { error, retry }).await?;
+        Ok(Some(WrittenState::from(&w)))
+    }
+
     async fn commit(mut self) -> Result<(), RepositoryError> {
         if self.broken {
             self.release_all();
@@ -622,7 +642,7 @@ impl InboxRepository for InMemoryInbox {
     async fn fetch_and_lock(
         &self,
         req: &InboxFetchRequest,
-    ) -> Result<Vec<InboxEvent>, RepositoryError> {
+    ) -> Result<Vec<InboxFetched>, RepositoryError> {
         req.validate()?;
         self.check_up()?;
         let now = self.now_sync();
@@ -659,7 +679,7 @@ impl InboxRepository for InMemoryInbox {
                 r.locked_at = Some(now);
                 r.locked_by = Some(req.worker.as_str().to_owned());
                 r.updated_at = Some(now);
-                r.clone()
+                InboxFetched::Row(r.clone())
             })
             .collect())
     }

@@ -48,8 +48,8 @@ pub use model::{ConsumerGroup, InboxEvent, InboxKey, InvalidMessage, NewInboxEve
 pub use policy::{AckStrategy, AncestorAckSettings, CommitOffsetPolicy, FailurePolicy, OnFailure};
 pub use processor::{InboxCycleReport, Processor, ProcessorBuilder, ProcessorError, RowReport};
 pub use repository::{
-    HandlerTx, InboxBackend, InboxCapabilities, InboxFetchRequest, InboxRepository,
-    InboxTransaction,
+    HandlerTx, InboxBackend, InboxCapabilities, InboxFetchRequest, InboxFetched, InboxRepository,
+    InboxTransaction, UndecodableInboxRow,
 };
 pub use runner::run_loop::RunnerError;
 pub use runner::{DeliveryOutcome, DeliveryResult, Runner, RunnerBuilder};

@@ -17,10 +17,7 @@ use crate::ordering;
 
 /// The outbox view of an inbox row, for the rules of [`crate::ordering`].
 pub fn view(r: &InboxEvent, key_order: bool) -> OutboxEvent {
-    let partition_key = match (&r.partition_key, key_order) {
-        (Some(pk), true) => format!("k:{pk}"),
-        _ => format!("row:{}", r.id),
-    };
+    let partition_key = view_key(r.id, r.partition_key.as_deref(), key_order);
     OutboxEvent {
         id: r.id,
         event_type: r.event_type.clone(),
@@ -45,6 +42,15 @@ pub fn view(r: &InboxEvent, key_order: bool) -> OutboxEvent {
         aggregate_id: uuid::Uuid::nil(),
         topic: r.source.clone(),
         partition_key,
+    }
+}
+
+/// The view's partition key of row `id`: its partition_key when key order is on and it has
+/// one, else a value unique to the row.
+pub fn view_key(id: uuid::Uuid, partition_key: Option<&str>, key_order: bool) -> String {
+    match (partition_key, key_order) {
+        (Some(pk), true) => format!("k:{pk}"),
+        _ => format!("row:{id}"),
     }
 }
 

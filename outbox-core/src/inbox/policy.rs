@@ -166,6 +166,15 @@ pub fn valid_explicit(at: DateTime<Utc>, created_at: DateTime<Utc>) -> Option<Da
     (at >= created_at && at <= latest).then_some(at)
 }
 
+/// The next try of a counted failure without an explicit time: the backoff of R39 after
+/// `attempts_made` attempts.
+pub fn backoff_retry(attempts_made: i32, backoff: &Backoff, rng: &mut dyn RandomSource) -> Retry {
+    match backoff.delay(attempts_made.max(0) as u32, rng) {
+        Some(d) => Retry::After(d),
+        None => Retry::Keep,
+    }
+}
+
 /// The write that records a failure in the row (R126, R154): counted as R38 (backoff R39,
 /// explicit time R44), transient as R43, not counted with a time as R44 and without one as R43
 /// (now + 1.0 s, D39). Under at_most_once every failure is counted (R129).
@@ -181,10 +190,7 @@ pub fn record_write(
     let counted = |at: Option<DateTime<Utc>>, rng: &mut dyn RandomSource| {
         let retry = match at.and_then(|t| valid_explicit(t, created_at)) {
             Some(t) => Retry::At(t),
-            None => match backoff.delay(attempts_made.max(0) as u32, rng) {
-                Some(d) => Retry::After(d),
-                None => Retry::Keep,
-            },
+            None => backoff_retry(attempts_made, backoff, rng),
         };
         RowWrite::Counted {
             error: error.clone(),

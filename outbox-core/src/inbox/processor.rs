@@ -11,7 +11,9 @@
 //!    (R153); each run is [`Processor::run_row`]: T_row row-locks the row, checks it is pending
 //!    and held by this worker (else lease lost, R156), completes a row whose sibling completed
 //!    (R164), runs the handler after a savepoint (R181), writes the outcome (R154) and commits.
-//!    A failed run releases the rows behind it untouched (R151);
+//!    A row the fetch could not decode is failed alone instead, counted, in a T_row of its own
+//!    with last_error `undecodable row: …` and no handler run (R106). A failed run releases the
+//!    rows behind it untouched (R151);
 //! 4. releases the rows it did not run (R77); hooks run after each commit (R158).
 //!
 //! [`Processor::run`] loops cycles: at once after a cycle that fetched rows and had a run that
@@ -35,8 +37,8 @@ use crate::inbox::hooks::{self, InboxHooks};
 use crate::inbox::model::{ConsumerGroup, InboxEvent};
 use crate::inbox::policy;
 use crate::inbox::repository::{
-    DEFAULT_INBOX_MAX_PER_KEY, Guard, HandlerTx, InboxBackend, InboxFetchRequest, InboxTransaction,
-    RowWrite,
+    DEFAULT_INBOX_MAX_PER_KEY, Guard, HandlerTx, InboxBackend, InboxFetchRequest, InboxFetched,
+    InboxTransaction, RowWrite, UndecodableInboxRow,
 };
 use crate::repository::DEFAULT_LEASE_TTL;
 
@@ -449,14 +451,13 @@ impl<B: InboxBackend> Processor<B> {
         }
         let rows = self.backend.fetch_and_lock(&self.request()).await?;
         let fetched_at = self.clock.now();
-        report.fetched = rows.iter().map(|r| r.id).collect();
+        report.fetched = rows.iter().map(InboxFetched::id).collect();
         hooks::each(&self.hooks, |h| h.on_fetch(rows.len()));
         // Runs of one key, in fetch order (rows come grouped by key).
-        let mut runs: Vec<Vec<InboxEvent>> = Vec::new();
-        let mut index: HashMap<String, usize> = HashMap::new();
+        let mut runs: Vec<Vec<InboxFetched>> = Vec::new();
+        let mut index: HashMap<(String, String), usize> = HashMap::new();
         for r in rows {
-            let k = crate::inbox::ordering::view(&r, self.config.key_order).partition_key;
-            let k = format!("{}\u{0}{k}", r.source);
+            let k = r.run_key(self.config.key_order);
             match index.get(&k) {
                 Some(&i) => runs[i].push(r),
                 None => {
@@ -494,13 +495,14 @@ impl<B: InboxBackend> Processor<B> {
 
     async fn run_key(
         &self,
-        run: Vec<InboxEvent>,
+        run: Vec<InboxFetched>,
         shutdown: &CancellationToken,
         fetched_at: tokio::time::Instant,
     ) -> Vec<(Uuid, RowReport)> {
         let mut out = Vec::with_capacity(run.len());
         let mut stop = false;
         for row in run {
+            let id = row.id();
             let left = self
                 .config
                 .lease_ttl
@@ -510,20 +512,71 @@ impl<B: InboxBackend> Processor<B> {
                 || !self.breaker_allows()
                 || left < self.config.handler_timeout
             {
-                out.push((row.id, RowReport::Released));
+                out.push((id, RowReport::Released));
                 continue;
             }
-            let r = self.run_row(row.id).await;
-            self.breaker_record(&r);
+            let r = match &row {
+                InboxFetched::Row(_) => {
+                    let r = self.run_row(id).await;
+                    self.breaker_record(&r);
+                    r
+                }
+                // Not a handler run: the breaker does not count it.
+                InboxFetched::Undecodable(u) => self.fail_undecodable(u).await,
+            };
             stop = !matches!(
                 r,
                 RowReport::Completed { .. }
                     | RowReport::Skipped { .. }
                     | RowReport::Duplicate { .. }
             );
-            out.push((row.id, r));
+            out.push((id, r));
         }
         out
+    }
+
+    /// Fails a held row that cannot be decoded (R106), in a T_row of its own: a counted failure
+    /// with last_error `undecodable row: {reason}` and the backoff's next try, written only while
+    /// this worker holds the row (else lease lost, R156), without a handler run. The row hook
+    /// sees it without an event type; the terminal-failure hook, which takes the row, is not
+    /// called (as the relay does for an undecodable outbox row). Checked by Y-16.
+    async fn fail_undecodable(&self, u: &UndecodableInboxRow) -> RowReport {
+        tracing::warn!(id = %u.id, reason = %u.reason, "an inbox row cannot be decoded; it fails without a handler run (R106)");
+        let error = format!("undecodable row: {}", u.reason);
+        let retry = {
+            let mut rng = self.rng.lock().expect("rng poisoned");
+            policy::backoff_retry(u.attempts_made, &self.config.backoff, rng.as_mut())
+        };
+        let report = match self.backend.begin().await {
+            Err(e) => RowReport::CommitFailed {
+                error: e.to_string(),
+            },
+            Ok(mut tx) => match tx
+                .fail_undecodable(u.id, &self.config.worker, &error, retry)
+                .await
+            {
+                Ok(Some(w)) => {
+                    let report = RowReport::Counted {
+                        error: w.last_error.unwrap_or_default(),
+                        next_try: w.scheduled_at,
+                        terminal: w.status == Status::Failed,
+                    };
+                    commit(tx, report).await
+                }
+                Ok(None) => {
+                    tx.rollback().await;
+                    RowReport::LeaseLost
+                }
+                Err(e) => {
+                    tx.rollback().await;
+                    RowReport::CommitFailed {
+                        error: e.to_string(),
+                    }
+                }
+            },
+        };
+        hooks::each(&self.hooks, |h| h.on_row(u.id, None, &report, None));
+        report
     }
 
     /// Runs one row this worker holds in its own transaction T_row (R152): the guard, the

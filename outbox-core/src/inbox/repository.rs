@@ -88,6 +88,98 @@ impl InboxFetchRequest {
     }
 }
 
+/// A stored row a fetch handed out that cannot be decoded (R106): headers that are not a string
+/// map, a column the driver cannot read (a timestamp beyond its time type, a number beyond
+/// f64), …. The processor fails it as a counted failure without a handler run (Y-16).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UndecodableInboxRow {
+    /// Row id.
+    pub id: Uuid,
+    /// Source, for its key.
+    pub source: String,
+    /// Partition key, for its key.
+    pub partition_key: Option<String>,
+    /// attempts_made before this failure.
+    pub attempts_made: i32,
+    /// What could not be decoded (the text after `undecodable row: `).
+    pub reason: String,
+}
+
+/// A row handed out by an inbox fetch (the outbox's [`crate::repository::Fetched`] for the
+/// inbox).
+// Almost every fetched row decodes; boxing it would cost an allocation per row.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq)]
+pub enum InboxFetched {
+    /// A decoded row, leased to the worker.
+    Row(InboxEvent),
+    /// A leased row that cannot be decoded (R106).
+    Undecodable(UndecodableInboxRow),
+}
+
+impl InboxFetched {
+    /// Row id.
+    pub fn id(&self) -> Uuid {
+        match self {
+            InboxFetched::Row(r) => r.id,
+            InboxFetched::Undecodable(u) => u.id,
+        }
+    }
+
+    /// The decoded row, if it decodes.
+    pub fn row(&self) -> Option<&InboxEvent> {
+        match self {
+            InboxFetched::Row(r) => Some(r),
+            InboxFetched::Undecodable(_) => None,
+        }
+    }
+
+    /// Source.
+    pub fn source(&self) -> &str {
+        match self {
+            InboxFetched::Row(r) => &r.source,
+            InboxFetched::Undecodable(u) => &u.source,
+        }
+    }
+
+    /// The key the processor runs the row under: (source, the view's partition key of
+    /// [`crate::inbox::ordering::view_key`]).
+    pub fn run_key(&self, key_order: bool) -> (String, String) {
+        let (id, pk) = match self {
+            InboxFetched::Row(r) => (r.id, r.partition_key.as_deref()),
+            InboxFetched::Undecodable(u) => (u.id, u.partition_key.as_deref()),
+        };
+        (
+            self.source().to_owned(),
+            crate::inbox::ordering::view_key(id, pk, key_order),
+        )
+    }
+}
+
+/// A row's state after [`InboxTransaction::fail_undecodable`] wrote it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WrittenState {
+    /// Status as written (`failed` when the attempts ran out).
+    pub status: Status,
+    /// attempts_made as written.
+    pub attempts_made: i32,
+    /// last_error as written (normalized, R9).
+    pub last_error: Option<String>,
+    /// The next try.
+    pub scheduled_at: DateTime<Utc>,
+}
+
+impl From<&InboxEvent> for WrittenState {
+    fn from(r: &InboxEvent) -> Self {
+        Self {
+            status: r.status,
+            attempts_made: r.attempts_made,
+            last_error: r.last_error.clone(),
+            scheduled_at: r.scheduled_at,
+        }
+    }
+}
+
 /// The result of landing one event (R107).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Landed {
@@ -231,11 +323,13 @@ pub trait InboxRepository: Send + Sync {
     /// Fetch-and-lock for one group in its own committed transaction (R148 to R150): the
     /// outbox's rules of R19 to R29 and R74 with the inbox key; rows row-locked by an open
     /// transaction are skipped and hold their keys. Rows come grouped by key, keys in head
-    /// order, each key in write order (Y-01, Y-04 to Y-09, G-07).
+    /// order, each key in write order (Y-01, Y-04 to Y-09, G-07). A row that cannot be decoded
+    /// is handed out in its place as [`InboxFetched::Undecodable`] and fails the fetch of no
+    /// other row (R106; Y-16).
     async fn fetch_and_lock(
         &self,
         req: &InboxFetchRequest,
-    ) -> Result<Vec<InboxEvent>, RepositoryError>;
+    ) -> Result<Vec<InboxFetched>, RepositoryError>;
 
     /// Releases these rows when `worker` holds them, untouched but for the lease (R77; Y-08,
     /// Y-13); returns how many it released.
@@ -347,6 +441,19 @@ pub trait InboxTransaction: Send + Sized {
     /// Checks `guard` (R126, R152) and, when it holds, locks the row and returns it; none when
     /// the row changed meanwhile.
     async fn guard(&mut self, guard: &Guard) -> Result<Option<InboxEvent>, RepositoryError>;
+
+    /// The processor's write of a row it holds that cannot be decoded (R106), without decoding
+    /// it: when the row is still pending and held by `worker` (the guard of R152), the write of
+    /// [`RowWrite::Counted`] with `error` and `retry`; returns the row's state as written, or
+    /// none when the guard fails. A store whose rows always decode may run
+    /// [`guard`](Self::guard) and [`write`](Self::write) (Y-16).
+    async fn fail_undecodable(
+        &mut self,
+        id: Uuid,
+        worker: &WorkerId,
+        error: &str,
+        retry: Retry,
+    ) -> Result<Option<WrittenState>, RepositoryError>;
 
     /// Commits (F-14, Y-11 inject a failure here).
     async fn commit(self) -> Result<(), RepositoryError>;

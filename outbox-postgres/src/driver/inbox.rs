@@ -3,17 +3,22 @@
 //! ([`crate::inbox::store`]) is written once over [`super::Driver`] and these; sqlx implements
 //! them in `driver::sqlx`, diesel-async in `outbox-diesel`.
 //!
+//! A driver reads a row column by column into [`InboxRawRow`]: a column it cannot read (a
+//! timestamp beyond chrono's range such as `infinity`, a jsonb number beyond f64) takes a
+//! placeholder and is recorded with [`Unreadable`], so that the row is undecodable alone and
+//! keeps its place in the rules of order (R106); only an id it cannot read fails the statement.
+//!
 //! [`Bind`] has no nullable scalar, so the inbox statements take a nullable value as a
 //! one-element array (`($n::text[])[1]`), bound with [`nullable_text`], [`nullable_int8`] and
 //! [`nullable_timestamp`].
 
 use std::collections::BTreeMap;
+use std::fmt::Display;
 
 use async_trait::async_trait;
-use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
+use chrono::{DateTime, NaiveDate, Utc};
 use outbox_core::event::Status;
-use outbox_core::inbox::InboxEvent;
+use outbox_core::inbox::{InboxEvent, UndecodableInboxRow};
 use uuid::Uuid;
 
 use super::{Bind, Connection};
@@ -83,22 +88,127 @@ pub struct InboxRawRow {
     pub source: String,
     /// `partition_key varchar` (the addition of Appendix D).
     pub partition_key: Option<String>,
+    /// The first column the driver could not read, with why ([`Unreadable`]); that column
+    /// holds a placeholder and the row does not decode.
+    pub unreadable: Option<String>,
+}
+
+/// The first column of a row a driver could not read (R106). A column that cannot be read takes
+/// a placeholder, so that the row still has a place in the rules of order, and makes the row
+/// undecodable.
+#[derive(Debug, Default)]
+pub struct Unreadable(Option<String>);
+
+/// The earliest `timestamptz` PostgreSQL holds (4714-11-24 BC): the placeholder of an
+/// unreadable time on the early side, which binds back.
+fn earliest_time() -> DateTime<Utc> {
+    NaiveDate::from_ymd_opt(-4713, 11, 24)
+        .and_then(|d| d.and_hms_opt(0, 0, 0))
+        .map_or(DateTime::<Utc>::MIN_UTC, |t| t.and_utc())
+}
+
+impl Unreadable {
+    /// Records that `column` could not be read (only the first such column is kept).
+    pub fn record(&mut self, column: &str, why: impl Display) {
+        if self.0.is_none() {
+            self.0 = Some(format!("column {column} cannot be decoded: {why}"));
+        }
+    }
+
+    /// The value read, or `placeholder` when it could not be read.
+    pub fn or<T, E: Display>(&mut self, column: &str, v: Result<T, E>, placeholder: T) -> T {
+        v.unwrap_or_else(|e| {
+            self.record(column, e);
+            placeholder
+        })
+    }
+
+    /// A `timestamptz` from its wire value, microseconds from 2000-01-01. Beyond chrono's range
+    /// (`infinity`, `-infinity`, year 300000) the column is unreadable and takes the end of the
+    /// range on its side, which keeps SQL's order: chrono's latest time, or PostgreSQL's
+    /// earliest.
+    pub fn time(&mut self, column: &str, micros: i64) -> DateTime<Utc> {
+        crate::sql::timestamp_from_pg_micros(micros).unwrap_or_else(|| {
+            self.record(
+                column,
+                format_args!(
+                    "timestamp {micros} µs from 2000-01-01 is outside the range this library reads (infinity or beyond chrono's years)"
+                ),
+            );
+            if micros > 0 {
+                DateTime::<Utc>::MAX_UTC
+            } else {
+                earliest_time()
+            }
+        })
+    }
+
+    /// A `timestamptz` the schema declares NOT NULL: NULL is unreadable (the earliest time).
+    pub fn required(&mut self, column: &str, v: Option<DateTime<Utc>>) -> DateTime<Utc> {
+        v.unwrap_or_else(|| {
+            self.record(column, "unexpected NULL");
+            earliest_time()
+        })
+    }
+
+    /// What was recorded, for [`InboxRawRow::unreadable`].
+    pub fn finish(self) -> Option<String> {
+        self.0
+    }
 }
 
 impl InboxRawRow {
-    /// The stored row. Fails, naming the row and the column, when the headers are not a
-    /// string map or the status is not one of the three (a row written by others, R106).
-    pub fn decode(self) -> Result<InboxEvent, RepositoryError> {
-        let bad = |what: String| {
-            RepositoryError::Other(format!("undecodable row: inbox row {}: {what}", self.id))
-        };
-        let headers: Option<BTreeMap<String, String>> =
-            crate::sql::decode_headers(self.headers.clone()).map_err(bad)?;
-        let status: Status = self
-            .status
-            .parse()
-            .map_err(|_| bad(format!("status {:?} is not one of the three", self.status)))?;
-        Ok(InboxEvent {
+    /// The stored row, or, when a column could not be read, the headers are not a string map or
+    /// the status is not one of the three (a row written by others, R106), the row as
+    /// undecodable with the reason (the text after `undecodable row: `).
+    pub fn decode(mut self) -> Result<InboxEvent, UndecodableInboxRow> {
+        let headers = crate::sql::decode_headers(self.headers.take());
+        match (self.reason(&headers), headers) {
+            (None, Ok(headers)) => {
+                let status = self.status.parse().unwrap_or(Status::Failed);
+                Ok(self.into_event(headers, status))
+            }
+            (reason, _) => Err(UndecodableInboxRow {
+                id: self.id,
+                source: self.source,
+                partition_key: self.partition_key,
+                attempts_made: self.attempts_made,
+                reason: reason.unwrap_or_default(),
+            }),
+        }
+    }
+
+    /// Why the row does not decode, if it does not (the text after `undecodable row: `).
+    pub fn problem(&self) -> Option<String> {
+        self.reason(&crate::sql::decode_headers(self.headers.clone()))
+    }
+
+    fn reason(&self, headers: &Result<Option<BTreeMap<String, String>>, String>) -> Option<String> {
+        if let Some(r) = &self.unreadable {
+            return Some(r.clone());
+        }
+        if let Err(r) = headers {
+            return Some(r.clone());
+        }
+        self.status
+            .parse::<Status>()
+            .err()
+            .map(|_| format!("status {:?} is not one of the three", self.status))
+    }
+
+    /// The row for the rules of order and visibility (the fetch's choice, blocked keys), which
+    /// read its key, times, attempts and lease: as [`decode`](Self::decode) for a row that
+    /// decodes; one that does not keeps those, its headers dropped when they are not a string
+    /// map, a status not one of the three read as `failed` (not in line: SQL's
+    /// `status = 'pending'` does not hold for it either).
+    pub fn into_ordering_view(mut self) -> InboxEvent {
+        let headers = crate::sql::decode_headers(self.headers.take()).unwrap_or_default();
+        let status = self.status.parse().unwrap_or(Status::Failed);
+        self.into_event(headers, status)
+    }
+
+    fn into_event(self, headers: Option<BTreeMap<String, String>>, status: Status) -> InboxEvent {
+        InboxEvent {
             id: self.id,
             event_type: self.event_type,
             payload: self.payload,
@@ -122,7 +232,7 @@ impl InboxRawRow {
             consumer_group: self.consumer_group,
             source: self.source,
             partition_key: self.partition_key,
-        })
+        }
     }
 }
 
@@ -133,7 +243,9 @@ pub trait InboxRows: Connection {
     /// classes 22 and 23 as the database refusing the message (R132).
     fn sqlstate(e: &Self::Error) -> Option<String>;
 
-    /// Rows of [`crate::inbox::sql::INBOX_COLUMNS`], read column by column.
+    /// Rows of [`crate::inbox::sql::INBOX_COLUMNS`], read column by column: a column that
+    /// cannot be read takes a placeholder and is recorded in [`InboxRawRow::unreadable`]
+    /// ([`Unreadable`]); only an id that cannot be read is an error (R106).
     async fn inbox_rows(
         &mut self,
         sql: &str,

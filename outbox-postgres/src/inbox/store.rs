@@ -26,8 +26,8 @@ use outbox_core::error::RepositoryError;
 use outbox_core::event::{Status, WorkerId, force_unlock_text, limits, normalize_error};
 use outbox_core::inbox::ordering as inbox_order;
 use outbox_core::inbox::repository::{
-    Guard, InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxRepository,
-    InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite,
+    Guard, InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxFetched,
+    InboxRepository, InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite, WrittenState,
 };
 use outbox_core::inbox::{ConsumerGroup, InboxEvent, InboxKey, NewInboxEvent};
 use outbox_core::ordering;
@@ -99,12 +99,32 @@ impl<D: Clone> Clone for PgInbox<D> {
     }
 }
 
-fn decode(rows: Vec<InboxRawRow>) -> Result<Vec<InboxEvent>, RepositoryError> {
-    rows.into_iter().map(InboxRawRow::decode).collect()
+/// The rows for the rules of order and visibility: a row that does not decode keeps its place
+/// (R106, [`InboxRawRow::into_ordering_view`]).
+fn views(rows: Vec<InboxRawRow>) -> Vec<InboxEvent> {
+    rows.into_iter()
+        .map(InboxRawRow::into_ordering_view)
+        .collect()
 }
 
+/// The row, decoded; one that does not decode is an error naming it.
+fn decoded(r: InboxRawRow) -> Result<InboxEvent, RepositoryError> {
+    r.decode().map_err(|u| {
+        RepositoryError::Other(format!("undecodable row: inbox row {}: {}", u.id, u.reason))
+    })
+}
+
+/// The first row, decoded ([`decoded`]).
 fn one(rows: Vec<InboxRawRow>) -> Result<Option<InboxEvent>, RepositoryError> {
-    rows.into_iter().next().map(InboxRawRow::decode).transpose()
+    rows.into_iter().next().map(decoded).transpose()
+}
+
+/// A stamped row as the fetch hands it out: decoded, or undecodable alone (R106).
+fn fetched(r: InboxRawRow) -> InboxFetched {
+    match r.decode() {
+        Ok(e) => InboxFetched::Row(e),
+        Err(u) => InboxFetched::Undecodable(u),
+    }
 }
 
 /// The driver's error mapped for the table. An error of SQLSTATE class 22 or 23 is the
@@ -237,7 +257,8 @@ where
     /// (`fetch_heads`), each keyed head's line after it up to what the batch can take
     /// (`fetch_runs`), the batch chosen by the outbox's rules ([`choose`]) over these rows, and
     /// the chosen run rows row-locked without waiting; a run is cut before a row another
-    /// transaction holds (R28), and nothing past the batch is locked but the window. Its work
+    /// transaction holds (R28), and nothing past the batch is locked but the window. A head that
+    /// does not decode is taken alone: it fails before its key's next row could run (R106). Its work
     /// is bounded by the batch: the window (twice the batch), at most a batch of LIMIT 1 probes
     /// and a batch of line reads of at most max_per_key − 1 rows.
     async fn fetch_windowed(
@@ -247,8 +268,8 @@ where
         now: DateTime<Utc>,
     ) -> Result<Vec<Uuid>, RepositoryError> {
         let group = String::from(req.group.as_str());
-        let heads = decode(
-            self.rows(
+        let heads = self
+            .rows(
                 &s.fetch_heads,
                 &[
                     Bind::Text(group.clone()),
@@ -259,20 +280,25 @@ where
                     Bind::Int8(fetch_window(req.limit)),
                 ],
             )
-            .await?,
-        )?;
+            .await?;
         if heads.is_empty() {
             return Ok(Vec::new());
         }
+        let undecodable: HashSet<Uuid> = heads
+            .iter()
+            .filter(|h| h.problem().is_some())
+            .map(|h| h.id)
+            .collect();
+        let heads = views(heads);
         let head_ids: HashSet<Uuid> = heads.iter().map(|h| h.id).collect();
         let keyed: Vec<&InboxEvent> = heads
             .iter()
-            .filter(|h| req.key_order && h.partition_key.is_some())
+            .filter(|h| req.key_order && h.partition_key.is_some() && !undecodable.contains(&h.id))
             .collect();
         let per_key = (req.max_per_key.max(1) - 1).min(req.limit.saturating_sub(heads.len()));
         let mut rows = heads.clone();
         if per_key > 0 && !keyed.is_empty() {
-            rows.extend(decode(
+            rows.extend(views(
                 self.rows(
                     &s.fetch_runs,
                     &[
@@ -292,7 +318,7 @@ where
                     ],
                 )
                 .await?,
-            )?);
+            ));
         }
         let ids = choose(&rows, now, req);
         let run_ids: Vec<Uuid> = ids
@@ -357,7 +383,7 @@ where
             Bind::Text(String::from(req.group.as_str())),
             Bind::OptTexts(req.sources.clone()),
         ];
-        let mut rows = decode(self.rows(&s.in_line_rows, &binds).await?)?;
+        let mut rows = views(self.rows(&s.in_line_rows, &binds).await?);
         let fetchable: Vec<Uuid> = rows
             .iter()
             .filter(|r| inbox_order::fetchable(r, now, req.lease_ttl))
@@ -417,7 +443,7 @@ where
             name: D::NAME,
             database_clock: true,
             siblings: self.stmts.layout == Layout::Partitioned,
-            undecodable_rows: false,
+            undecodable_rows: true,
         }
     }
 
@@ -451,7 +477,7 @@ where
     async fn fetch_and_lock(
         &self,
         req: &InboxFetchRequest,
-    ) -> Result<Vec<InboxEvent>, RepositoryError> {
+    ) -> Result<Vec<InboxFetched>, RepositoryError> {
         req.validate()?;
         let req = req.clone();
         self.in_tx(|mut tx, s| {
@@ -464,18 +490,17 @@ where
                 if ids.is_empty() {
                     return Ok(Vec::new());
                 }
-                let stamped = decode(
-                    tx.rows(
+                let stamped = tx
+                    .rows(
                         &s.stamp,
                         &[
                             Bind::Uuids(ids.clone()),
                             Bind::Text(String::from(req.worker.as_str())),
                         ],
                     )
-                    .await?,
-                )?;
-                let mut by_id: HashMap<Uuid, InboxEvent> =
-                    stamped.into_iter().map(|r| (r.id, r)).collect();
+                    .await?;
+                let mut by_id: HashMap<Uuid, InboxFetched> =
+                    stamped.into_iter().map(|r| (r.id, fetched(r))).collect();
                 Ok(ids.iter().filter_map(|id| by_id.remove(id)).collect())
             })
         })
@@ -554,7 +579,7 @@ where
         self.in_tx(|mut tx, s| {
             Box::pin(async move {
                 let now = tx.now(&s.now).await?;
-                let rows = decode(
+                let rows = views(
                     tx.rows(
                         &s.in_line_rows,
                         &[
@@ -563,7 +588,7 @@ where
                         ],
                     )
                     .await?,
-                )?;
+                );
                 let keyed: Vec<&InboxEvent> =
                     rows.iter().filter(|r| r.partition_key.is_some()).collect();
                 let views: Vec<_> = keyed.iter().map(|r| inbox_order::view(r, true)).collect();
@@ -721,6 +746,43 @@ where
             c: &mut *self.tx,
             table: &self.stmts.table,
         }
+    }
+
+    /// The statement `write` (R126, R128, R154): the row as written, undecoded.
+    async fn write_raw(
+        &mut self,
+        id: Uuid,
+        write: &RowWrite,
+    ) -> Result<InboxRawRow, RepositoryError> {
+        let s = self.stmts.clone();
+        let (kind, error, (after, at)) = match write {
+            RowWrite::Complete => ("complete", None, retry_binds(&Retry::Keep)),
+            RowWrite::Counted { error, retry } => {
+                ("counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::NotCounted { error, retry } => {
+                ("not_counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::Terminal { error } => (
+                "terminal",
+                Some(error_text(error)),
+                retry_binds(&Retry::Keep),
+            ),
+            RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
+        };
+        let binds = [
+            Bind::Uuid(id),
+            Bind::Text(String::from(kind)),
+            nullable_text(error.as_deref()),
+            after,
+            at,
+        ];
+        self.c()
+            .rows(&s.write, &binds)
+            .await?
+            .into_iter()
+            .next()
+            .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
     }
 
     async fn land_one(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
@@ -895,31 +957,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     }
 
     async fn write(&mut self, id: Uuid, write: RowWrite) -> Result<InboxEvent, RepositoryError> {
-        let s = self.stmts.clone();
-        let (kind, error, (after, at)) = match &write {
-            RowWrite::Complete => ("complete", None, retry_binds(&Retry::Keep)),
-            RowWrite::Counted { error, retry } => {
-                ("counted", Some(error_text(error)), retry_binds(retry))
-            }
-            RowWrite::NotCounted { error, retry } => {
-                ("not_counted", Some(error_text(error)), retry_binds(retry))
-            }
-            RowWrite::Terminal { error } => (
-                "terminal",
-                Some(error_text(error)),
-                retry_binds(&Retry::Keep),
-            ),
-            RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
-        };
-        let binds = [
-            Bind::Uuid(id),
-            Bind::Text(String::from(kind)),
-            nullable_text(error.as_deref()),
-            after,
-            at,
-        ];
-        one(self.c().rows(&s.write, &binds).await?)?
-            .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
+        decoded(self.write_raw(id, &write).await?)
     }
 
     async fn guard(&mut self, guard: &Guard) -> Result<Option<InboxEvent>, RepositoryError> {
@@ -959,6 +997,47 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
                 _ => None,
             }),
         }
+    }
+
+    /// Reads the row undecoded: the guard on its raw status and lease, then the write, whose
+    /// returned row is read for its state only (R106; Y-16).
+    async fn fail_undecodable(
+        &mut self,
+        id: Uuid,
+        worker: &WorkerId,
+        error: &str,
+        retry: Retry,
+    ) -> Result<Option<WrittenState>, RepositoryError> {
+        let s = self.stmts.clone();
+        let held = self
+            .c()
+            .rows(&s.lock_row, &[Bind::Uuid(id)])
+            .await?
+            .into_iter()
+            .next()
+            .is_some_and(|r| {
+                r.status == Status::Pending.as_str()
+                    && r.locked_by.as_deref() == Some(worker.as_str())
+            });
+        if !held {
+            return Ok(None);
+        }
+        let error = error.to_owned();
+        let w = self
+            .write_raw(id, &RowWrite::Counted { error, retry })
+            .await?;
+        let status = w.status.parse().map_err(|_| {
+            RepositoryError::Other(format!(
+                "inbox row {id}: status {:?} is not one of the three",
+                w.status
+            ))
+        })?;
+        Ok(Some(WrittenState {
+            status,
+            attempts_made: w.attempts_made,
+            last_error: w.last_error,
+            scheduled_at: w.scheduled_at,
+        }))
     }
 
     async fn commit(self) -> Result<(), RepositoryError> {

@@ -192,7 +192,7 @@ pub async fn g_07<F: InboxFactory>(f: &F) {
     let mut req = InboxFetchRequest::new(WorkerId::new("W1").unwrap(), g(), 1);
     req.max_per_key = 1;
     let got = c.backend().fetch_and_lock(&req).await.unwrap();
-    assert_eq!(got.iter().map(|r| r.id).collect::<Vec<_>>(), vec![a1.id]);
+    assert_eq!(got.iter().map(|r| r.id()).collect::<Vec<_>>(), vec![a1.id]);
     let w2 = c.processor().worker_id("W2").build().unwrap();
     assert_eq!(c.cycle(&w2).await.completed(), vec![b1.id]);
     c.advance(Duration::from_secs(299)).await;

@@ -104,6 +104,87 @@ pub async fn y_03<F: InboxFactory>(f: &F) {
     assert_eq!(effects, vec!["m2", "m3"]);
 }
 
+/// Y-16 An undecodable row fails alone (R106). Besides the scenario's headers that are not a
+/// string map (k1), any column the backend cannot read counts, as for the outbox's P-08
+/// (amended): a `-infinity` scheduled_at (k3), a payload number beyond f64 (k4) and, on the plain
+/// table (the partitioned one has no partition for it), an `infinity` created_at (k5). Each is a
+/// counted failure with last_error `undecodable row: …`, the handler not called for it,
+/// released; the valid row behind k1's bad one does not run (its key's head failed); k2's valid
+/// row completes.
+pub async fn y_16<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let caps = c.backend().capabilities();
+    assert!(caps.undecodable_rows);
+    let ago = "now() - INTERVAL '1 second'";
+    // (key, headers, payload, scheduled_at, created_at)
+    let mut bad_rows = vec![
+        ("k1", "'{\"a\": 1}'", "'{\"n\": 1}'", "now()", ago),
+        ("k3", "NULL", "'{\"n\": 1}'", "'-infinity'", ago),
+        ("k4", "NULL", "'{\"n\": 1e400}'", "now()", ago),
+    ];
+    if !caps.siblings {
+        bad_rows.push(("k5", "NULL", "'{\"n\": 1}'", "now()", "'infinity'"));
+    }
+    let mut bad = Vec::new();
+    for (key, headers, payload, scheduled, created) in bad_rows {
+        let id = uuid::Uuid::new_v4();
+        c.h.sql(&format!(
+            "INSERT INTO {{table}} (id, event_type, payload, headers, status, attempts_made, \
+             max_attempts, scheduled_at, created_at, updated_at, message_id, consumer_group, \
+             source, partition_key) VALUES ('{id}', 'e', {payload}::jsonb, {headers}::jsonb, \
+             'pending', 0, 6, {scheduled}, {created}, now(), 'bad-{key}', 'g', 'src', '{key}')"
+        ))
+        .await;
+        bad.push((key, id));
+    }
+    let behind = c.land("m3", Some("k1")).await;
+    let good = c.land("m2", Some("k2")).await;
+    let p = c.processor().max_per_key(16).build().unwrap();
+    let rep = c.cycle(&p).await;
+    assert_eq!(
+        rep.of(good.id),
+        Some(&RowReport::Completed { status: None }),
+        "{rep:?}"
+    );
+    assert!(
+        matches!(rep.of(behind.id), None | Some(RowReport::Released)),
+        "{rep:?}"
+    );
+    for (key, id) in &bad {
+        match rep.of(*id) {
+            Some(RowReport::Counted {
+                error,
+                terminal: false,
+                ..
+            }) if error.starts_with("undecodable row: ") => {}
+            other => panic!("the bad row on {key}: {other:?}"),
+        }
+        let r = c
+            .h
+            .sql(&format!(
+                "SELECT attempts_made, last_error, status, locked_by FROM {{table}} WHERE id = '{id}'"
+            ))
+            .await;
+        let r = &r[0];
+        assert_eq!(r["attempts_made"], 1, "{r}");
+        assert_eq!(r["status"], "pending", "{r}");
+        assert!(r["locked_by"].is_null(), "{r}");
+        assert!(
+            r["last_error"]
+                .as_str()
+                .is_some_and(|e| e.starts_with("undecodable row: ")),
+            "{r}"
+        );
+    }
+    assert_eq!(c.handler.run_ids(), vec!["m2"]);
+    assert_eq!(c.effects().await, vec!["m2"]);
+    let m3 = c.row_of("m3").await;
+    assert_eq!(
+        (m3.status, m3.attempts_made, m3.locked_by),
+        (Status::Pending, 0, None)
+    );
+}
+
 /// D-03: the partitioned landing takes the ancestor's advisory lock, with omni-box 0.3.1's
 /// arguments, and a second landing waits for it (R111).
 pub async fn d_03<F: InboxFactory>(f: &F) {
@@ -371,7 +452,10 @@ pub async fn z_04<F: InboxFactory>(f: &F) {
     let mut req = req;
     req.sources = Some(vec!["src".into()]);
     let held = c.backend().fetch_and_lock(&req).await.unwrap();
-    assert!(held.iter().any(|r| r.message_id == "held"));
+    assert!(
+        held.iter()
+            .any(|r| r.row().is_some_and(|r| r.message_id == "held"))
+    );
     // One processor cycle over the ancestor's row.
     c.handler.always(Act::Write);
     let p = c.processor().sources(["omni"]).build().unwrap();

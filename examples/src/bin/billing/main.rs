@@ -7,24 +7,44 @@
 //!
 //! ```sh
 //! cargo run -p outbox-examples --features redis --bin billing -- --broker nats
+//! cargo run -p outbox-examples --features diesel --bin billing -- --store diesel
 //! ```
+//!
+//! The store that runs the inbox is `--store sqlx` (outbox-postgres's sqlx inbox, the handler
+//! gets the sqlx `Transaction`: `store_sqlx.rs`) or `--store diesel` (cargo feature `diesel`:
+//! outbox-diesel's inbox, the handler gets the diesel-async `AsyncPgConnection` inside the inbox
+//! transaction: `store_diesel.rs`). Both keep the same tables, so either can take over from the
+//! other. Everything else (arguments, subscription, runner) is this file's, shared.
 //!
 //! A failed handler run is recorded in the inbox row (the default `on_failure record`) and
 //! retried by the runner's embedded processor with backoff, while the customer's later orders
 //! wait behind it. `--fail-rate 0.05` makes the handler fail on purpose, to watch that happen;
 //! the end-to-end fault trial (examples/tests/e2e_faults.rs) runs it so.
 
+mod store_diesel;
+mod store_sqlx;
+
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use clap::{Parser, ValueEnum};
-use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent, Runner};
+use outbox_core::inbox::repository::{HandlerTx, InboxBackend};
+use outbox_core::inbox::{Handler, HandlerError, InboxEvent, Runner};
 use outbox_core::{Backoff, inbox::Subscription};
-use outbox_postgres::inbox::{SqlxInbox, create_inbox_schema};
-use outbox_postgres::sqlx::{self, Postgres, Transaction};
-use outbox_postgres::{Layout, TableName};
+use outbox_postgres::TableName;
 use rand::RngExt;
+
+/// An error of `main`.
+type BoxError = Box<dyn std::error::Error>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StoreKind {
+    /// outbox-postgres's inbox on sqlx.
+    Sqlx,
+    /// outbox-diesel's inbox on diesel-async (cargo feature `diesel`).
+    #[cfg(feature = "diesel")]
+    Diesel,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum BrokerKind {
@@ -50,6 +70,9 @@ struct Args {
     /// The schema of the service's tables (`inbox_events`, `billing_ledger`).
     #[arg(long, default_value = "billing_service")]
     schema: String,
+    /// The store that runs the inbox and whose transaction the handler writes in.
+    #[arg(long, value_enum, default_value_t = StoreKind::Sqlx)]
+    store: StoreKind,
     /// The broker to read from.
     #[arg(long, value_enum, default_value_t = BrokerKind::Nats)]
     broker: BrokerKind,
@@ -123,22 +146,48 @@ fn parse_dur(s: &str) -> Result<Duration, String> {
     }
 }
 
-/// Writes one ledger row per order, in the inbox transaction.
+/// The inbox table and the ledger table of `--schema`.
+fn tables(args: &Args) -> Result<(TableName, TableName), BoxError> {
+    Ok((
+        TableName::new(&format!("{}.inbox_events", args.schema))?,
+        TableName::new(&format!("{}.billing_ledger", args.schema))?,
+    ))
+}
+
+/// The ledger table, created if missing (run by either store before it consumes).
+fn ledger_ddl(ledger: &TableName) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {} (
+             id bigserial PRIMARY KEY, message_id text NOT NULL, order_id uuid,
+             customer text NOT NULL, seq integer NOT NULL, total_cents bigint NOT NULL,
+             billed_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        ledger.qualified()
+    )
+}
+
+/// One `order.placed` payload.
+struct Order {
+    id: Option<uuid::Uuid>,
+    customer: String,
+    seq: i32,
+    total_cents: i64,
+}
+
+/// The handler: one ledger row per order, in the inbox transaction. It implements
+/// [`Handler`] once per store (`store_sqlx.rs`, `store_diesel.rs`), each binding [`Bill::insert`]
+/// its driver's way; what an order is, the injected failures and the output are here.
 struct Bill {
-    ledger: String,
+    ledger: TableName,
     fail_rate: f64,
 }
 
-#[async_trait]
-impl Handler<Transaction<'static, Postgres>> for Bill {
-    async fn handle(
-        &self,
-        row: &InboxEvent,
-        tx: &mut Transaction<'static, Postgres>,
-    ) -> Result<HandlerOutcome, HandlerError> {
+impl Bill {
+    /// The order the row carries: none for a payload that is not an order (the run is then a
+    /// skip); an error for an injected failure (`--fail-rate`).
+    fn order(&self, row: &InboxEvent) -> Result<Option<Order>, HandlerError> {
         let p = &row.payload;
         let (Some(customer), Some(seq)) = (p["customer"].as_str(), p["seq"].as_i64()) else {
-            return Ok(HandlerOutcome::skipped("not an order.placed payload"));
+            return Ok(None);
         };
         if self.fail_rate > 0.0 && rand::rng().random_range(0.0..1.0) < self.fail_rate {
             println!(
@@ -148,33 +197,35 @@ impl Handler<Transaction<'static, Postgres>> for Bill {
             );
             return Err(HandlerError::new("injected failure (--fail-rate)"));
         }
-        let order = p["order"]
-            .as_str()
-            .and_then(|s| s.parse::<uuid::Uuid>().ok());
-        sqlx::query(sqlx::AssertSqlSafe(format!(
+        Ok(Some(Order {
+            id: p["order"].as_str().and_then(|s| s.parse().ok()),
+            customer: customer.to_owned(),
+            seq: seq as i32,
+            total_cents: p["total_cents"].as_i64().unwrap_or(0),
+        }))
+    }
+
+    /// The ledger insert: $1 message_id text, $2 order_id uuid (nullable), $3 customer text,
+    /// $4 seq int4, $5 total_cents int8.
+    fn insert(&self) -> String {
+        format!(
             "INSERT INTO {} (message_id, order_id, customer, seq, total_cents)
              VALUES ($1, $2, $3, $4, $5)",
-            self.ledger
-        )))
-        .bind(&row.message_id)
-        .bind(order)
-        .bind(customer)
-        .bind(seq as i32)
-        .bind(p["total_cents"].as_i64().unwrap_or(0))
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| HandlerError::new(format!("ledger insert: {e}")))?;
+            self.ledger.qualified()
+        )
+    }
+
+    /// Reports a billed order.
+    fn billed(&self, row: &InboxEvent, o: &Order) {
         println!(
-            "billing: billed {customer} #{seq} (message {}, {} cents)",
-            row.message_id,
-            p["total_cents"].as_i64().unwrap_or(0)
+            "billing: billed {} #{} (message {}, {} cents)",
+            o.customer, o.seq, row.message_id, o.total_cents
         );
-        Ok(HandlerOutcome::completed())
     }
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> Result<(), BoxError> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
@@ -184,10 +235,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if !(0.0..=1.0).contains(&args.fail_rate) {
         return Err(format!("--fail-rate {} is not between 0 and 1", args.fail_rate).into());
     }
-    let worker = args
-        .worker_id
-        .clone()
-        .unwrap_or_else(outbox_examples::default_worker_id);
     if args.max_connections as usize <= args.concurrency {
         return Err(format!(
             "--max-connections {} must exceed --concurrency {}: a delivery takes a second connection while its transaction holds one",
@@ -195,25 +242,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(args.max_connections)
-        .connect(&args.database_url)
-        .await?;
-    let inbox_table = TableName::new(&format!("{}.inbox_events", args.schema))?;
-    let ledger = TableName::new(&format!("{}.billing_ledger", args.schema))?.qualified();
-    create_inbox_schema(&pool, &inbox_table, Layout::Plain).await?;
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "CREATE TABLE IF NOT EXISTS {ledger} (
-             id bigserial PRIMARY KEY, message_id text NOT NULL, order_id uuid,
-             customer text NOT NULL, seq integer NOT NULL, total_cents bigint NOT NULL,
-             billed_at timestamptz NOT NULL DEFAULT clock_timestamp())"
-    )))
-    .execute(&pool)
-    .await?;
-    let inbox = SqlxInbox::sqlx(pool.clone(), &inbox_table, Layout::Plain);
+    let (_, ledger) = tables(&args)?;
+    let bill = Bill {
+        ledger,
+        fail_rate: args.fail_rate,
+    };
+    match args.store {
+        StoreKind::Sqlx => store_sqlx::run(&args, bill).await,
+        #[cfg(feature = "diesel")]
+        StoreKind::Diesel => store_diesel::run(&args, bill).await,
+    }
+}
+
+/// Consumes with a runner over `inbox` until SIGINT or SIGTERM: the store's part is done
+/// (tables created, inbox built); the rest is the same for every store.
+async fn consume<B: InboxBackend>(args: &Args, inbox: B, bill: Bill) -> Result<(), BoxError>
+where
+    Bill: Handler<HandlerTx<B>>,
+{
+    let worker = args
+        .worker_id
+        .clone()
+        .unwrap_or_else(outbox_examples::default_worker_id);
     // The stream is the producer's: until it exists (orders not started yet), wait for it.
     let subscription = loop {
-        match subscription(&args, &worker).await {
+        match subscription(args, &worker).await {
             Ok(s) => break s,
             Err(e) => {
                 println!("billing: cannot subscribe yet ({e}); trying again in 2 s");
@@ -222,10 +275,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
     };
     let runner = Runner::builder(inbox, subscription, args.group.clone())
-        .handler(Arc::new(Bill {
-            ledger,
-            fail_rate: args.fail_rate,
-        }))
+        .handler(Arc::new(bill))
         .worker_id(worker.clone())
         .max_attempts(args.max_attempts)
         .backoff(Backoff::new(
@@ -239,8 +289,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .sources(["orders"])
         .build()?;
     println!(
-        "billing: {worker} consuming as group {} from {:?}",
-        args.group, args.broker
+        "billing: {worker} consuming as group {} from {:?} on the {:?} store",
+        args.group, args.broker, args.store
     );
     runner.start();
     let runner = Arc::new(runner);
@@ -266,10 +316,7 @@ async fn shutdown_signal() {
 
 // `worker` names the Redis consumer; NATS names its durable consumer after the group.
 #[cfg_attr(not(feature = "redis"), allow(unused_variables))]
-async fn subscription(
-    args: &Args,
-    worker: &str,
-) -> Result<Arc<dyn Subscription>, Box<dyn std::error::Error>> {
+async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>, BoxError> {
     Ok(match args.broker {
         BrokerKind::Nats => {
             use outbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};

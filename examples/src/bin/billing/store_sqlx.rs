@@ -1,0 +1,49 @@
+//! `--store sqlx`: the inbox of outbox-postgres on sqlx; the handler writes the ledger row with
+//! the sqlx `Transaction` of the inbox transaction.
+
+use async_trait::async_trait;
+use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
+use outbox_postgres::Layout;
+use outbox_postgres::inbox::{SqlxInbox, create_inbox_schema};
+use outbox_postgres::sqlx::{self, AssertSqlSafe, Postgres, Transaction};
+
+use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables};
+
+/// Creates the tables and consumes.
+pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(args.max_connections)
+        .connect(&args.database_url)
+        .await?;
+    let (inbox_table, ledger) = tables(args)?;
+    create_inbox_schema(&pool, &inbox_table, Layout::Plain).await?;
+    sqlx::query(AssertSqlSafe(ledger_ddl(&ledger)))
+        .execute(&pool)
+        .await?;
+    let inbox = SqlxInbox::sqlx(pool, &inbox_table, Layout::Plain);
+    consume(args, inbox, bill).await
+}
+
+#[async_trait]
+impl Handler<Transaction<'static, Postgres>> for Bill {
+    async fn handle(
+        &self,
+        row: &InboxEvent,
+        tx: &mut Transaction<'static, Postgres>,
+    ) -> Result<HandlerOutcome, HandlerError> {
+        let Some(o) = self.order(row)? else {
+            return Ok(HandlerOutcome::skipped("not an order.placed payload"));
+        };
+        sqlx::query(AssertSqlSafe(self.insert()))
+            .bind(&row.message_id)
+            .bind(o.id)
+            .bind(&o.customer)
+            .bind(o.seq)
+            .bind(o.total_cents)
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| HandlerError::new(format!("ledger insert: {e}")))?;
+        self.billed(row, &o);
+        Ok(HandlerOutcome::completed())
+    }
+}
