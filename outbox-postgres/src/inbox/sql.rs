@@ -387,7 +387,7 @@ mod text {
     pub const FETCH_HEADS: &str = include_str!("../sql/inbox/fetch_heads.sql");
     pub const FETCH_RUNS: &str = include_str!("../sql/inbox/fetch_runs.sql");
     pub const WINDOW_OVERFLOW: &str = include_str!("../sql/inbox/window_overflow.sql");
-    pub const KEY: &str = include_str!("../sql/inbox/key.sql");
+    pub const KEY_FIRST: &str = include_str!("../sql/inbox/key_first.sql");
     pub const SAME_KEY: &str = include_str!("../sql/inbox/same_key.sql");
     pub const WINDOW_UNLOCKED: &str = include_str!("../sql/inbox/window_unlocked.sql");
     pub const WINDOW_EXPIRED: &str = include_str!("../sql/inbox/window_expired.sql");
@@ -416,7 +416,7 @@ const FETCH_PARTS: [(&str, &str); 3] = [
 
 /// A statement file made ready to send: comments dropped, fragments expanded, `{table}`
 /// replaced by the quoted validated name and `{columns}` / `{t_columns}` by [`INBOX_COLUMNS`].
-/// The inbox key stands for the outbox's in the shared fragments (`key`, `same_key`); the inbox's own
+/// The inbox key stands for the outbox's in the shared fragments (`same_key`, `key_first`); the inbox's own
 /// fragments are the fetch window's two ranges (`window_unlocked`, `window_expired`), whose
 /// parameters are [`FETCH_PARTS`] (the fetch statements name them only).
 fn render(src: &str, table: &TableName) -> String {
@@ -424,7 +424,7 @@ fn render(src: &str, table: &TableName) -> String {
         &fragments::strip(src),
         &FETCH_PARTS,
         &[
-            ("key", text::KEY),
+            ("key_first", text::KEY_FIRST),
             ("same_key", text::SAME_KEY),
             ("window_unlocked", text::WINDOW_UNLOCKED),
             ("window_expired", text::WINDOW_EXPIRED),

@@ -31,7 +31,7 @@ const FRAGMENTS: [(&str, &str); 10] = [
     ("filters", include_str!("fragments/filters.sql")),
     ("due", include_str!("fragments/due.sql")),
     ("earlier", include_str!("fragments/earlier.sql")),
-    ("key", include_str!("fragments/key.sql")),
+    ("key_first", include_str!("fragments/key_first.sql")),
     ("same_key", include_str!("fragments/same_key.sql")),
 ];
 
@@ -94,8 +94,8 @@ pub(crate) fn expand(body: &str, parts: &[(&str, &str)]) -> String {
 }
 
 /// [`expand`] with some fragments replaced by other texts of the same meaning for another
-/// table: the inbox table names its key (consumer_group, source, partition_key) in `key` and
-/// `same_key`, so that the outbox's `earlier` probe serves it unchanged. A fragment of `overrides` whose name
+/// table: the inbox table names its key (consumer_group, source, partition_key) in `same_key`
+/// and `key_first`, so that the outbox's `earlier` probe serves it unchanged. A fragment of `overrides` whose name
 /// is no shared fragment's is added for this expansion (the inbox's window ranges).
 pub(crate) fn expand_with(
     body: &str,
@@ -152,7 +152,7 @@ mod tests {
         );
         let probe = expand("({earlier:h})", &[]);
         assert!(
-            probe.contains("(e.topic, e.partition_key) >= (h.topic, h.partition_key)")
+            probe.contains("e.topic = ANY(ARRAY[h.topic]) AND e.partition_key = h.partition_key")
                 && probe.contains("(e.scheduled_at <= now()"),
             "{probe}"
         );

@@ -1,11 +1,14 @@
 //! The plan checks of the plan-stability tests (the outbox's `tests/fetch_plan.rs`, the
 //! inbox's `tests/inbox_fetch_plan.rs`): a statement is explained with `EXPLAIN (ANALYZE,
-//! FORMAT JSON)` as a prepared statement in the session's plan-cache mode (so that a generic
+//! BUFFERS, FORMAT JSON)` as a prepared statement in the session's plan-cache mode (so that a generic
 //! plan is what a cached statement would run), and every node of its plan is checked:
 //!
 //! * no sequential scan of the table (or of one of its partitions);
 //! * no node produces, or reads and filters out, more rows than [`PlanCheck::bound`] over all its
 //!   loops;
+//! * no scan of the table reads more buffers than [`PlanCheck::block_bound`], when set (rows a
+//!   btree scan passes over inside the index, outside its start and stop keys, are in no row
+//!   count);
 //! * no sort spills to disk;
 //! * the scans of the aliases [`Rules::by_id`] go through the primary key only;
 //! * when [`Rules::uses`] is not empty, the scans of the table use exactly those indexes, all
@@ -66,6 +69,9 @@ pub struct PlanCheck {
     /// No plan node may produce (or, for a scan, read and filter out) more rows than this, over
     /// all its loops.
     pub bound: f64,
+    /// No scan of the table may read more buffers (hit or read, over all its loops) than this;
+    /// `None`: not checked.
+    pub block_bound: Option<f64>,
 }
 
 /// `(partition, parent)` for the partitions of the table `$1` (schema.table), and for the
@@ -102,6 +108,7 @@ impl PlanCheck {
             relations,
             parent_index,
             bound,
+            block_bound: None,
         }
     }
 
@@ -148,6 +155,12 @@ impl PlanCheck {
             bad.push(format!("{what}: a sort spilled to disk"));
         }
         if on_table && kind.ends_with("Scan") {
+            let blocks = number(node, "Shared Hit Blocks") + number(node, "Shared Read Blocks");
+            if let Some(most) = self.block_bound.filter(|most| blocks > *most) {
+                bad.push(format!(
+                    "{what}: {blocks} buffers over {loops} loops (bound {most})"
+                ));
+            }
             let mut ix = Vec::new();
             index_names(node, &mut ix);
             let ix: Vec<String> = ix.iter().map(|i| self.index_name(i)).collect();
@@ -173,10 +186,10 @@ impl PlanCheck {
         most
     }
 
-    /// `EXPLAIN (ANALYZE, FORMAT JSON)` of `text` as a prepared statement in the session's
+    /// `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` of `text` as a prepared statement in the session's
     /// plan-cache mode, with the SQL literals `args` as its parameters, then the plan checked.
-    /// Prints the execution time and the largest node's row count; returns what is wrong (with
-    /// the plan), nothing when the plan passes.
+    /// Prints the execution time, the largest node's row count and the buffers read; returns what
+    /// is wrong (with the plan), nothing when the plan passes.
     pub async fn explain(
         &self,
         conn: &mut PgConnection,
@@ -192,7 +205,7 @@ impl PlanCheck {
             format!("({})", args.join(", "))
         };
         let plan: Value = sqlx::query(AssertSqlSafe(format!(
-            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_check{args}"
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE plan_check{args}"
         )))
         .fetch_one(&mut *conn)
         .await
@@ -215,9 +228,11 @@ impl PlanCheck {
                 ));
             }
         }
+        let root = &plan[0]["Plan"];
         eprintln!(
-            "{ctx}: {:.1} ms, largest node {most} rows",
-            number(&plan[0], "Execution Time")
+            "{ctx}: {:.1} ms, largest node {most} rows, {} buffers",
+            number(&plan[0], "Execution Time"),
+            number(root, "Shared Hit Blocks") + number(root, "Shared Read Blocks")
         );
         if !bad.is_empty() {
             bad.push(format!("{plan:#}"));

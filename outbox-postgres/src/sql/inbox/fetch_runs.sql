@@ -12,9 +12,9 @@
 --
 -- Returns {columns} of the rows, per head one read of its key's line after it (never-tried
 -- future rows passed over, R29): one descent of idx_<p>_pending_key_order each, bounded by $6.
--- Written like the `earlier` probe (see it): the key and the created_at bound as row
--- comparisons on the index's leading columns and the index's order, so that no other index
--- can serve the read whatever the planner's statistics.
+-- Written like the `earlier` probe (see it): `same_key`, and the order (`key_first`,
+-- created_at, id) that only that index yields (but for id), so that no other index can serve
+-- the read whatever the planner's statistics.
 SELECT {t_columns}
   FROM (SELECT $1::text AS consumer_group, u.*
           FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::uuid[])
@@ -23,10 +23,8 @@ SELECT {t_columns}
        SELECT e.*
          FROM {table} e
         WHERE {key_order:e} AND {same_key:h}
-          AND ({key:e}, e.created_at) >= ({key:h}, h.created_at)
-          AND ({key:e}) <= ({key:h})
-          AND (e.created_at > h.created_at OR e.id > h.id)
+          AND e.created_at >= h.created_at AND (e.created_at > h.created_at OR e.id > h.id)
           AND {in_line:e}
-        ORDER BY {key:e}, e.created_at, e.id
+        ORDER BY {key_first:e}, e.created_at, e.id
         LIMIT $6::int8
  ) t

@@ -10,9 +10,7 @@ SELECT count(*)::int8 AS n
        SELECT 1
          FROM {table} e
         WHERE {key_order:e} AND {same_key:r}
-          AND ({key:e}, e.created_at) >= ({key:r}, r.created_at)
-          AND ({key:e}) <= ({key:r})
-          AND (e.created_at > r.created_at OR e.id > r.id)
-        ORDER BY {key:e}, e.created_at
+          AND e.created_at >= r.created_at AND (e.created_at > r.created_at OR e.id > r.id)
+        ORDER BY {key_first:e}, e.created_at
         LIMIT $6::int8
  ) x
