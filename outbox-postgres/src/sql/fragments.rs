@@ -19,7 +19,12 @@
 //! * `key_order` is the predicate of `idx_<t>_pending_key_order`, for the reads that walk a
 //!   key's line with the key in the index condition;
 //! * `lease_free` is one comparison, never an OR the planner could turn into a bitmap OR over
-//!   the partial indexes.
+//!   the partial indexes;
+//! * `earlier` reads a key's line ordered by (`key_first`, created_at), an order only
+//!   `idx_<t>_pending_key_order` yields, with the key (`same_key`) in its index condition.
+//!
+//! The inbox table (`crate::inbox::sql`) replaces `same_key` and `key_first` with its own key
+//! and adds fragments of its own (the fetch window's two ranges) through [`expand_with`].
 
 /// The fragment files, by name.
 const FRAGMENTS: [(&str, &str); 10] = [
