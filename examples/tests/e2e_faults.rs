@@ -189,17 +189,30 @@ impl PgFault {
     async fn restart(&self) {
         match self {
             PgFault::Real => {
-                let version = std::fs::read_dir("/etc/postgresql")
-                    .expect("/etc/postgresql: the cluster to restart")
-                    .filter_map(|e| e.ok())
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .next()
-                    .expect("a PostgreSQL cluster version under /etc/postgresql");
+                // OUTBOX_E2E_PG_CLUSTER=<version>/<name> (a cluster of its own, so that the
+                // restart disturbs no other test); default: the first version's `main`.
+                let (version, name) = match std::env::var("OUTBOX_E2E_PG_CLUSTER") {
+                    Ok(v) => {
+                        let (a, b) = v
+                            .split_once('/')
+                            .expect("OUTBOX_E2E_PG_CLUSTER is <version>/<name>, e.g. 15/e2e");
+                        (a.to_owned(), b.to_owned())
+                    }
+                    Err(_) => (
+                        std::fs::read_dir("/etc/postgresql")
+                            .expect("/etc/postgresql: the cluster to restart")
+                            .filter_map(|e| e.ok())
+                            .map(|e| e.file_name().to_string_lossy().into_owned())
+                            .next()
+                            .expect("a PostgreSQL cluster version under /etc/postgresql"),
+                        "main".to_owned(),
+                    ),
+                };
                 let st = std::process::Command::new("pg_ctlcluster")
                     .args([
                         "--skip-systemctl-redirect",
                         &version,
-                        "main",
+                        &name,
                         "restart",
                         "-m",
                         "fast",
@@ -266,6 +279,8 @@ async fn trial(kind: Kind, runners_kind: Runners) {
         Box<dyn Broker>,
     );
     let proxy;
+    // What to ask the broker about an event that has no effect (a failed drain's report).
+    let diagnose: Diagnose;
     match kind {
         Kind::Nats => {
             let stream = format!("E2E_{}", s.to_uppercase());
@@ -285,6 +300,7 @@ async fn trial(kind: Kind, runners_kind: Runners) {
             })
             .await
             .expect("create the stream");
+            diagnose = Diagnose::Nothing;
             proxy = LoopbackProxy::start(host_port(&nats_url())).await;
             broker_url = with_addr(&nats_url(), proxy.addr());
             broker_args_relay = vec![
@@ -329,6 +345,10 @@ async fn trial(kind: Kind, runners_kind: Runners) {
                 "--redis-key-pattern".into(),
                 format!("{prefix}{{topic}}"),
             ];
+            diagnose = Diagnose::Redis {
+                stream: format!("{prefix}orders"),
+                group: "billing".into(),
+            };
             broker_args_billing = vec![
                 "--broker".into(),
                 "redis".into(),
@@ -580,11 +600,14 @@ async fn trial(kind: Kind, runners_kind: Runners) {
         if published == total && billed == total && open == 0 {
             break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "not drained after 180 s: {published}/{total} published, {billed} billed, {open} inbox rows open; logs in {}",
-            logs.display()
-        );
+        if Instant::now() >= deadline {
+            let why =
+                explain_missing(&pool, &orders_schema, &billing_schema, &logs, &diagnose).await;
+            panic!(
+                "not drained after 180 s: {published}/{total} published, {billed} billed, {open} inbox rows open; logs in {}\n{why}",
+                logs.display()
+            );
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
     for p in relays.iter_mut().chain(runners.iter_mut()) {
@@ -767,4 +790,122 @@ async fn e2e_faults_redis_two_runners() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn e2e_faults_redis_one_runner_in_order() {
     trial(Kind::Redis, Runners::OneStable).await;
+}
+
+/// What a failed drain asks the broker about.
+enum Diagnose {
+    Nothing,
+    Redis { stream: String, group: String },
+}
+
+/// A failed drain's report: the events without an effect, their inbox rows, the log lines that
+/// name them, and (on Redis) where their stream entries are.
+async fn explain_missing(
+    pool: &PgPool,
+    orders_schema: &str,
+    billing_schema: &str,
+    logs: &std::path::Path,
+    diagnose: &Diagnose,
+) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let ids: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT o.id::text FROM {orders_schema}.outbox_events o
+          WHERE NOT EXISTS (SELECT 1 FROM {billing_schema}.billing_ledger l
+                             WHERE l.message_id = o.id::text)
+          ORDER BY o.created_at LIMIT 5"
+    )))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    for id in &ids {
+        let _ = writeln!(out, "event {id} has no effect");
+        let rows: Vec<(String, i32, Option<String>, Option<String>)> =
+            sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                "SELECT status, attempts_made, locked_by, last_error
+                   FROM {billing_schema}.inbox_events WHERE message_id = $1"
+            )))
+            .bind(id)
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "  inbox rows (status, attempts, locked_by, last_error): {rows:?}"
+        );
+        if let Ok(dir) = std::fs::read_dir(logs) {
+            for e in dir.filter_map(|e| e.ok()) {
+                let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                for line in text.lines().filter(|l| l.contains(id.as_str())).take(20) {
+                    let _ = writeln!(out, "  {}: {line}", e.file_name().to_string_lossy());
+                }
+            }
+        }
+    }
+    #[cfg(feature = "redis")]
+    if let Diagnose::Redis { stream, group } = diagnose {
+        let _ = writeln!(out, "{}", redis_report(stream, group, &ids).await);
+    }
+    #[cfg(not(feature = "redis"))]
+    let _ = diagnose;
+    out
+}
+
+/// Where the stream entries of `ids` are: each entry carrying one, and whether it is pending
+/// in `group` (under which consumer, delivered how often); the dead-letter stream's length.
+#[cfg(feature = "redis")]
+async fn redis_report(stream: &str, group: &str, ids: &[String]) -> String {
+    use std::fmt::Write as _;
+    let url = redis_url();
+    let mut out = String::new();
+    let Ok(client) = redis::Client::open(url) else {
+        return "redis: cannot open the client".into();
+    };
+    let Ok(mut c) = client.get_multiplexed_async_connection().await else {
+        return "redis: cannot connect".into();
+    };
+    let summary: redis::RedisResult<redis::Value> = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg(group)
+        .query_async(&mut c)
+        .await;
+    let _ = writeln!(out, "redis XPENDING {stream} {group}: {summary:?}");
+    let groups: redis::RedisResult<redis::Value> = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(stream)
+        .query_async(&mut c)
+        .await;
+    let _ = writeln!(out, "redis XINFO GROUPS: {groups:?}");
+    let dl: redis::RedisResult<i64> = redis::cmd("XLEN")
+        .arg(format!("{stream}:dead-letter"))
+        .query_async(&mut c)
+        .await;
+    let _ = writeln!(out, "redis dead-letter entries: {dl:?}");
+    let all: redis::RedisResult<Vec<(String, Vec<(String, String)>)>> = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut c)
+        .await;
+    for (entry, fields) in all.unwrap_or_default() {
+        if !fields
+            .iter()
+            .any(|(_, v)| ids.iter().any(|id| v.contains(id.as_str())))
+        {
+            continue;
+        }
+        let pending: redis::RedisResult<redis::Value> = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(group)
+            .arg(&entry)
+            .arg(&entry)
+            .arg(1)
+            .query_async(&mut c)
+            .await;
+        let _ = writeln!(
+            out,
+            "  entry {entry} (fields {fields:?}): pending {pending:?}"
+        );
+    }
+    out
 }

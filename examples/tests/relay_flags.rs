@@ -1,5 +1,5 @@
 //! Flags of `outbox-relay` that relay_nats.rs and ops.rs do not drive: `--store diesel` (run,
-//! migrate and operator commands), `--broker redis`, `--loops`, `--log-json` /
+//! migrate and operator commands), `--broker redis`, `--loops`, `--max-connections`, `--log-json` /
 //! `OUTBOX_LOG_JSON`, and `--metrics-addr`.
 //!
 //! Each test has its own schema (and Redis stream key). The relay runs with the `stdout`
@@ -324,6 +324,40 @@ async fn three_loops_in_one_process_publish_every_event_once_in_key_order() {
         "a loop ran under the bare id: {}",
         out.stderr
     );
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_pool_of_the_loops_and_listen_drains_every_event_once_and_a_smaller_one_is_refused() {
+    let db = Db::fresh().await;
+    db.migrate().await;
+    let written = db.write_events(TOPIC, 30, 10, 30).await;
+    // Refused before anything connects: exit 2, nothing published.
+    let child = command(&strs(&run_args(
+        &db,
+        &[
+            "--broker",
+            "stdout",
+            "--loops",
+            "2",
+            "--max-connections",
+            "2",
+        ],
+    )))
+    .spawn()
+    .expect("spawn outbox-relay");
+    let out = wait(child, Duration::from_secs(30)).await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    assert!(
+        out.stderr.contains("--max-connections 2 is below 3"),
+        "{}",
+        out.stderr
+    );
+    assert!(out.stdout.is_empty(), "published: {}", out.stdout);
+    assert_eq!(completed(&db).await, 0);
+    // Two loops sharing two connections besides LISTEN's.
+    let out = drain_to_stdout(&db, &["--loops", "2", "--max-connections", "3"]).await;
+    assert_drained_once_in_order(&db, &written, &out).await;
     db.drop_schema().await;
 }
 

@@ -25,10 +25,11 @@ pub use crate::wake::{RECONNECT_MAX, RECONNECT_MIN};
 pub struct WakeListener(Listening);
 
 impl WakeListener {
-    /// LISTENs on the channel of `table` on a connection of `pool`'s settings (not one of its
-    /// pooled connections) and wakes every waker on each notification. Returns once LISTEN is in
-    /// place, so a notification committed after this returns is seen; fails when the first
-    /// connection or LISTEN fails.
+    /// LISTENs on the channel of `table` on one of `pool`'s connections, held for as long as
+    /// the listener runs (sqlx's `PgListener::connect_with` takes it from the pool: size the pool
+    /// one above what the relays need), and wakes every waker on each notification. Returns once
+    /// LISTEN is in place, so a notification committed after this returns is seen; fails when
+    /// the first connection or LISTEN fails.
     pub async fn spawn(
         pool: &PgPool,
         table: &TableName,

@@ -90,6 +90,9 @@ pub enum Act {
     Panic(String),
     /// Writes one effect, runs the hook, breaks the transaction, returns an error.
     BreakTx(String, Option<Hook>),
+    /// Writes one effect, breaks the transaction, returns completed (a connection lost after
+    /// the handler's work, before the outcome commits with it).
+    BreakTxOk,
     /// Writes one effect, returns completed after the delay.
     Delay(Duration),
     /// Draws the action at run time (the stand tests' seeded mix).
@@ -230,6 +233,11 @@ impl<H: InboxHarness> Handler<HandlerTx<H::Backend>> for ScriptedHandler<H> {
                 }
                 self.harness.break_tx(tx).await;
                 Err(HandlerError::new(t))
+            }
+            Act::BreakTxOk => {
+                h.write_effect(tx, &row.message_id, key, n).await?;
+                self.harness.break_tx(tx).await;
+                Ok(HandlerOutcome::completed())
             }
             Act::Delay(d) => {
                 h.write_effect(tx, &row.message_id, key, n).await?;

@@ -22,7 +22,7 @@ use clap::{Parser, ValueEnum};
 use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent, Runner};
 use outbox_core::{Backoff, inbox::Subscription};
 use outbox_postgres::inbox::{SqlxInbox, create_inbox_schema};
-use outbox_postgres::sqlx::{self, PgPool, Postgres, Transaction};
+use outbox_postgres::sqlx::{self, Postgres, Transaction};
 use outbox_postgres::{Layout, TableName};
 use rand::RngExt;
 
@@ -99,6 +99,11 @@ struct Args {
     /// Messages handled at once (each key one at a time).
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
+    /// PostgreSQL connections of the service's pool. A delivery holds one for its transaction
+    /// and briefly takes a second to read the database clock, so give at least
+    /// --concurrency + 1.
+    #[arg(long, default_value_t = 10)]
+    max_connections: u32,
     /// Fraction of handler runs that fail on purpose (a counted failure), 0 to 1.
     #[arg(long, default_value_t = 0.0)]
     fail_rate: f64,
@@ -183,7 +188,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .worker_id
         .clone()
         .unwrap_or_else(outbox_examples::default_worker_id);
-    let pool = PgPool::connect(&args.database_url).await?;
+    if args.max_connections as usize <= args.concurrency {
+        return Err(format!(
+            "--max-connections {} must exceed --concurrency {}: a delivery takes a second connection while its transaction holds one",
+            args.max_connections, args.concurrency
+        )
+        .into());
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(args.max_connections)
+        .connect(&args.database_url)
+        .await?;
     let inbox_table = TableName::new(&format!("{}.inbox_events", args.schema))?;
     let ledger = TableName::new(&format!("{}.billing_ledger", args.schema))?.qualified();
     create_inbox_schema(&pool, &inbox_table, Layout::Plain).await?;

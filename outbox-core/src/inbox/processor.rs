@@ -658,6 +658,22 @@ impl<B: InboxBackend> Processor<B> {
                 )
             }
         };
+        if !run.usable && !run.result.is_failure() {
+            // The run succeeded but T_row broke before its outcome could commit with its
+            // writes (a connection lost after the handler returned): the writes are gone with
+            // the rollback, so the row must run again, not be completed without them. As a
+            // failed commit (Y-11), the row stays leased until its lease ends (Y-21, R119).
+            tx.rollback().await;
+            return (
+                RowReport::CommitFailed {
+                    error: "the handler succeeded but its transaction broke before the outcome \
+                            was written; its writes were rolled back and the row runs again"
+                        .into(),
+                },
+                Some(row),
+                Some(run.duration),
+            );
+        }
         if !run.usable {
             tx.rollback().await;
             tx = match self.backend.begin().await {

@@ -725,6 +725,17 @@ impl<B: InboxBackend> Runner<B> {
         r.handler_duration = Some(run.duration);
         r.handler_status = run.result.status().map(str::to_owned);
         let failure = match &run.result {
+            RunResult::Completed { .. } | RunResult::Skipped { .. } if !run.usable => {
+                // The run succeeded but T broke before its outcome could commit with its
+                // writes: they are gone with the rollback, so the message is not handled; it
+                // goes back as a persistence failure and runs again (F-27, R119).
+                tx.rollback().await;
+                return Err(Persist(RepositoryError::Unavailable {
+                    message: "the handler succeeded but its transaction broke before the \
+                              outcome was written; its writes were rolled back"
+                        .into(),
+                }));
+            }
             RunResult::Completed { .. } | RunResult::Skipped { .. } => {
                 tx.write(row.id, RowWrite::Complete).await?;
                 tx.commit().await?;

@@ -685,6 +685,29 @@ pub async fn f_24<F: InboxFactory>(f: &F) {
     assert!(c.effects().await.is_empty());
 }
 
+/// F-27: a run that succeeds in a transaction that then breaks (the connection lost before the
+/// outcome commits) is not handled: its writes are rolled back, no row is left completed
+/// without them, the delivery goes back, and the next one has the effect once (R115, R119).
+pub async fn f_27<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    c.deliver("m1", Some("k"));
+    c.script("m1", vec![Act::BreakTxOk, Act::Write]);
+    let r = c.runner().build().unwrap();
+    let a = c.handle(&r).await;
+    assert_eq!((a.outcome, a.committed), (O::PersistFailed, false));
+    assert_eq!(
+        c.sub.acks(c.idx("m1")),
+        vec![AckOp::Rewind(Duration::from_secs(1))]
+    );
+    assert!(c.row("m1").await.is_none(), "no row without the effect");
+    assert!(c.effects().await.is_empty());
+    c.advance(Duration::from_secs(1)).await;
+    let b = c.handle(&r).await;
+    assert_eq!((b.outcome, b.committed), (O::Completed, true));
+    assert_eq!(c.row_of("m1").await.status, Status::Completed);
+    assert_eq!(c.effects().await, vec!["m1"]);
+}
+
 /// F-25: the rewind policy records the failure of a row that existed before T (R127).
 pub async fn f_25<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;

@@ -431,6 +431,30 @@ pub async fn y_11<F: InboxFactory>(f: &F) {
     assert_eq!(c.effects().await, vec!["m1"]);
 }
 
+/// Y-21: a run that succeeds in a T_row that then breaks (the connection lost before the
+/// outcome commits) does not complete the row without its writes: it is reported as a failed
+/// commit and the row, still leased, runs again after the lease (R119, R152, R156).
+pub async fn y_21<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let row = c.land("m1", None).await;
+    c.script("m1", vec![Act::BreakTxOk, Act::Write]);
+    let p = c.processor().build().unwrap();
+    let rep = c.cycle(&p).await;
+    assert!(
+        matches!(rep.of(row.id), Some(RowReport::CommitFailed { .. })),
+        "{rep:?}"
+    );
+    let r = c.row_of("m1").await;
+    assert_eq!(
+        (r.status, r.attempts_made, r.locked_by.as_deref()),
+        (Status::Pending, 0, Some("p1"))
+    );
+    assert!(c.effects().await.is_empty());
+    c.advance(Duration::from_secs(301)).await;
+    assert_eq!(c.cycle(&p).await.completed(), vec![row.id]);
+    assert_eq!(c.effects().await, vec!["m1"]);
+}
+
 /// Y-12: a lease lost before the run: the handler is not called (R152, R156).
 pub async fn y_12<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
@@ -664,12 +688,12 @@ pub async fn y_18<F: InboxFactory>(f: &F) {
     assert!((150.0..=310.0).contains(&waits), "waits {waits}");
 }
 
-/// Y-21 (added by the suite): a fetch finds the heads past a window full of rows that cannot
+/// Y-22 (added by the suite): a fetch finds the heads past a window full of rows that cannot
 /// go. Key s's head waits for its retry an hour later with 100 due rows behind it (more than the
 /// window a Postgres fetch of 5 reads, 64 rows), then five keys of one row each are landed: a
 /// fetch of 5 returns those five, in head order, and nothing of s; a second fetch returns nothing
 /// (R20, R27, R85, R150).
-pub async fn y_21<F: InboxFactory>(f: &F) {
+pub async fn y_22<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let head = c.land("s0", Some("s")).await;
     let now = c.now().await;

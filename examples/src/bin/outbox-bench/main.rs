@@ -14,13 +14,16 @@
 //!
 //! `outbox-bench suite` runs the standard set (targets 1 to 6 of `examples/BENCHMARKS.md`)
 //! several times, each run in a child process, and prints a table of medians and ratios;
-//! `outbox-bench burst` the fresh-table burst (a backlog on a table without statistics) and
-//! `outbox-bench run --mode capacity` the sustained-capacity search. See `examples/BENCHMARKS.md`.
+//! `outbox-bench burst` the fresh-table burst (a backlog on a table without statistics),
+//! `outbox-bench run --mode capacity` the sustained-capacity search, `outbox-bench inbox` the
+//! inbox shapes and `outbox-bench e2e` the whole path through `outbox-relay` and `billing`
+//! processes. See `examples/BENCHMARKS.md`.
 
 mod brokers;
 mod burst;
 mod capacity;
 mod db;
+mod e2e;
 mod inbox;
 mod inbox_brokers;
 mod suite;
@@ -72,6 +75,10 @@ enum Cmd {
     /// The inbox shapes of issues 21 and 22 (land, drain, duplicates, nats, redis), each with
     /// its plain-SQL or raw-broker reference in the same run.
     Inbox(inbox::InboxArgs),
+    /// The whole path of issue 22 (writers → `outbox-relay` processes → broker → `billing`
+    /// runner processes → ledger row): the highest sustained rate and its commit-to-effect
+    /// latency at N relays and runners, on NATS and Redis.
+    E2e(e2e::E2eArgs),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -486,6 +493,7 @@ async fn main() -> std::process::ExitCode {
         Cmd::Burst(b) => burst::burst(b).await,
         Cmd::Capacity(c) => capacity::search(c).await,
         Cmd::Inbox(i) => inbox::inbox(i).await,
+        Cmd::E2e(e) => e2e::e2e(e).await,
     };
     match res {
         Ok(()) => std::process::ExitCode::SUCCESS,

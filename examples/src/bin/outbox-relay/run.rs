@@ -31,6 +31,11 @@ pub struct RunArgs {
     /// Relay loops in this process, each with its own worker id.
     #[arg(long, env = "OUTBOX_LOOPS", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
     pub loops: u32,
+    /// PostgreSQL connections of the relay's pool, LISTEN's included: at least --loops + 1
+    /// (--loops with --no-listen). LISTEN holds one for good, a loop uses one at a time, the
+    /// summary's backlog queries wait for free ones. Default: 2 × --loops + 3.
+    #[arg(long, env = "OUTBOX_MAX_CONNECTIONS", value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_connections: Option<u32>,
     /// Rows per fetch.
     #[arg(long, env = "OUTBOX_BATCH_SIZE", default_value_t = 50)]
     pub batch_size: usize,
@@ -349,7 +354,22 @@ pub async fn run(a: RunArgs) -> Result<()> {
 
     // Start-up waits for the database and the broker instead of exiting: under a supervisor an
     // exit is a crash loop. Only configuration errors end it.
-    let pool_size = a.loops * 2 + 3;
+    let least = a.loops + u32::from(!a.no_listen);
+    let pool_size = match a.max_connections {
+        Some(n) if n < least => {
+            return Err(CliError::usage(format!(
+                "--max-connections {n} is below {least}: each of the {} loop(s) needs a connection{}",
+                a.loops,
+                if a.no_listen {
+                    ""
+                } else {
+                    " and LISTEN holds one (unless --no-listen)"
+                }
+            )));
+        }
+        Some(n) => n,
+        None => a.loops * 2 + 3,
+    };
     let db_at = outbox_core::redact::secrets(&a.db.database_url);
     let Some(pool) = wait_for(&token, "the database", &db_at, || {
         store::connect_pool(&a.db.database_url, pool_size)
