@@ -172,7 +172,7 @@ macro_rules! inbox_suite {
             processor::h_03, processor::h_04, processor::h_07, processor::y_01, processor::y_02,
             processor::y_04, processor::y_05, processor::y_06, processor::y_07, processor::y_08,
             processor::y_09, processor::y_11, processor::y_12, processor::y_13, processor::y_14,
-            processor::y_15, processor::y_17, processor::y_18, processor::y_21,
+            processor::y_15, processor::y_17, processor::y_18, processor::y_21, processor::y_22,
             groups::g_01, groups::g_02, groups::g_03, groups::g_04, groups::g_05, groups::g_06,
             groups::g_07, groups::g_08, groups::g_09,
             dedup::i_06, dedup::d_01, dedup::d_02, dedup::d_07, dedup::d_08,

@@ -10,6 +10,7 @@
 //! * `sql` runs a statement on the harness's pool, `{table}` replaced by the quoted qualified
 //!   table name and `{schema}` by the quoted schema; statements that return rows (SELECT, WITH,
 //!   or with RETURNING) come back as JSON objects, others run as a simple query and return none.
+//! * [`plan`] checks the plans of the plan-stability tests (outbox and inbox).
 //! * To act as the *peer* backend of another harness (outbox-diesel's PG-06 and S-02), use
 //!   [`PgHarness::attach`] on that harness's schema and table, then
 //!   [`PgHarness::sqlx_repository`] and [`PgHarness::begin_tx`].
@@ -20,6 +21,7 @@ mod budget;
 mod end_to_end;
 mod faults;
 mod harness;
+pub mod plan;
 pub mod shapes;
 
 pub use budget::*;

@@ -249,6 +249,9 @@ mod plan_stability {
     //! blocked key (a head waiting for its retry with 20,000 due rows behind it, then one-row keys:
     //! the window is full of rows that cannot go, so the key walk, path B, answers).
     //!
+    //! The plans are checked by `outbox_postgres::testing::plan` (shared with the inbox's
+    //! `tests/inbox_fetch_plan.rs`).
+    //!
     //! The statements run as the relay runs them, in one transaction per state: the heads, the
     //! take of each delivery mode, the outcome writes of each delivery mode, the release, the
     //! oldest due age, the stale-lock release and the cleanup; each `EXPLAIN ANALYZE` of a write is rolled back
@@ -259,17 +262,9 @@ mod plan_stability {
     use outbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take};
     use outbox_postgres::sql::{FetchParams, HeadRows, Statements, TableName};
     use outbox_postgres::testing::PgHarness;
-    use serde_json::Value;
+    use outbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
     use sqlx::{AssertSqlSafe, PgConnection, Row};
     use uuid::Uuid;
-
-    /// The planner's statistics for the table.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-    enum Stats {
-        None,
-        Stale,
-        Fresh,
-    }
 
     /// The backlog the statements run on.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -357,133 +352,6 @@ mod plan_stability {
         h
     }
 
-    /// What a plan must satisfy besides the common rules: the aliases whose scans are lookups by
-    /// id (they must use the primary key).
-    struct Rules<'a> {
-        statement: &'a str,
-        by_id: &'a [&'a str],
-    }
-
-    fn f(v: &Value, k: &str) -> f64 {
-        v.get(k).and_then(Value::as_f64).unwrap_or(0.0)
-    }
-
-    /// The indexes a scan reads: its own, or for a bitmap heap scan those of its bitmap
-    /// children.
-    fn index_names(node: &Value, out: &mut Vec<String>) {
-        if let Some(n) = node.get("Index Name").and_then(Value::as_str) {
-            out.push(n.to_owned());
-        }
-        for c in node
-            .get("Plans")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            if c["Node Type"]
-                .as_str()
-                .is_some_and(|k| k.starts_with("Bitmap"))
-            {
-                index_names(c, out);
-            }
-        }
-    }
-
-    /// Checks `node` and its children; returns the largest row count seen.
-    fn check_node(
-        node: &Value,
-        t: &TableName,
-        rules: &Rules<'_>,
-        ctx: &str,
-        bad: &mut Vec<String>,
-    ) -> f64 {
-        let kind = node["Node Type"].as_str().unwrap_or("?");
-        let on_table = node.get("Relation Name").and_then(Value::as_str) == Some(t.table());
-        let alias = node.get("Alias").and_then(Value::as_str).unwrap_or("");
-        let loops = f(node, "Actual Loops").max(1.0);
-        let read = (f(node, "Actual Rows")
-            + f(node, "Rows Removed by Filter")
-            + f(node, "Rows Removed by Index Recheck"))
-            * loops;
-        let what = format!("{ctx}: {kind} {alias}");
-        if on_table && kind == "Seq Scan" {
-            bad.push(format!("{what}: a sequential scan of the table"));
-        }
-        if read > NODE_BOUND {
-            bad.push(format!(
-                "{what}: {read} rows over {loops} loops (bound {NODE_BOUND})"
-            ));
-        }
-        if node.get("Sort Space Type").and_then(Value::as_str) == Some("Disk") {
-            bad.push(format!("{what}: a sort spilled to disk"));
-        }
-        if on_table && kind.ends_with("Scan") && rules.by_id.contains(&alias) {
-            let mut ix = Vec::new();
-            index_names(node, &mut ix);
-            let pkey = format!("{}_pkey", t.table());
-            if ix.is_empty() || ix.iter().any(|i| *i != pkey) {
-                bad.push(format!(
-                    "{what}: a lookup by id not through {pkey} but {ix:?}"
-                ));
-            }
-        }
-        let mut most = read;
-        for c in node
-            .get("Plans")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            most = most.max(check_node(c, t, rules, ctx, bad));
-        }
-        most
-    }
-
-    /// `EXPLAIN (ANALYZE, FORMAT JSON)` of `text` as a prepared statement in the session's
-    /// plan-cache mode (so a generic plan is what a relay's cached statement would run), with
-    /// the SQL literals `args` as its parameters, then the plan checked.
-    async fn explain(
-        conn: &mut PgConnection,
-        t: &TableName,
-        rules: Rules<'_>,
-        text: &str,
-        args: &[String],
-        ctx: &str,
-    ) -> Vec<String> {
-        exec(conn, &format!("PREPARE plan_check AS {text}")).await;
-        let args = if args.is_empty() {
-            String::new()
-        } else {
-            format!("({})", args.join(", "))
-        };
-        let plan: Value = sqlx::query(AssertSqlSafe(format!(
-            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE plan_check{args}"
-        )))
-        .fetch_one(&mut *conn)
-        .await
-        .unwrap_or_else(|e| panic!("{ctx} {}: explain: {e}", rules.statement))
-        .try_get(0)
-        .unwrap();
-        exec(conn, "DEALLOCATE plan_check").await;
-        let ctx = format!("{ctx} {}", rules.statement);
-        let mut bad = Vec::new();
-        let most = check_node(&plan[0]["Plan"], t, &rules, &ctx, &mut bad);
-        eprintln!(
-            "{ctx}: {:.1} ms, largest node {most} rows",
-            f(&plan[0], "Execution Time")
-        );
-        if !bad.is_empty() {
-            bad.push(format!("{plan:#}"));
-        }
-        bad
-    }
-
-    /// A `uuid[]` literal.
-    fn uuids(ids: &[Uuid]) -> String {
-        let v: Vec<String> = ids.iter().map(Uuid::to_string).collect();
-        format!("'{{{}}}'::uuid[]", v.join(","))
-    }
-
     /// The parameters of the heads statement as literals (`bind_fetch_heads`' order).
     fn heads_args(p: &FetchParams) -> Vec<String> {
         let mut v = vec![p.limit.to_string(), p.lease_us.to_string()];
@@ -500,13 +368,6 @@ mod plan_stability {
         v.extend(["NULL::text[]", "NULL::text[]", "NULL::uuid[]"].map(String::from));
         v.push(uuids(ids));
         v
-    }
-
-    async fn exec(conn: &mut PgConnection, sql: &str) {
-        sqlx::raw_sql(AssertSqlSafe(sql.to_owned()))
-            .execute(&mut *conn)
-            .await
-            .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
 
     /// The heads the fetch would take now, as the relay reads them.
@@ -549,26 +410,25 @@ mod plan_stability {
         for mode in ["force_custom_plan", "force_generic_plan"] {
             let ctx = format!("{stats:?} {backlog:?} {mode}");
             let mut tx = h.pool().begin().await.unwrap();
+            let plans = PlanCheck::load(&mut tx, &t, NODE_BOUND).await;
             exec(&mut tx, &format!("SET LOCAL plan_cache_mode = {mode}")).await;
             exec(&mut tx, "SAVEPOINT start").await;
-            let rules = |statement| Rules {
-                statement,
-                by_id: &[],
-            };
+            let rules = Rules::common;
             let lookups = |statement| Rules {
                 statement,
                 by_id: &["hl", "lk", "t"],
+                uses: &[],
             };
             bad.extend(
-                explain(
-                    &mut tx,
-                    &t,
-                    rules("fetch_heads"),
-                    &s.fetch_heads,
-                    &heads_args(&p),
-                    &ctx,
-                )
-                .await,
+                plans
+                    .explain(
+                        &mut tx,
+                        rules("fetch_heads"),
+                        &s.fetch_heads,
+                        &heads_args(&p),
+                        &ctx,
+                    )
+                    .await,
             );
             exec(&mut tx, "ROLLBACK TO SAVEPOINT start").await;
             let ids = heads(&mut tx, &s, &p).await;
@@ -579,7 +439,9 @@ mod plan_stability {
             ] {
                 exec(&mut tx, "SAVEPOINT take").await;
                 bad.extend(
-                    explain(&mut tx, &t, lookups(name), text, &take_args(&p, &ids), &ctx).await,
+                    plans
+                        .explain(&mut tx, lookups(name), text, &take_args(&p, &ids), &ctx)
+                        .await,
                 );
                 exec(&mut tx, "ROLLBACK TO SAVEPOINT take").await;
             }
@@ -614,34 +476,38 @@ mod plan_stability {
                             "'w1'".into(),
                         ]
                     };
-                    bad.extend(explain(&mut tx, &t, lookups(name), text, &args, &ctx).await);
+                    bad.extend(
+                        plans
+                            .explain(&mut tx, lookups(name), text, &args, &ctx)
+                            .await,
+                    );
                     exec(&mut tx, "ROLLBACK TO SAVEPOINT outcome").await;
                 }
                 bad.extend(
-                    explain(
-                        &mut tx,
-                        &t,
-                        rules("oldest_due_age"),
-                        &s.oldest_due_age,
-                        &[],
-                        &ctx,
-                    )
-                    .await,
+                    plans
+                        .explain(
+                            &mut tx,
+                            rules("oldest_due_age"),
+                            &s.oldest_due_age,
+                            &[],
+                            &ctx,
+                        )
+                        .await,
                 );
                 for (name, text) in [
                     ("release_stale", &s.release_stale),
                     ("delete_old_completed", &s.delete_old_completed),
                 ] {
                     bad.extend(
-                        explain(
-                            &mut tx,
-                            &t,
-                            lookups(name),
-                            text,
-                            &["0".into(), "1000".into()],
-                            &ctx,
-                        )
-                        .await,
+                        plans
+                            .explain(
+                                &mut tx,
+                                lookups(name),
+                                text,
+                                &["0".into(), "1000".into()],
+                                &ctx,
+                            )
+                            .await,
                     );
                 }
                 exec(&mut tx, "ROLLBACK TO SAVEPOINT delivery").await;

@@ -111,9 +111,12 @@ const CLEANUP: &str =
     "(completed_at) WHERE (((status)::text = 'completed'::text) AND (completed_at IS NOT NULL))";
 const KEY_ORDER: &str = "(consumer_group, source, partition_key, created_at) WHERE (((status)::text = 'pending'::text) AND (partition_key IS NOT NULL))";
 const GROUP: &str = "(consumer_group, scheduled_at) WHERE ((status)::text = 'pending'::text)";
+const WINDOW: &str = "(consumer_group, scheduled_at, created_at, id) WHERE ((((status)::text COLLATE \"C\") = 'pending'::text) AND (locked_at IS NULL) AND (attempts_made < max_attempts))";
 
 /// Z-01: the plain and the partitioned table are Appendix D's, column for column, with the
-/// ancestor's constraint and index names, plus the three additions and nothing else.
+/// ancestor's constraint and index names, plus Appendix D's three additions (partition_key,
+/// the key-order and the group index) and the library's fetch window index
+/// (`idx_<p>_pending_window`, issue 21), and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn z_01() {
     let (pool, _share) = pool().await;
@@ -180,6 +183,7 @@ async fn z_01() {
         };
         want_ix.push(i("pending_key_order", KEY_ORDER));
         want_ix.push(i("pending_group", GROUP));
+        want_ix.push(i("pending_window", WINDOW));
         want_ix.sort();
         let got: Vec<String> = indexes(&pool, &schema, name)
             .await
@@ -235,9 +239,10 @@ async fn z_02() {
         .unwrap();
 }
 
-/// Z-03: schema creation on an existing ancestor table adds exactly the three additions and is
-/// then a no-op; on a table whose indexes carry the ancestor's fixed names, no index is added
-/// twice under a second name; rows are kept.
+/// Z-03: schema creation on an existing ancestor table adds exactly the additions (the
+/// partition_key column, the key-order, group and window indexes) and is then a no-op; on a
+/// table whose indexes carry the ancestor's fixed names, no index is added twice under a second
+/// name; rows are kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn z_03() {
     let (pool, _share) = pool().await;
@@ -295,8 +300,8 @@ async fn z_03() {
         let added: Vec<&String> = ix_after.iter().filter(|i| !ix_before.contains(i)).collect();
         assert_eq!(
             added.len(),
-            2,
-            "{name}: exactly the two index additions: {added:?}"
+            3,
+            "{name}: exactly the three index additions: {added:?}"
         );
         assert!(
             added
@@ -308,7 +313,12 @@ async fn z_03() {
                 .iter()
                 .any(|i| i.starts_with(&format!("idx_{name}_pending_group:")))
         );
-        assert_eq!(ix_after.len(), ix_before.len() + 2);
+        assert!(
+            added
+                .iter()
+                .any(|i| i.starts_with(&format!("idx_{name}_pending_window:")))
+        );
+        assert_eq!(ix_after.len(), ix_before.len() + 3);
         create_inbox_schema(&pool, &t, Layout::Plain).await.unwrap();
         assert_eq!(
             indexes(&pool, &schema, name).await,
@@ -322,6 +332,20 @@ async fn z_03() {
             .unwrap();
         assert_eq!(n, 2, "{name}: rows intact");
     }
+    // The window index under another name (a user's own copy) is not added a second time.
+    let t = TableName::new(&format!("{schema}.inbox_events")).unwrap();
+    sqlx::raw_sql(AssertSqlSafe(format!(
+        "DROP INDEX \"{schema}\".idx_inbox_events_pending_window; \
+         CREATE INDEX my_window ON {q} (consumer_group, scheduled_at, created_at, id) \
+          WHERE status COLLATE \"C\" = 'pending' AND locked_at IS NULL AND attempts_made < max_attempts"
+    )))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let before = indexes(&pool, &schema, "inbox_events").await;
+    create_inbox_schema(&pool, &t, Layout::Plain).await.unwrap();
+    assert_eq!(indexes(&pool, &schema, "inbox_events").await, before);
+    assert!(before.iter().any(|i| i.starts_with("my_window:")));
     sqlx::raw_sql(AssertSqlSafe(fixtures::drop_schema(&schema)))
         .execute(&pool)
         .await

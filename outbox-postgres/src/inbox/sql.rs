@@ -151,7 +151,8 @@ pub fn ancestor_indexes(table: &TableName, layout: Layout) -> Vec<InboxIndex> {
     }
 }
 
-/// The two indexes Appendix D adds to both tables: the key order's and the group's.
+/// The indexes the library adds to both tables, in creation order: Appendix D's two, the key
+/// order's and the group's, then the fetch window's ([`window_index`]).
 pub fn addition_indexes(table: &TableName) -> Vec<InboxIndex> {
     let p = prefix(table);
     vec![
@@ -165,7 +166,28 @@ pub fn addition_indexes(table: &TableName) -> Vec<InboxIndex> {
             unique: false,
             body: "(consumer_group, scheduled_at) WHERE status = 'pending'".into(),
         },
+        InboxIndex {
+            name: window_index(table),
+            unique: false,
+            body: format!(
+                "(consumer_group, scheduled_at, created_at, id) WHERE {}",
+                fragments::fragment("window", "")
+            ),
+        },
     ]
+}
+
+/// The name of the fetch window's index (R173's prefix): `idx_<p>_pending_window` on
+/// `(consumer_group, scheduled_at, created_at, id)` over the unlocked pending rows with attempts
+/// left, the outbox's `window` predicate (written under the "C" collation). Its order is the
+/// window's `ORDER BY` within a group, and its predicate is implied by the window's and by no
+/// other statement's, so a fetch reads its window in this index's order and stops at the
+/// window's size whatever the planner's statistics (a fresh table never analysed, statistics
+/// from a quiet table, fresh ones); without it the planner read the group's whole backlog from
+/// `idx_<p>_pending_group` and sorted it. Maintained by PostgreSQL like any index: rows that
+/// omni-box 0.3.1 or plain SQL writes are indexed like ours, and omni-box does not use it.
+pub fn window_index(table: &TableName) -> String {
+    format!("idx_{}_pending_window", prefix(table))
 }
 
 fn create_table(table: &TableName, layout: Layout, if_not_exists: bool) -> String {
@@ -253,8 +275,8 @@ pub fn ancestor_inbox_ddl(table: &TableName, layout: Layout) -> Vec<String> {
 
 /// The inbox schema as plain statements, to run in order in one transaction (R172):
 /// `CREATE SCHEMA IF NOT EXISTS` (when qualified), the table of Appendix D (`IF NOT EXISTS`),
-/// the `partition_key` column (`ADD COLUMN IF NOT EXISTS`), the ancestor's indexes and the two
-/// additions (`IF NOT EXISTS`, so by name only). Schema creation
+/// the `partition_key` column (`ADD COLUMN IF NOT EXISTS`), the ancestor's indexes and the
+/// three additions ([`addition_indexes`]; `IF NOT EXISTS`, so by name only). Schema creation
 /// ([`crate::inbox::schema::create_inbox_schema_with`]) runs [`InboxSchema`] instead, which also
 /// skips an index present under another name (R173). The partitioned table's partitions are
 /// the user's DDL, as with the ancestor.
@@ -365,7 +387,10 @@ mod text {
     pub const FETCH_HEADS: &str = include_str!("../sql/inbox/fetch_heads.sql");
     pub const FETCH_RUNS: &str = include_str!("../sql/inbox/fetch_runs.sql");
     pub const WINDOW_OVERFLOW: &str = include_str!("../sql/inbox/window_overflow.sql");
+    pub const KEY_FIRST: &str = include_str!("../sql/inbox/key_first.sql");
     pub const SAME_KEY: &str = include_str!("../sql/inbox/same_key.sql");
+    pub const WINDOW_UNLOCKED: &str = include_str!("../sql/inbox/window_unlocked.sql");
+    pub const WINDOW_EXPIRED: &str = include_str!("../sql/inbox/window_expired.sql");
     pub const WAITING: &str = include_str!("../sql/inbox/waiting.sql");
     pub const COUNTS: &str = include_str!("../sql/inbox/counts.sql");
     pub const OLDEST_DUE_AGE: &str = include_str!("../sql/inbox/oldest_due_age.sql");
@@ -381,15 +406,29 @@ mod text {
     pub const SHIFT_CLOCK: &str = include_str!("../sql/statements/shift_clock.sql");
 }
 
+/// The parts the fetch statements (`fetch_heads`, `window_overflow`) and their fragments
+/// name: the group is `$1`, the sources `$2`, the lease TTL `$3` in both.
+const FETCH_PARTS: [(&str, &str); 3] = [
+    ("group", "$1::text"),
+    ("sources", "$2::text[]"),
+    ("lease_us", "$3::int8"),
+];
+
 /// A statement file made ready to send: comments dropped, fragments expanded, `{table}`
 /// replaced by the quoted validated name and `{columns}` / `{t_columns}` by [`INBOX_COLUMNS`].
-/// The inbox key stands for the outbox's in the shared fragments (`same_key`), and `{lease_us}`
-/// is `$3` in the statements that name it (the fetch's).
+/// The inbox key stands for the outbox's in the shared fragments (`same_key`, `key_first`); the inbox's own
+/// fragments are the fetch window's two ranges (`window_unlocked`, `window_expired`), whose
+/// parameters are [`FETCH_PARTS`] (the fetch statements name them only).
 fn render(src: &str, table: &TableName) -> String {
     fragments::expand_with(
         &fragments::strip(src),
-        &[("lease_us", "$3::int8")],
-        &[("same_key", text::SAME_KEY)],
+        &FETCH_PARTS,
+        &[
+            ("key_first", text::KEY_FIRST),
+            ("same_key", text::SAME_KEY),
+            ("window_unlocked", text::WINDOW_UNLOCKED),
+            ("window_expired", text::WINDOW_EXPIRED),
+        ],
     )
     .replace("{table}", &table.qualified())
     .replace("{t_columns}", &inbox_column_list("t"))

@@ -19,10 +19,15 @@
 //! * `key_order` is the predicate of `idx_<t>_pending_key_order`, for the reads that walk a
 //!   key's line with the key in the index condition;
 //! * `lease_free` is one comparison, never an OR the planner could turn into a bitmap OR over
-//!   the partial indexes.
+//!   the partial indexes;
+//! * `earlier` reads a key's line ordered by (`key_first`, created_at), an order only
+//!   `idx_<t>_pending_key_order` yields, with the key (`same_key`) in its index condition.
+//!
+//! The inbox table (`crate::inbox::sql`) replaces `same_key` and `key_first` with its own key
+//! and adds fragments of its own (the fetch window's two ranges) through [`expand_with`].
 
 /// The fragment files, by name.
-const FRAGMENTS: [(&str, &str); 9] = [
+const FRAGMENTS: [(&str, &str); 10] = [
     ("in_line", include_str!("fragments/in_line.sql")),
     ("key_order", include_str!("fragments/key_order.sql")),
     ("pending", include_str!("fragments/pending.sql")),
@@ -31,6 +36,7 @@ const FRAGMENTS: [(&str, &str); 9] = [
     ("filters", include_str!("fragments/filters.sql")),
     ("due", include_str!("fragments/due.sql")),
     ("earlier", include_str!("fragments/earlier.sql")),
+    ("key_first", include_str!("fragments/key_first.sql")),
     ("same_key", include_str!("fragments/same_key.sql")),
 ];
 
@@ -61,10 +67,15 @@ fn instance(text: &str, alias: &str) -> String {
 }
 
 /// One pass over `body`: every `{name:alias}` of a known fragment replaced by its instance,
-/// a fragment of `overrides` in place of the one of that name.
+/// a fragment of `overrides` in place of the one of that name; the other fragments of
+/// `overrides` are the table's own, known to its statements only.
 fn expand_fragments(body: &str, overrides: &[(&str, &str)]) -> String {
     let mut out = body.to_owned();
-    for (name, default) in FRAGMENTS {
+    let own = overrides
+        .iter()
+        .filter(|(n, _)| FRAGMENTS.iter().all(|(f, _)| f != n))
+        .copied();
+    for (name, default) in FRAGMENTS.into_iter().chain(own) {
         let text = overrides
             .iter()
             .find(|(n, _)| *n == name)
@@ -88,8 +99,9 @@ pub(crate) fn expand(body: &str, parts: &[(&str, &str)]) -> String {
 }
 
 /// [`expand`] with some fragments replaced by other texts of the same meaning for another
-/// table: the inbox table names its key `same_key` (consumer_group, source, partition_key), so
-/// that the outbox's `earlier` probe serves it unchanged.
+/// table: the inbox table names its key (consumer_group, source, partition_key) in `same_key`
+/// and `key_first`, so that the outbox's `earlier` probe serves it unchanged. A fragment of `overrides` whose name
+/// is no shared fragment's is added for this expansion (the inbox's window ranges).
 pub(crate) fn expand_with(
     body: &str,
     parts: &[(&str, &str)],
@@ -144,7 +156,11 @@ mod tests {
             "{due}"
         );
         let probe = expand("({earlier:h})", &[]);
-        assert!(probe.contains("e.topic = h.topic") && probe.contains("(e.scheduled_at <= now()"));
+        assert!(
+            probe.contains("e.topic = ANY(ARRAY[h.topic]) AND e.partition_key = h.partition_key")
+                && probe.contains("(e.scheduled_at <= now()"),
+            "{probe}"
+        );
         let rest = probe.replace("{table}", "");
         assert!(!rest.contains('{') && !rest.contains('@'), "{probe}");
         for (name, text) in FRAGMENTS {

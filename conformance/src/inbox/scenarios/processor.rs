@@ -687,3 +687,44 @@ pub async fn y_18<F: InboxFactory>(f: &F) {
     assert_eq!(c.effects().await, vec!["m3", "m2", "m1"]);
     assert!((150.0..=310.0).contains(&waits), "waits {waits}");
 }
+
+/// Y-22 (added by the suite): a fetch finds the heads past a window full of rows that cannot
+/// go. Key s's head waits for its retry an hour later with 100 due rows behind it (more than the
+/// window a Postgres fetch of 5 reads, 64 rows), then five keys of one row each are landed: a
+/// fetch of 5 returns those five, in head order, and nothing of s; a second fetch returns nothing
+/// (R20, R27, R85, R150).
+pub async fn y_22<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let head = c.land("s0", Some("s")).await;
+    let now = c.now().await;
+    c.set(
+        head.id,
+        InboxPatch {
+            attempts_made: Some(1),
+            last_error: Some(Some("boom".into())),
+            scheduled_at: Some(now + chrono::Duration::hours(1)),
+            ..Default::default()
+        },
+    )
+    .await;
+    for i in 1..=100 {
+        c.land(&format!("s{i}"), Some("s")).await;
+    }
+    let mut free = Vec::new();
+    for i in 1..=5 {
+        free.push(c.land(&format!("f{i}"), Some(&format!("f{i}"))).await.id);
+    }
+    let got = c
+        .backend()
+        .fetch_and_lock(&fetch_req("W1", 5))
+        .await
+        .unwrap();
+    assert_eq!(got.iter().map(|r| r.id).collect::<Vec<_>>(), free);
+    assert!(
+        c.backend()
+            .fetch_and_lock(&fetch_req("W2", 5))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}

@@ -12,31 +12,57 @@
 --
 -- Returns {columns} of the heads in head order (scheduled_at, created_at, id).
 --
--- The window: the $6 oldest fetchable rows of the group ({due:u}, which implies no predicate
--- but idx_<p>_pending_group's, read in that index's order), row-locked with SKIP LOCKED as they
--- are read, so concurrent fetches read disjoint windows. Only the earliest window row of each
--- inbox key can be its head; it is one when no earlier in-line row of its key exists (one
--- LIMIT 1 probe of idx_<p>_pending_key_order, the outbox's `earlier` with the inbox key),
--- which also catches an earlier row that another transaction holds (skipped by the window,
--- still in line). A row without partition_key, and every row with key order off, is a key of
--- its own and a head whenever it is fetchable (R150). Keys are probed in head order and the
--- probes stop at $5 heads. A head outside the window (a window full of rows queued behind
--- blocked heads) is the store's business: it reads the whole line then (PgInbox).
+-- The window: the $6 oldest fetchable rows of the group, row-locked with SKIP LOCKED as they
+-- are read, so concurrent fetches read disjoint windows: the unlocked ones (`window_unlocked`)
+-- in (scheduled_at, created_at, id) order from idx_<p>_pending_window, the only index their
+-- predicate implies, and those under an expired lease (`window_expired`, rare) from
+-- idx_<p>_locked_at; each range stops at $6 rows, whatever the planner's statistics say. Only
+-- the earliest window row of each inbox key can be its head; it is one when no earlier in-line
+-- row of its key exists (one LIMIT 1 probe of idx_<p>_pending_key_order, the outbox's
+-- `earlier` with the inbox key), which also catches an earlier row that another transaction
+-- holds (skipped by the window, still in line). A row without partition_key, and every row
+-- with key order off, is a key of its own and a head whenever it is fetchable (R150). Keys are
+-- probed in head order and the probes stop at $5 heads. A head outside the window (a window
+-- full of rows queued behind blocked heads) is the store's business: it reads the whole line
+-- then (PgInbox).
+--
+-- The window's rows are read whole, once (the index read fetches each row for its lock
+-- anyway), and the heads are returned from them: no lookup by id follows. The sorts carry only
+-- the window's key columns, never the payloads.
 WITH
-win AS MATERIALIZED (
-    SELECT u.id, u.consumer_group, u.source, u.partition_key, u.scheduled_at, u.created_at,
-           CASE WHEN $4::int4 = 1 THEN u.partition_key END AS line_key,
-           CASE WHEN $4::int4 = 1 AND u.partition_key IS NOT NULL THEN NULL ELSE u.id END
-               AS own_key
-      FROM {table} u
-     WHERE u.consumer_group = $1::text AND {key_order:u} AND {due:u}
-       AND ($2::text[] IS NULL OR u.source = ANY($2::text[]))
-     ORDER BY u.scheduled_at, u.created_at, u.id
+win_u AS MATERIALIZED (
+    SELECT {t_columns}
+      FROM {table} t
+     WHERE {window_unlocked:t}
+     ORDER BY t.scheduled_at, t.created_at, t.id
      LIMIT $6::int8
        FOR UPDATE SKIP LOCKED
 ),
+win_x AS MATERIALIZED (
+    SELECT {t_columns}
+      FROM {table} t
+     WHERE {window_expired:t}
+     ORDER BY t.scheduled_at, t.created_at, t.id
+     LIMIT $6::int8
+       FOR UPDATE SKIP LOCKED
+),
+win AS (
+    SELECT w.id, w.consumer_group, w.source, w.partition_key, w.scheduled_at, w.created_at,
+           CASE WHEN $4::int4 = 1 THEN w.partition_key END AS line_key,
+           CASE WHEN $4::int4 = 1 AND w.partition_key IS NOT NULL THEN NULL ELSE w.id END
+               AS own_key
+      FROM (SELECT r.id, r.consumer_group, r.source, r.partition_key, r.scheduled_at,
+                   r.created_at
+              FROM win_u r
+            UNION ALL
+            SELECT r.id, r.consumer_group, r.source, r.partition_key, r.scheduled_at,
+                   r.created_at
+              FROM win_x r) w
+     ORDER BY w.scheduled_at, w.created_at, w.id
+     LIMIT $6::int8
+),
 heads AS MATERIALIZED (
-    SELECT c.id, c.scheduled_at, c.created_at
+    SELECT c.id
       FROM (SELECT k.* FROM (SELECT DISTINCT ON (d.source, d.line_key, d.own_key) d.*
                                FROM win d
                               ORDER BY d.source, d.line_key, d.own_key, d.created_at, d.id) k
@@ -45,6 +71,7 @@ heads AS MATERIALIZED (
      WHERE earlier.found IS NULL
      LIMIT $5::int8
 )
-SELECT {t_columns}
-  FROM heads h JOIN {table} t ON t.id = h.id AND t.created_at = h.created_at
- ORDER BY h.scheduled_at, h.created_at, h.id
+SELECT t.*
+  FROM (SELECT * FROM win_u UNION ALL SELECT * FROM win_x) t
+ WHERE t.id = ANY(ARRAY(SELECT h.id FROM heads h))
+ ORDER BY t.scheduled_at, t.created_at, t.id

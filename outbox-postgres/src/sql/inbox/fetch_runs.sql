@@ -12,16 +12,19 @@
 --
 -- Returns {columns} of the rows, per head one read of its key's line after it (never-tried
 -- future rows passed over, R29): one descent of idx_<p>_pending_key_order each, bounded by $6.
+-- Written like the `earlier` probe (see it): `same_key`, and the order (`key_first`,
+-- created_at, id) that only that index yields (but for id), so that no other index can serve
+-- the read whatever the planner's statistics.
 SELECT {t_columns}
-  FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::uuid[])
-           AS h(source, partition_key, created_at, id)
+  FROM (SELECT $1::text AS consumer_group, u.*
+          FROM unnest($2::text[], $3::text[], $4::timestamptz[], $5::uuid[])
+                   AS u(source, partition_key, created_at, id)) h
  CROSS JOIN LATERAL (
-       SELECT l.*
-         FROM {table} l
-        WHERE {key_order:l} AND l.consumer_group = $1::text AND l.source = h.source
-          AND l.partition_key = h.partition_key
-          AND l.created_at >= h.created_at AND (l.created_at > h.created_at OR l.id > h.id)
-          AND {in_line:l}
-        ORDER BY l.created_at, l.id
+       SELECT e.*
+         FROM {table} e
+        WHERE {key_order:e} AND {same_key:h}
+          AND e.created_at >= h.created_at AND (e.created_at > h.created_at OR e.id > h.id)
+          AND {in_line:e}
+        ORDER BY {key_first:e}, e.created_at, e.id
         LIMIT $6::int8
  ) t
