@@ -719,7 +719,7 @@ pub async fn y_22<F: InboxFactory>(f: &F) {
         .fetch_and_lock(&fetch_req("W1", 5))
         .await
         .unwrap();
-    assert_eq!(got.iter().map(|r| r.id).collect::<Vec<_>>(), free);
+    assert_eq!(got.iter().map(|r| r.id()).collect::<Vec<_>>(), free);
     assert!(
         c.backend()
             .fetch_and_lock(&fetch_req("W2", 5))

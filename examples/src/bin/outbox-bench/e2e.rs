@@ -389,10 +389,10 @@ async fn remove_nats_stream(_: &str, _: &str) {}
 
 #[cfg(feature = "redis")]
 async fn remove_redis_key(url: &str, key: &str) {
-    if let Ok(c) = redis::Client::open(url) {
-        if let Ok(mut c) = c.get_multiplexed_async_connection().await {
-            let _: Result<i64, _> = redis::cmd("DEL").arg(key).query_async(&mut c).await;
-        }
+    if let Ok(c) = redis::Client::open(url)
+        && let Ok(mut c) = c.get_multiplexed_async_connection().await
+    {
+        let _: Result<i64, _> = redis::cmd("DEL").arg(key).query_async(&mut c).await;
     }
 }
 
