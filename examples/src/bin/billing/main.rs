@@ -1,9 +1,10 @@
 //! `billing`: the consuming half of the two-service example (see examples/README.md, "Two
-//! services"). It reads the `order.placed` events that `orders` publishes, from NATS JetStream
-//! or Redis Streams, through the inbox: each message lands in `billing_service.inbox_events`
-//! and its handler writes one ledger row in the same transaction, so a message redelivered (a
-//! relay that published twice, a runner killed before its ack) is a duplicate and bills
-//! nothing twice; one customer's orders are billed in the order they were placed.
+//! services"). It reads the `order.placed` events that `orders` publishes, from NATS JetStream,
+//! Redis Streams, Kafka (feature `kafka`) or a RabbitMQ queue (feature `rabbitmq`), through the
+//! inbox: each message lands in `billing_service.inbox_events` and its handler writes one ledger
+//! row in the same transaction, so a message redelivered (a relay that published twice, a runner
+//! killed before its ack) is a duplicate and bills nothing twice; one customer's orders are
+//! billed in the order they were placed.
 //!
 //! ```sh
 //! cargo run -p outbox-examples --features redis --bin billing -- --broker nats
@@ -53,6 +54,12 @@ enum BrokerKind {
     /// Redis Streams: a consumer group.
     #[cfg(feature = "redis")]
     Redis,
+    /// Kafka: a consumer group reading the topic prefix + `orders`.
+    #[cfg(feature = "kafka")]
+    Kafka,
+    /// RabbitMQ: the runners of a group consume one queue (bound to the orders' routing key).
+    #[cfg(feature = "rabbitmq")]
+    Rabbitmq,
 }
 
 /// Bills each placed order once, in order per customer.
@@ -97,6 +104,32 @@ struct Args {
     /// How long a Redis entry stays idle before another consumer claims it.
     #[arg(long, default_value = "60s", value_parser = parse_dur)]
     claim_idle: Duration,
+    /// Kafka bootstrap brokers, host:port, comma separated.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "127.0.0.1:9092")]
+    kafka_brokers: String,
+    /// Kafka topic prefix (the relay's): the topic is prefix + `orders`.
+    #[arg(long, default_value = "shop.")]
+    kafka_topic_prefix: String,
+    /// The Kafka group session timeout: a runner that stops answering (a killed one) loses its
+    /// partitions after it.
+    #[arg(long, default_value = "10s", value_parser = parse_dur)]
+    kafka_session_timeout: Duration,
+    /// RabbitMQ URI.
+    #[arg(
+        long,
+        env = "AMQP_URL",
+        default_value = "amqp://guest:guest@127.0.0.1:5672/%2f",
+        hide_env_values = true
+    )]
+    amqp_url: String,
+    /// The RabbitMQ routing-key prefix (the relay's): a message's source is its routing key
+    /// without it when it carries no source header.
+    #[arg(long, default_value = "shop.")]
+    rabbitmq_routing_key_prefix: String,
+    /// The RabbitMQ quorum queue the group consumes (it must exist; default: the routing-key
+    /// prefix + `orders`, the queue the default exchange routes the orders to).
+    #[arg(long)]
+    rabbitmq_queue: Option<String>,
     /// The consumer group (one inbox line per group).
     #[arg(long, default_value = "billing")]
     group: String,
@@ -254,6 +287,24 @@ async fn main() -> Result<(), BoxError> {
     }
 }
 
+/// Runs `attempt` until it succeeds, every 2 s, printing why it failed: a runner started while
+/// PostgreSQL restarts waits for it instead of exiting.
+async fn until_ready<T, F, Fut>(what: &str, mut attempt: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, BoxError>>,
+{
+    loop {
+        match attempt().await {
+            Ok(v) => return v,
+            Err(e) => {
+                println!("billing: {what} is not ready ({e}); trying again in 2 s");
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            }
+        }
+    }
+}
+
 /// Consumes with a runner over `inbox` until SIGINT or SIGTERM: the store's part is done
 /// (tables created, inbox built); the rest is the same for every store.
 async fn consume<B: InboxBackend>(args: &Args, inbox: B, bill: Bill) -> Result<(), BoxError>
@@ -314,8 +365,12 @@ async fn shutdown_signal() {
     }
 }
 
-// `worker` names the Redis consumer; NATS names its durable consumer after the group.
-#[cfg_attr(not(feature = "redis"), allow(unused_variables))]
+// `worker` names the Redis consumer, the Kafka client and the RabbitMQ connection; NATS names its
+// durable consumer after the group.
+#[cfg_attr(
+    not(any(feature = "redis", feature = "kafka", feature = "rabbitmq")),
+    allow(unused_variables)
+)]
 async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>, BoxError> {
     Ok(match args.broker {
         BrokerKind::Nats => {
@@ -345,6 +400,51 @@ async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>
                     )
                     .key_prefix(args.redis_key_prefix.clone())
                     .claim_idle(args.claim_idle),
+                )
+                .await?,
+            )
+        }
+        #[cfg(feature = "kafka")]
+        BrokerKind::Kafka => {
+            use outbox_kafka_broker::{
+                KafkaBrokerConfig, KafkaSubscription, KafkaSubscriptionConfig,
+            };
+            Arc::new(
+                KafkaSubscription::connect(
+                    KafkaSubscriptionConfig::new(
+                        KafkaBrokerConfig::new(args.kafka_brokers.clone())
+                            .topic_prefix(args.kafka_topic_prefix.clone()),
+                        args.group.clone(),
+                        ["orders"],
+                    )
+                    .client_id(worker)
+                    .session_timeout(args.kafka_session_timeout)
+                    // A partition given up at a rebalance waits at most for the runs in flight.
+                    .revoke_timeout(args.handler_timeout + Duration::from_secs(5)),
+                )
+                .await?,
+            )
+        }
+        #[cfg(feature = "rabbitmq")]
+        BrokerKind::Rabbitmq => {
+            use outbox_rabbitmq_broker::{
+                RabbitMqBrokerConfig, RabbitSubscription, RabbitSubscriptionConfig,
+            };
+            let queue = args
+                .rabbitmq_queue
+                .clone()
+                .unwrap_or_else(|| format!("{}orders", args.rabbitmq_routing_key_prefix));
+            Arc::new(
+                RabbitSubscription::start(
+                    RabbitSubscriptionConfig::new(
+                        RabbitMqBrokerConfig::new(args.amqp_url.clone())
+                            .connection_name(format!("billing {worker}")),
+                        args.group.clone(),
+                        [queue],
+                    )
+                    .routing_key_prefix(args.rabbitmq_routing_key_prefix.clone())
+                    .concurrency(args.concurrency)
+                    .max_attempts(args.max_attempts),
                 )
                 .await?,
             )

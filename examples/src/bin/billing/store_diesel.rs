@@ -10,17 +10,20 @@ use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
 use outbox_diesel::inbox::{create_inbox_schema, diesel_inbox};
 use outbox_diesel::{Layout, PoolSettings, build_pool};
 
-use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables};
+use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
 
 /// Creates the tables and consumes.
 pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
     let (inbox_table, ledger) = tables(args)?;
-    let mut conn = outbox_diesel::tls::establish(&args.database_url).await?;
-    create_inbox_schema(&mut conn, &inbox_table, Layout::Plain).await?;
-    diesel::sql_query(ledger_ddl(&ledger))
-        .execute(&mut conn)
-        .await?;
-    drop(conn);
+    until_ready("the database", || async {
+        let mut conn = outbox_diesel::tls::establish(&args.database_url).await?;
+        create_inbox_schema(&mut conn, &inbox_table, Layout::Plain).await?;
+        diesel::sql_query(ledger_ddl(&ledger))
+            .execute(&mut conn)
+            .await?;
+        Ok(())
+    })
+    .await;
     let pool = build_pool(
         &args.database_url,
         &PoolSettings::default().max_size(args.max_connections as usize)?,

@@ -7,19 +7,23 @@ use outbox_postgres::Layout;
 use outbox_postgres::inbox::{SqlxInbox, create_inbox_schema};
 use outbox_postgres::sqlx::{self, AssertSqlSafe, Postgres, Transaction};
 
-use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables};
+use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
 
 /// Creates the tables and consumes.
 pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(args.max_connections)
-        .connect(&args.database_url)
-        .await?;
     let (inbox_table, ledger) = tables(args)?;
-    create_inbox_schema(&pool, &inbox_table, Layout::Plain).await?;
-    sqlx::query(AssertSqlSafe(ledger_ddl(&ledger)))
-        .execute(&pool)
-        .await?;
+    let pool = until_ready("the database", || async {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(args.max_connections)
+            .connect(&args.database_url)
+            .await?;
+        create_inbox_schema(&pool, &inbox_table, Layout::Plain).await?;
+        sqlx::query(AssertSqlSafe(ledger_ddl(&ledger)))
+            .execute(&pool)
+            .await?;
+        Ok(pool)
+    })
+    .await;
     let inbox = SqlxInbox::sqlx(pool, &inbox_table, Layout::Plain);
     consume(args, inbox, bill).await
 }

@@ -371,16 +371,18 @@ pub async fn run(a: RunArgs) -> Result<()> {
         None => a.loops * 2 + 3,
     };
     let db_at = outbox_core::redact::secrets(&a.db.database_url);
-    let Some(pool) = wait_for(&token, "the database", &db_at, || {
-        store::connect_pool(&a.db.database_url, pool_size)
+    // The connection and the table check both wait out a server that is down or restarting
+    // (a relay restarted during a PostgreSQL restart must not exit); a missing table or a
+    // refused login ends the run.
+    let Some(st) = wait_for(&token, "the database", &db_at, || async {
+        let pool = store::connect_pool(&a.db.database_url, pool_size).await?;
+        store::open_on(pool, &a.db.database_url, a.db.store, &a.db.table, pool_size).await
     })
     .await?
     else {
         return Ok(());
     };
-    let st = Arc::new(
-        store::open_on(pool, &a.db.database_url, a.db.store, &a.db.table, pool_size).await?,
-    );
+    let st = Arc::new(st);
     let broker_at = broker::redacted_url(&a.broker);
     let Some(broker) = wait_for(&token, "the broker", &broker_at, || {
         broker::build(&a.broker)

@@ -195,7 +195,16 @@ pub async fn table_exists(pool: &PgPool, table: &TableName) -> Result<bool> {
         .bind(table.dotted())
         .fetch_one(pool)
         .await
-        .map_err(|e| CliError::new(code::DATABASE, format!("checking table {table}: {e}")))
+        .map_err(|e| {
+            // A lost connection or a server shutting down or starting up is worth waiting
+            // for; any other answer is not.
+            let transient = e
+                .as_database_error()
+                .and_then(|d| d.code())
+                .is_none_or(|c| c.starts_with("08") || c.starts_with("57P") || c.starts_with("53"));
+            let err = CliError::new(code::DATABASE, format!("checking table {table}: {e}"));
+            if transient { err.retryable() } else { err }
+        })
 }
 
 /// Fails with exit 3 and the advice to migrate when the table is missing.
