@@ -433,6 +433,7 @@ async fn trial(kind: Kind, runners_kind: Runners) {
     let mut next_kill = at(2.0);
     let mut kill_turn = 0usize;
     let (mut refused, mut holed, mut restarted) = (false, false, false);
+    let mut restart_at: Option<chrono::DateTime<chrono::Utc>> = None;
     let outage_at = f64::from(seconds) * 0.2;
     let pg_at = f64::from(seconds) * 0.7;
     let broker_restart_at = f64::from(seconds) * 0.85;
@@ -480,6 +481,10 @@ async fn trial(kind: Kind, runners_kind: Runners) {
                 "e2e: PostgreSQL restart ({})",
                 if real_pg { "real" } else { "proxy" }
             );
+            restart_at = sqlx::query_scalar::<_, chrono::DateTime<chrono::Utc>>("SELECT now()")
+                .fetch_one(&pool)
+                .await
+                .ok();
             pg_fault.restart().await;
             restarted = true;
             figures.pg_restarts += 1;
@@ -606,6 +611,37 @@ async fn trial(kind: Kind, runners_kind: Runners) {
         .into_iter()
         .filter(|(_, seqs)| seqs.windows(2).any(|w| w[1] != w[0] + 1) || seqs.first() != Some(&1))
         .collect();
+    // R146 (f): after a persistence error (the PostgreSQL restart) a delivery goes back to the
+    // broker, and a later message of its key handed out before it returns lands first. Such
+    // inversions, all billed within 30 s of the restart, are reported, not failed.
+    let near_restart: HashSet<String> = match restart_at {
+        Some(t) => sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT customer FROM (
+                 SELECT customer, seq, billed_at,
+                        row_number() OVER (PARTITION BY customer ORDER BY id) AS pos
+                   FROM {billing_schema}.billing_ledger) x
+              WHERE seq <> pos
+              GROUP BY customer
+             HAVING bool_and(billed_at BETWEEN $1 AND $1 + interval '30 seconds')"
+        )))
+        .bind(t)
+        .fetch_all(&pool)
+        .await
+        .expect("inversions near the restart")
+        .into_iter()
+        .collect::<HashSet<String>>(),
+        None => HashSet::new(),
+    };
+    let (after_restart, out_of_order): (BTreeMap<String, Vec<i32>>, BTreeMap<String, Vec<i32>>) =
+        out_of_order
+            .into_iter()
+            .partition(|(c, _)| near_restart.contains(c));
+    if !after_restart.is_empty() {
+        println!(
+            "e2e {kind:?}: {} customers billed out of write order right after the PostgreSQL restart (R146 (f): not promised across a persistence error): {after_restart:?}",
+            after_restart.len()
+        );
+    }
     let failures_recorded = q(format!(
         "SELECT coalesce(sum(attempts_made), 0)::int8 FROM {billing_schema}.inbox_events"
     ))
