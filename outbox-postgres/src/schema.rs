@@ -1,5 +1,5 @@
 //! Creating the schema with sqlx: [`create_schema`], [`create_schema_with`] and
-//! [`ensure_partitions`].
+//! [`ensure_partitions`]; what stands under a table's name: [`table_kind`].
 
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPool;
@@ -46,6 +46,36 @@ pub async fn ensure_partitions(
     let n = sql::partitioned::check_months_ahead(months_ahead)?;
     let stmt = sql::partitioned::ensure_partitions(table, n);
     locked_ddl(pool, table, "partition maintenance", vec![stmt]).await
+}
+
+/// What stands under a table's name ([`table_kind`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TableKind {
+    /// Nothing has that name.
+    Missing,
+    /// An ordinary table (the plain layout).
+    Plain,
+    /// A partitioned table (the partitioned layout).
+    Partitioned,
+    /// Something else (a view, a sequence, …): its `pg_class.relkind`.
+    Other(String),
+}
+
+/// What stands under `table`'s name (statement [`Statements::table_kind`], the name bound). The
+/// error is sqlx's own, so that a caller can tell a server that is down (SQLSTATE class 08, 57P,
+/// 53, or none) from one that refuses.
+pub async fn table_kind(pool: &PgPool, table: &TableName) -> Result<TableKind, sqlx::Error> {
+    let stmts = Statements::new(table);
+    let kind: Option<String> = sqlx::query_scalar(AssertSqlSafe(stmts.table_kind))
+        .bind(table.dotted())
+        .fetch_optional(pool)
+        .await?;
+    Ok(match kind.as_deref() {
+        None => TableKind::Missing,
+        Some("r") => TableKind::Plain,
+        Some("p") => TableKind::Partitioned,
+        Some(other) => TableKind::Other(other.to_owned()),
+    })
 }
 
 async fn locked_ddl(

@@ -189,6 +189,11 @@ pub struct Statements {
     /// failed row, oldest first.
     pub failed_ids: String,
 
+    /// What stands under the table's name (the relay binary's checks before `run` and
+    /// `migrate`): `statements/table_kind.sql`, `$1 text` the dotted table name. Returns at most
+    /// one row, one column `relkind text` (`r` plain, `p` partitioned).
+    pub table_kind: String,
+
     /// Test clock (the conformance harness's `advance`): `$1 int8` microseconds. Moves created_at,
     /// scheduled_at, locked_at, completed_at and updated_at of every row back by that much.
     #[cfg(feature = "testing")]
@@ -218,6 +223,7 @@ pub(super) mod text {
     pub const OLDEST_DUE_AGE: &str = include_str!("statements/oldest_due_age.sql");
     pub const DRAINED: &str = include_str!("statements/drained.sql");
     pub const FAILED_IDS: &str = include_str!("statements/failed_ids.sql");
+    pub const TABLE_KIND: &str = include_str!("statements/table_kind.sql");
     #[cfg(feature = "testing")]
     pub const SHIFT_CLOCK: &str = include_str!("statements/shift_clock.sql");
     pub const DELIVERY_BEGIN: &str = include_str!("statements/delivery_begin.sql");
@@ -314,6 +320,7 @@ impl Statements {
             oldest_due_age: r(text::OLDEST_DUE_AGE),
             drained: r(text::DRAINED),
             failed_ids: r(text::FAILED_IDS),
+            table_kind: r(text::TABLE_KIND),
             #[cfg(feature = "testing")]
             shift_clock: r(text::SHIFT_CLOCK),
         }

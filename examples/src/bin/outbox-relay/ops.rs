@@ -6,7 +6,7 @@ use outbox_core::event::Status;
 use outbox_core::repository::{DEFAULT_CLEANUP_MAX_ITERATIONS, check_backend_batch_size};
 use uuid::Uuid;
 
-use outbox_postgres::Layout;
+use outbox_postgres::{Layout, TableKind};
 
 use crate::DbArgs;
 use crate::error::{CliError, Result, code};
@@ -114,17 +114,12 @@ pub async fn migrate(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Resul
 /// changed (the schema creation would refuse it too, as a failure).
 async fn refuse_plain_table(db: &DbArgs) -> Result<()> {
     let pool = store::connect_pool(&db.database_url, 1).await?;
-    let kind: Option<String> =
-        sqlx::query_scalar("SELECT relkind::text FROM pg_class WHERE oid = to_regclass($1)")
-            .bind(db.table.dotted())
-            .fetch_optional(&pool)
-            .await
-            .map_err(|e| {
-                CliError::new(code::DATABASE, format!("checking table {}: {e}", db.table))
-            })?;
-    match kind.as_deref() {
-        None | Some("p") => Ok(()),
-        Some(_) => Err(CliError::new(
+    let kind = outbox_postgres::table_kind(&pool, &db.table)
+        .await
+        .map_err(|e| CliError::new(code::DATABASE, format!("checking table {}: {e}", db.table)))?;
+    match kind {
+        TableKind::Missing | TableKind::Partitioned => Ok(()),
+        TableKind::Plain | TableKind::Other(_) => Err(CliError::new(
             code::REFUSED,
             format!(
                 "the outbox table {} exists and is not partitioned; --partitioned never converts a table: migrate it without --partitioned, or pick another --table for the partitioned one",

@@ -191,10 +191,9 @@ pub async fn connect_pool(url: &str, max: u32) -> Result<PgPool> {
 
 /// Whether the table exists.
 pub async fn table_exists(pool: &PgPool, table: &TableName) -> Result<bool> {
-    sqlx::query_scalar::<_, bool>("SELECT to_regclass($1) IS NOT NULL")
-        .bind(table.dotted())
-        .fetch_one(pool)
+    outbox_postgres::table_kind(pool, table)
         .await
+        .map(|k| k != outbox_postgres::TableKind::Missing)
         .map_err(|e| {
             // A lost connection or a server shutting down or starting up is worth waiting
             // for; any other answer is not.
