@@ -717,11 +717,12 @@ pub async fn e_12<F: InboxFactory>(f: &F) {
     assert_eq!(stored(&row), want(&[]), "event_id is a name R137 reads");
 }
 
-/// E-13 (NATS and RabbitMQ rows): CloudEvents attribute headers are read where R137 puts them
-/// (NATS names in any case, values percent-decoded; RabbitMQ under either separator of the AMQP
-/// binding) and never stored; a NATS value that is not percent-encoded UTF-8 is invalid
-/// (R137, R139, R180).
+/// E-13: CloudEvents attribute headers are read where R137 puts them and never stored: Kafka's
+/// `ce_` headers (and `content-type` only with `ce_specversion`), NATS names in any case with
+/// values percent-decoded, RabbitMQ under either separator of the AMQP binding; a NATS value that
+/// is not percent-encoded UTF-8 is invalid (R137, R139, R141, R180).
 pub async fn e_13<F: InboxFactory>(f: &F) {
+    e_13_kafka(f).await;
     let c = Ictx::new(f).await;
     let m = c.msgs.nats(
         &[
@@ -767,4 +768,56 @@ pub async fn e_13<F: InboxFactory>(f: &F) {
         assert_eq!(row.message_id, format!("c1{sep}"));
         assert_eq!(row.headers.unwrap_or_default(), BTreeMap::new(), "{sep}");
     }
+}
+
+/// E-13's Kafka rows, on a table of their own (their message ids repeat the NATS row's).
+async fn e_13_kafka<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = Some("{\"n\": 1}");
+    let v = |s: &'static str| Some(s.as_bytes());
+    let stored = |row: &InboxEvent| row.headers.clone().unwrap_or_default();
+    let want = |h: &[(&str, &str)]| -> BTreeMap<String, String> { own(h).into_iter().collect() };
+    let m = c.msgs.kafka(
+        0,
+        &[
+            ("ce_specversion", v("1.0")),
+            ("ce_id", v("c1")),
+            ("ce_type", v("t.x")),
+            ("ce_source", v("/s")),
+            ("ce_time", v("2026-12-01T10:15:30Z")),
+            ("ce_partitionkey", v("k9")),
+            ("content-type", v("application/json")),
+            ("tenant", v("acme")),
+        ],
+        Some(b"rk"),
+        body,
+    );
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(
+        (
+            row.message_id.as_str(),
+            row.event_type.as_str(),
+            row.partition_key.as_deref()
+        ),
+        ("c1", "t.x", Some("k9"))
+    );
+    assert_eq!(
+        stored(&row),
+        want(&[("tenant", "acme")]),
+        "no ce_ header and no content-type stored in CloudEvents mode"
+    );
+    let m = c
+        .msgs
+        .kafka(0, &[("event_id", v("e1")), ("ce_id", v("c1"))], None, body);
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(row.message_id, "e1", "event_id comes before ce_id");
+    let m = c
+        .msgs
+        .kafka(0, &[("content-type", v("application/json"))], None, body);
+    let row = land_msg(&c, m, false).await.expect("landed");
+    assert_eq!(
+        stored(&row),
+        want(&[("content-type", "application/json")]),
+        "without ce_specversion, content-type is an ordinary header"
+    );
 }
