@@ -13,7 +13,7 @@
 //! batch while the group has more fetchable rows than the window (a window full of rows queued
 //! behind blocked heads, or of a few long lines) does it read the group's whole lines instead.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -23,26 +23,23 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::error::RepositoryError;
-use outbox_core::event::{Status, WorkerId, force_unlock_text};
+use outbox_core::event::{Status, WorkerId, force_unlock_text, limits, normalize_error};
 use outbox_core::inbox::ordering as inbox_order;
 use outbox_core::inbox::repository::{
-    InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxFetched,
-    InboxRepository, InboxStatusCount,
+    Guard, InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxFetched,
+    InboxRepository, InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite, WrittenState,
 };
-use outbox_core::inbox::{ConsumerGroup, InboxEvent};
+use outbox_core::inbox::{ConsumerGroup, InboxEvent, InboxKey, NewInboxEvent};
 use outbox_core::ordering;
-use outbox_core::repository::{BLOCKED_WAITING_CAP, args};
+use outbox_core::repository::{BLOCKED_WAITING_CAP, FetchFilter, Retry, args};
 use uuid::Uuid;
 
-use crate::driver::inbox::{InboxDriver, InboxRawRow, InboxRows};
+use crate::driver::inbox::{
+    InboxDriver, InboxRawRow, InboxRows, nullable_int8, nullable_text, nullable_timestamp,
+};
 use crate::driver::{Bind, Connection, Driver};
 use crate::inbox::sql::InboxStatements;
-use crate::sql::{Layout, TableName, micros};
-
-mod fetch;
-mod transaction;
-
-pub use transaction::PgInboxTx;
+use crate::sql::{Layout, TableName, fetch_window, micros};
 
 /// How many rows one round of release_stale_locks releases (R63), and the round bound.
 const STALE_BATCH: i64 = 1000;
@@ -249,6 +246,192 @@ where
 }
 
 impl<D: Driver> PgInbox<D> where D::Conn: InboxRows {}
+
+/// The fetch (R149, R150, R85), its parts run in the fetch's transaction; each returns the ids
+/// to stamp, in return order (R22), every one row-locked by this transaction.
+impl<D: Driver> Conn<'_, D>
+where
+    D::Conn: InboxRows,
+{
+    /// The bounded fetch: the heads of a window of the group's oldest fetchable rows
+    /// (`fetch_heads`), each keyed head's line after it up to what the batch can take
+    /// (`fetch_runs`), the batch chosen by the outbox's rules ([`choose`]) over these rows, and
+    /// the chosen run rows row-locked without waiting; a run is cut before a row another
+    /// transaction holds (R28), and nothing past the batch is locked but the window. A head that
+    /// does not decode is taken alone: it fails before its key's next row could run (R106). Its work
+    /// is bounded by the batch: the window (twice the batch), at most a batch of LIMIT 1 probes
+    /// and a batch of line reads of at most max_per_key − 1 rows.
+    async fn fetch_windowed(
+        &mut self,
+        s: &InboxStatements,
+        req: &InboxFetchRequest,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let group = String::from(req.group.as_str());
+        let heads = self
+            .rows(
+                &s.fetch_heads,
+                &[
+                    Bind::Text(group.clone()),
+                    Bind::OptTexts(req.sources.clone()),
+                    Bind::Int8(micros(req.lease_ttl)),
+                    Bind::Int4(i32::from(req.key_order)),
+                    Bind::Int8(i64::try_from(req.limit).unwrap_or(i64::MAX)),
+                    Bind::Int8(fetch_window(req.limit)),
+                ],
+            )
+            .await?;
+        if heads.is_empty() {
+            return Ok(Vec::new());
+        }
+        let undecodable: HashSet<Uuid> = heads
+            .iter()
+            .filter(|h| h.problem().is_some())
+            .map(|h| h.id)
+            .collect();
+        let heads = views(heads);
+        let head_ids: HashSet<Uuid> = heads.iter().map(|h| h.id).collect();
+        let keyed: Vec<&InboxEvent> = heads
+            .iter()
+            .filter(|h| req.key_order && h.partition_key.is_some() && !undecodable.contains(&h.id))
+            .collect();
+        let per_key = (req.max_per_key.max(1) - 1).min(req.limit.saturating_sub(heads.len()));
+        let mut rows = heads.clone();
+        if per_key > 0 && !keyed.is_empty() {
+            rows.extend(views(
+                self.rows(
+                    &s.fetch_runs,
+                    &[
+                        Bind::Text(group),
+                        Bind::Texts(keyed.iter().map(|h| h.source.clone()).collect()),
+                        Bind::Texts(
+                            keyed
+                                .iter()
+                                .map(|h| h.partition_key.clone().unwrap_or_default())
+                                .collect(),
+                        ),
+                        Bind::NullableTimestamps(
+                            keyed.iter().map(|h| Some(h.created_at)).collect(),
+                        ),
+                        Bind::Uuids(keyed.iter().map(|h| h.id).collect()),
+                        Bind::Int8(i64::try_from(per_key).unwrap_or(i64::MAX)),
+                    ],
+                )
+                .await?,
+            ));
+        }
+        let ids = choose(&rows, now, req);
+        let run_ids: Vec<Uuid> = ids
+            .iter()
+            .filter(|id| !head_ids.contains(id))
+            .copied()
+            .collect();
+        if run_ids.is_empty() {
+            return Ok(ids);
+        }
+        let locked: HashSet<Uuid> = self
+            .rows(&s.try_lock, &[Bind::Uuids(run_ids.clone())])
+            .await?
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        if locked.len() == run_ids.len() {
+            return Ok(ids);
+        }
+        mark_held(&mut rows, &run_ids, &locked, now);
+        // Runs cut before the rows held elsewhere; a run the cut would lengthen beyond what was
+        // locked keeps what was locked (a prefix of it).
+        Ok(choose(&rows, now, req)
+            .into_iter()
+            .filter(|id| head_ids.contains(id) || locked.contains(id))
+            .collect())
+    }
+
+    /// Whether the group has more fetchable rows than the window read: only then can a head
+    /// lie outside it (R20).
+    async fn window_overflows(
+        &mut self,
+        s: &InboxStatements,
+        req: &InboxFetchRequest,
+    ) -> Result<bool, RepositoryError> {
+        let n = self
+            .int8(
+                &s.window_overflow,
+                &[
+                    Bind::Text(String::from(req.group.as_str())),
+                    Bind::OptTexts(req.sources.clone()),
+                    Bind::Int8(micros(req.lease_ttl)),
+                    Bind::Int8(fetch_window(req.limit)),
+                ],
+            )
+            .await?;
+        Ok(n == Some(1))
+    }
+
+    /// The whole-line fetch, when the window may have missed heads (it is full of rows queued
+    /// behind blocked heads, or of a few long lines): every in-line row of the group is read and
+    /// every fetchable one row-locked without waiting (one held elsewhere holds its key), then
+    /// the batch chosen. Its work grows with the group's in-line rows; a bounded key walk (the
+    /// outbox fetch's path B) is not carried over yet.
+    async fn fetch_whole_lines(
+        &mut self,
+        s: &InboxStatements,
+        req: &InboxFetchRequest,
+        now: DateTime<Utc>,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let binds = [
+            Bind::Text(String::from(req.group.as_str())),
+            Bind::OptTexts(req.sources.clone()),
+        ];
+        let mut rows = views(self.rows(&s.in_line_rows, &binds).await?);
+        let fetchable: Vec<Uuid> = rows
+            .iter()
+            .filter(|r| inbox_order::fetchable(r, now, req.lease_ttl))
+            .map(|r| r.id)
+            .collect();
+        if fetchable.is_empty() {
+            return Ok(Vec::new());
+        }
+        let locked: HashSet<Uuid> = self
+            .rows(&s.try_lock, &[Bind::Uuids(fetchable.clone())])
+            .await?
+            .into_iter()
+            .map(|r| r.id)
+            .collect();
+        mark_held(&mut rows, &fetchable, &locked, now);
+        Ok(choose(&rows, now, req))
+    }
+}
+
+/// Marks the rows of `tried` that this transaction could not row-lock as held (in line for
+/// their key, not fetchable), so that [`choose`] skips them and cuts their runs.
+fn mark_held(rows: &mut [InboxEvent], tried: &[Uuid], locked: &HashSet<Uuid>, now: DateTime<Utc>) {
+    for r in rows.iter_mut() {
+        if tried.contains(&r.id) && !locked.contains(&r.id) {
+            r.locked_at = Some(now);
+            r.locked_by = Some("(row-locked)".into());
+        }
+    }
+}
+
+/// The outbox view of the rows, chosen by the outbox's rules (R149, R150).
+fn choose(rows: &[InboxEvent], now: DateTime<Utc>, req: &InboxFetchRequest) -> Vec<Uuid> {
+    let views: Vec<_> = rows
+        .iter()
+        .map(|r| inbox_order::view(r, req.key_order))
+        .collect();
+    ordering::select(
+        views.iter(),
+        now,
+        req.limit,
+        req.lease_ttl,
+        req.max_per_key,
+        &FetchFilter::none(),
+    )
+    .into_iter()
+    .map(|v| v.id)
+    .collect()
+}
 
 #[async_trait]
 impl<D: Driver> InboxRepository for PgInbox<D>
@@ -520,5 +703,355 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
             faults: self.faults.clone(),
             timeout_before: None,
         })
+    }
+}
+
+/// One open inbox transaction over a driver transaction `T`.
+pub struct PgInboxTx<D: Driver> {
+    tx: D::Tx,
+    stmts: Arc<InboxStatements>,
+    faults: Arc<InboxFaults>,
+    timeout_before: Option<String>,
+}
+
+impl<D: Driver> std::fmt::Debug for PgInboxTx<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgInboxTx")
+            .field("table", &self.stmts.table)
+            .finish()
+    }
+}
+
+fn error_text(e: &str) -> String {
+    normalize_error(
+        &e.replace('\0', "\u{FFFD}"),
+        limits::DEFAULT_ERROR_MAX_LENGTH,
+    )
+}
+
+fn retry_binds(retry: &Retry) -> (Bind, Bind) {
+    match retry {
+        Retry::Keep => (nullable_int8(None), nullable_timestamp(None)),
+        Retry::After(d) => (nullable_int8(Some(micros(*d))), nullable_timestamp(None)),
+        Retry::At(t) => (nullable_int8(None), nullable_timestamp(Some(*t))),
+    }
+}
+
+impl<D: Driver> PgInboxTx<D>
+where
+    D::Conn: InboxRows,
+{
+    fn c(&mut self) -> Conn<'_, D> {
+        Conn {
+            c: &mut *self.tx,
+            table: &self.stmts.table,
+        }
+    }
+
+    /// The statement `write` (R126, R128, R154): the row as written, undecoded.
+    async fn write_raw(
+        &mut self,
+        id: Uuid,
+        write: &RowWrite,
+    ) -> Result<InboxRawRow, RepositoryError> {
+        let s = self.stmts.clone();
+        let (kind, error, (after, at)) = match write {
+            RowWrite::Complete => ("complete", None, retry_binds(&Retry::Keep)),
+            RowWrite::Counted { error, retry } => {
+                ("counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::NotCounted { error, retry } => {
+                ("not_counted", Some(error_text(error)), retry_binds(retry))
+            }
+            RowWrite::Terminal { error } => (
+                "terminal",
+                Some(error_text(error)),
+                retry_binds(&Retry::Keep),
+            ),
+            RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
+        };
+        let binds = [
+            Bind::Uuid(id),
+            Bind::Text(String::from(kind)),
+            nullable_text(error.as_deref()),
+            after,
+            at,
+        ];
+        self.c()
+            .rows(&s.write, &binds)
+            .await?
+            .into_iter()
+            .next()
+            .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
+    }
+
+    async fn land_one(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
+        let s = self.stmts.clone();
+        let key = [
+            Bind::Text(String::from(e.message_id())),
+            Bind::Text(String::from(e.consumer_group())),
+        ];
+        if s.layout == Layout::Partitioned {
+            // A dedup key already stored needs no insert, so nothing to serialize: its row is
+            // returned without the advisory lock, and a processor's T_row that holds the lock
+            // while its handler runs (R152) is not waited for; the row lock that follows skips
+            // that row (R116 step 3; G-05).
+            if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
+                return Ok(Landed {
+                    row,
+                    inserted: false,
+                });
+            }
+            // R111: the dedup key's advisory lock, then the rows of the key.
+            self.c().execute(&s.dedup_lock, &key).await?;
+            if let Some(row) = one(self.c().rows(&s.by_message_id, &key).await?)? {
+                return Ok(Landed {
+                    row,
+                    inserted: false,
+                });
+            }
+        }
+        let payload = serde_json::Value::Object(e.payload().clone()).to_string();
+        let headers = e
+            .headers()
+            .map(|h| serde_json::to_string(h).expect("a string map serializes"));
+        let row = e.clone().into_row(DateTime::<Utc>::MIN_UTC);
+        let binds = [
+            Bind::Uuid(e.id()),
+            Bind::Text(String::from(e.event_type())),
+            Bind::Text(payload),
+            nullable_text(headers.as_deref()),
+            nullable_text(row.trace_id.as_deref()),
+            nullable_text(row.correlation_id.as_deref()),
+            nullable_text(row.causation_id.as_deref()),
+            nullable_text(row.schema_version.as_deref()),
+            Bind::Int4(e.max_attempts()),
+            Bind::Text(String::from(e.message_id())),
+            Bind::Text(String::from(e.consumer_group())),
+            Bind::Text(String::from(e.source())),
+            nullable_text(e.partition_key()),
+        ];
+        if let Some(row) = one(self.c().rows(&s.land, &binds).await?)? {
+            return Ok(Landed {
+                row,
+                inserted: true,
+            });
+        }
+        match one(self.c().rows(&s.by_message_id, &key).await?)? {
+            Some(row) => Ok(Landed {
+                row,
+                inserted: false,
+            }),
+            None => Err(RepositoryError::Other(format!(
+                "landing message {} of group {} inserted nothing and found no row (an id conflict?)",
+                e.message_id(),
+                e.consumer_group()
+            ))),
+        }
+    }
+}
+
+#[async_trait]
+impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
+    type Handle = D::Handle;
+
+    fn handle(&mut self) -> &mut D::Handle {
+        D::handle(&mut self.tx)
+    }
+
+    async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Text(String::from(key.consumer_group.as_str())),
+            Bind::Text(String::from(key.source.as_str())),
+            Bind::Text(String::from(key.partition_key.as_str())),
+        ];
+        self.c().execute(&s.key_lock, &binds).await?;
+        Ok(())
+    }
+
+    async fn land(&mut self, events: Vec<NewInboxEvent>) -> Result<Vec<Landed>, RepositoryError> {
+        let mut out = Vec::with_capacity(events.len());
+        for e in &events {
+            out.push(self.land_one(e).await?);
+        }
+        Ok(out)
+    }
+
+    async fn lock_row(&mut self, id: Uuid) -> Result<RowLock, RepositoryError> {
+        let s = self.stmts.clone();
+        if let Some(r) = one(self.c().rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
+            return Ok(RowLock::Locked(r));
+        }
+        Ok(match self.c().int8(&s.exists, &[Bind::Uuid(id)]).await? {
+            Some(n) if n > 0 => RowLock::Busy,
+            _ => RowLock::Missing,
+        })
+    }
+
+    async fn earlier_in_line(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
+        let Some(pk) = row.partition_key.as_deref() else {
+            return Ok(false);
+        };
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Text(String::from(row.consumer_group.as_str())),
+            Bind::Text(String::from(row.source.as_str())),
+            Bind::Text(String::from(pk)),
+            Bind::Timestamp(row.created_at),
+            Bind::Uuid(row.id),
+        ];
+        Ok(self.c().int8(&s.earlier, &binds).await?.unwrap_or(0) > 0)
+    }
+
+    async fn completed_sibling(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
+        if self.stmts.layout != Layout::Partitioned {
+            // The unique index rules siblings out on the plain table (R164).
+            return Ok(false);
+        }
+        let s = self.stmts.clone();
+        let key = [
+            Bind::Text(String::from(row.message_id.as_str())),
+            Bind::Text(String::from(row.consumer_group.as_str())),
+        ];
+        self.c().execute(&s.dedup_lock, &key).await?;
+        let binds = [key[0].clone(), key[1].clone(), Bind::Uuid(row.id)];
+        Ok(self
+            .c()
+            .int8(&s.completed_sibling, &binds)
+            .await?
+            .unwrap_or(0)
+            > 0)
+    }
+
+    async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        self.c().execute(&s.savepoint, &[]).await?;
+        // Whole milliseconds, rounded up (R181); at least 1 (0 would turn the bound off).
+        let ms = timeout.as_micros().div_ceil(1000).max(1);
+        let before = self
+            .c()
+            .text(&s.statement_timeout, &[Bind::Text(ms.to_string())])
+            .await?;
+        self.timeout_before = before;
+        Ok(())
+    }
+
+    async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        self.c().execute(&s.release_savepoint, &[]).await?;
+        if let Some(before) = self.timeout_before.take() {
+            self.c()
+                .execute(&s.restore_timeout, &[Bind::Text(before)])
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn rollback_to_savepoint(&mut self) -> Result<(), RepositoryError> {
+        // The rollback also undoes the statement timeout's set_config.
+        self.timeout_before = None;
+        let s = self.stmts.clone();
+        self.c().execute(&s.rollback_to_savepoint, &[]).await?;
+        Ok(())
+    }
+
+    async fn write(&mut self, id: Uuid, write: RowWrite) -> Result<InboxEvent, RepositoryError> {
+        decoded(self.write_raw(id, &write).await?)
+    }
+
+    async fn guard(&mut self, guard: &Guard) -> Result<Option<InboxEvent>, RepositoryError> {
+        let s = self.stmts.clone();
+        match guard {
+            Guard::Reland(e) => {
+                let l = self.land_one(e).await?;
+                Ok(l.inserted.then_some(l.row))
+            }
+            Guard::Unchanged {
+                id,
+                attempts_made,
+                scheduled_at,
+                lease_ttl,
+            } => {
+                let now = self.c().now(&s.now).await?;
+                Ok(match self.lock_row(*id).await? {
+                    RowLock::Locked(r)
+                        if r.status == Status::Pending
+                            && (r.locked_at.is_none()
+                                || inbox_order::lease_expired(&r, now, *lease_ttl))
+                            && r.attempts_made == *attempts_made
+                            && r.scheduled_at == *scheduled_at =>
+                    {
+                        Some(r)
+                    }
+                    _ => None,
+                })
+            }
+            Guard::HeldBy { id, worker } => Ok(match self.lock_row(*id).await? {
+                RowLock::Locked(r)
+                    if r.status == Status::Pending
+                        && r.locked_by.as_deref() == Some(worker.as_str()) =>
+                {
+                    Some(r)
+                }
+                _ => None,
+            }),
+        }
+    }
+
+    /// Reads the row undecoded: the guard on its raw status and lease, then the write, whose
+    /// returned row is read for its state only (R106; Y-16).
+    async fn fail_undecodable(
+        &mut self,
+        id: Uuid,
+        worker: &WorkerId,
+        error: &str,
+        retry: Retry,
+    ) -> Result<Option<WrittenState>, RepositoryError> {
+        let s = self.stmts.clone();
+        let held = self
+            .c()
+            .rows(&s.lock_row, &[Bind::Uuid(id)])
+            .await?
+            .into_iter()
+            .next()
+            .is_some_and(|r| {
+                r.status == Status::Pending.as_str()
+                    && r.locked_by.as_deref() == Some(worker.as_str())
+            });
+        if !held {
+            return Ok(None);
+        }
+        let error = error.to_owned();
+        let w = self
+            .write_raw(id, &RowWrite::Counted { error, retry })
+            .await?;
+        let status = w.status.parse().map_err(|_| {
+            RepositoryError::Other(format!(
+                "inbox row {id}: status {:?} is not one of the three",
+                w.status
+            ))
+        })?;
+        Ok(Some(WrittenState {
+            status,
+            attempts_made: w.attempts_made,
+            last_error: w.last_error,
+            scheduled_at: w.scheduled_at,
+        }))
+    }
+
+    async fn commit(self) -> Result<(), RepositoryError> {
+        let table = self.stmts.table.clone();
+        if self.faults.fail_next_commit.swap(false, Ordering::SeqCst) {
+            let _ = D::rollback(&table, self.tx).await;
+            return Err(RepositoryError::Unavailable {
+                message: "injected failure of the commit (fail_next_row_commit)".into(),
+            });
+        }
+        D::commit(&table, self.tx).await
+    }
+
+    async fn rollback(self) {
+        let _ = D::rollback(&self.stmts.table, self.tx).await;
     }
 }
