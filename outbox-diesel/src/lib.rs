@@ -15,6 +15,7 @@ pub mod tls;
 mod writer;
 
 pub use error::Error;
+pub use inbox::{DieselInbox, create_inbox_schema, diesel_inbox};
 pub use listen::WakeListener;
 pub use migrations::{
     OutboxMigrations, create_schema, create_schema_with, ensure_partitions, run_migrations,

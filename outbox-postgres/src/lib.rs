@@ -20,6 +20,8 @@ pub mod testing;
 
 pub use error::Error;
 #[cfg(feature = "sqlx")]
+pub use inbox::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
+#[cfg(feature = "sqlx")]
 pub use listen::WakeListener;
 pub use outbox::PgConfig;
 #[cfg(feature = "sqlx")]

@@ -4,7 +4,7 @@
 use async_trait::async_trait;
 use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
 use outbox_postgres::Layout;
-use outbox_postgres::inbox::{SqlxInbox, create_inbox_schema};
+use outbox_postgres::{SqlxInbox, create_inbox_schema};
 use outbox_postgres::sqlx::{self, AssertSqlSafe, Postgres, Transaction};
 
 use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
