@@ -182,6 +182,19 @@ pub enum RepositoryError {
     /// The table or schema is missing or does not match; run the migrations.
     #[error("schema problem: {0}")]
     Schema(String),
+    /// A stored row that cannot be decoded (R106): a row written by others whose headers are
+    /// not a string map, whose status is not one of the three, or with a column the driver
+    /// cannot read. Nothing was written. The inbox runner leaves such a row to the processor
+    /// and commits the delivery (R130) instead of treating this as a persistence error.
+    #[error("undecodable row: row {id}: {reason}")]
+    Undecodable {
+        /// The row's id.
+        id: uuid::Uuid,
+        /// Its status, when that column reads as one of the three.
+        status: Option<crate::event::Status>,
+        /// What could not be decoded.
+        reason: String,
+    },
     /// Any other backend failure.
     #[error("backend error: {0}")]
     Other(String),

@@ -8,7 +8,8 @@
 //! through exactly the indexes it is written for: the window through `idx_<p>_pending_window`
 //! (and `idx_<p>_locked_at` for expired leases), the earlier-row probes and the runs through
 //! `idx_<p>_pending_key_order`, the oldest due age through `idx_<p>_pending_group`, the locks
-//! and the lease stamp through the primary key. The plans are checked by
+//! and the lease stamp through the primary key, the key walk through `idx_<p>_pending_key_order`
+//! (and the window index for the rows without partition_key). The plans are checked by
 //! `outbox_postgres::testing::plan`, shared with the outbox's `tests/fetch_plan.rs`.
 //!
 //! The statistics states (the table's autovacuum is off, so they stay as made):
@@ -23,8 +24,9 @@
 //! The backlogs (group `g`, source `src`): a burst (20,000 pending rows over 1,000 keys, the
 //! window answers) and a blocked key (a head waiting for its retry an hour later with 20,000 due
 //! rows behind it, then 1,000 keys of one due row each: the window is full of rows that cannot
-//! go, so the fetch finds no head in it and the overflow check sends the store to its
-//! whole-line read, which is unbounded by nature and not explained here).
+//! go, so the fetch finds no head in it and the overflow check sends the store to its key walk,
+//! `fetch_walk`: its nodes read at most [`NODE_BOUND`] rows there too, and it finds a batch of
+//! heads past the window, none of the blocked key).
 //!
 //! Not here: the lookups by id on the partitioned table (`try_lock`, `stamp`, and the row
 //! transaction's `lock_row` and `write`). Its primary key is the ancestor's `(created_at, id)`
@@ -58,6 +60,10 @@ const WINDOW: i64 = 100;
 
 /// The lease TTL, microseconds (300 s).
 const LEASE_US: i64 = 300_000_000;
+
+/// The key walk's bound for [`BATCH`] (`outbox_postgres::sql::fetch_walk_limit`): keys visited,
+/// and rows without partition_key passed over.
+const WALK: i64 = 200;
 
 /// Rows per head the runs read (max_per_key 16).
 const PER_KEY: i64 = 15;
@@ -142,6 +148,40 @@ fn heads_args() -> Vec<String> {
         BATCH.to_string(),
         WINDOW.to_string(),
     ]
+}
+
+/// The key walk's parameters as literals: group, sources, lease, heads wanted (a batch: the
+/// blocked window gives none), walk limit, cursor (the first key), rows passed over.
+fn walk_args() -> Vec<String> {
+    vec![
+        "'g'".into(),
+        "NULL::text[]".into(),
+        LEASE_US.to_string(),
+        BATCH.to_string(),
+        WALK.to_string(),
+        "''".into(),
+        "''".into(),
+        WALK.to_string(),
+    ]
+}
+
+/// The partition keys of the rows the key walk returns from the first key, in its order.
+async fn walked_keys(conn: &mut PgConnection, s: &InboxStatements) -> Vec<Option<String>> {
+    sqlx::query(AssertSqlSafe(s.fetch_walk.clone()))
+        .bind("g")
+        .bind(None::<Vec<String>>)
+        .bind(LEASE_US)
+        .bind(BATCH)
+        .bind(WALK)
+        .bind("")
+        .bind("")
+        .bind(WALK)
+        .fetch_all(&mut *conn)
+        .await
+        .expect("walk")
+        .iter()
+        .map(|r| r.get("partition_key"))
+        .collect()
 }
 
 /// A head as the store reads it: id, source, partition key, created_at (as text, exact).
@@ -299,6 +339,35 @@ async fn check(layout: Layout, stats: Stats, backlog: Backlog) -> Vec<String> {
                 )
                 .await,
         );
+        exec(&mut tx, "SAVEPOINT walk").await;
+        bad.extend(
+            plans
+                .explain(
+                    &mut tx,
+                    reads("fetch_walk", &[key_order.as_str(), window.as_str()]),
+                    &s.fetch_walk,
+                    &walk_args(),
+                    &ctx,
+                )
+                .await,
+        );
+        exec(&mut tx, "ROLLBACK TO SAVEPOINT walk").await;
+        if backlog == Backlog::Blocked {
+            // The walk finds a batch of heads past the blocked window, one per key, none of the
+            // blocked key's (its first in-line row waits an hour).
+            let keys = walked_keys(&mut tx, &s).await;
+            let mut distinct = keys.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert!(
+                keys.len() == BATCH as usize
+                    && distinct.len() == keys.len()
+                    && keys
+                        .iter()
+                        .all(|k| k.as_deref().is_some_and(|k| k != "stuck")),
+                "{ctx}: the walk's heads {keys:?}"
+            );
+        }
         let hs = heads(&mut tx, &s).await;
         let behind_key = match backlog {
             Backlog::Burst => {

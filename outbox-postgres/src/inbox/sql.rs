@@ -386,6 +386,7 @@ mod text {
     pub const STAMP: &str = include_str!("../sql/inbox/stamp.sql");
     pub const FETCH_HEADS: &str = include_str!("../sql/inbox/fetch_heads.sql");
     pub const FETCH_RUNS: &str = include_str!("../sql/inbox/fetch_runs.sql");
+    pub const FETCH_WALK: &str = include_str!("../sql/inbox/fetch_walk.sql");
     pub const WINDOW_OVERFLOW: &str = include_str!("../sql/inbox/window_overflow.sql");
     pub const KEY_FIRST: &str = include_str!("../sql/inbox/key_first.sql");
     pub const SAME_KEY: &str = include_str!("../sql/inbox/same_key.sql");
@@ -406,8 +407,8 @@ mod text {
     pub const SHIFT_CLOCK: &str = include_str!("../sql/statements/shift_clock.sql");
 }
 
-/// The parts the fetch statements (`fetch_heads`, `window_overflow`) and their fragments
-/// name: the group is `$1`, the sources `$2`, the lease TTL `$3` in both.
+/// The parts the fetch statements (`fetch_heads`, `fetch_walk`, `window_overflow`) and their
+/// fragments name: the group is `$1`, the sources `$2`, the lease TTL `$3` in each.
 const FETCH_PARTS: [(&str, &str); 3] = [
     ("group", "$1::text"),
     ("sources", "$2::text[]"),
@@ -485,6 +486,8 @@ pub struct InboxStatements {
     pub fetch_heads: String,
     /// `fetch_runs.sql`.
     pub fetch_runs: String,
+    /// `fetch_walk.sql`.
+    pub fetch_walk: String,
     /// `window_overflow.sql`.
     pub window_overflow: String,
     /// `waiting.sql`.
@@ -536,6 +539,7 @@ impl InboxStatements {
             stamp: r(text::STAMP),
             fetch_heads: r(text::FETCH_HEADS),
             fetch_runs: r(text::FETCH_RUNS),
+            fetch_walk: r(text::FETCH_WALK),
             window_overflow: r(text::WINDOW_OVERFLOW),
             waiting: r(text::WAITING),
             counts: r(text::COUNTS),
@@ -568,6 +572,7 @@ mod tests {
             &s.stamp,
             &s.fetch_heads,
             &s.fetch_runs,
+            &s.fetch_walk,
             &s.window_overflow,
             &s.get,
             &s.requeue,

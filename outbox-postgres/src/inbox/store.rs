@@ -9,9 +9,11 @@
 //! `fetch_runs`), chooses heads and runs by the outbox's own rules ([`outbox_core::ordering`]
 //! over the inbox view, [`outbox_core::inbox::ordering`]), row-locks the chosen run rows without
 //! waiting (a row locked elsewhere cuts its run) and stamps the lease, in one short transaction:
-//! its work is bounded by the batch, whatever the backlog. Only when that hands out less than a
-//! batch while the group has more fetchable rows than the window (a window full of rows queued
-//! behind blocked heads, or of a few long lines) does it read the group's whole lines instead.
+//! its work is bounded by the batch, whatever the backlog. When the window hands out fewer heads
+//! than the batch while the group has more fetchable rows than the window (a window full of rows
+//! queued behind blocked heads, or of a few long lines), a bounded walk of the group's keys
+//! (statement `fetch_walk`, the outbox fetch's path B) finds heads past it, from a cursor kept
+//! per store so that every key's turn comes: that work too is bounded by the batch.
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -39,7 +41,7 @@ use crate::driver::inbox::{
 };
 use crate::driver::{Bind, Connection, Driver};
 use crate::inbox::sql::InboxStatements;
-use crate::sql::{Layout, TableName, fetch_window, micros};
+use crate::sql::{Layout, TableName, WalkCursor, fetch_walk_limit, fetch_window, micros};
 
 /// How many rows one round of release_stale_locks releases (R63), and the round bound.
 const STALE_BATCH: i64 = 1000;
@@ -87,6 +89,7 @@ pub struct PgInbox<D> {
     driver: D,
     stmts: Arc<InboxStatements>,
     faults: Arc<InboxFaults>,
+    walk: WalkCursor,
 }
 
 impl<D: Clone> Clone for PgInbox<D> {
@@ -95,6 +98,7 @@ impl<D: Clone> Clone for PgInbox<D> {
             driver: self.driver.clone(),
             stmts: self.stmts.clone(),
             faults: self.faults.clone(),
+            walk: self.walk.clone(),
         }
     }
 }
@@ -107,10 +111,14 @@ fn views(rows: Vec<InboxRawRow>) -> Vec<InboxEvent> {
         .collect()
 }
 
-/// The row, decoded; one that does not decode is an error naming it.
+/// The row, decoded; one that does not decode is [`RepositoryError::Undecodable`], with its
+/// status when that reads (the runner's R130).
 fn decoded(r: InboxRawRow) -> Result<InboxEvent, RepositoryError> {
-    r.decode().map_err(|u| {
-        RepositoryError::Other(format!("undecodable row: inbox row {}: {}", u.id, u.reason))
+    let status = r.status.parse::<Status>().ok();
+    r.decode().map_err(|u| RepositoryError::Undecodable {
+        id: u.id,
+        status,
+        reason: u.reason,
     })
 }
 
@@ -154,6 +162,7 @@ where
             driver,
             stmts: Arc::new(InboxStatements::new(table, layout)),
             faults: Arc::default(),
+            walk: WalkCursor::default(),
         }
     }
 
@@ -254,21 +263,23 @@ where
     D::Conn: InboxRows,
 {
     /// The bounded fetch: the heads of a window of the group's oldest fetchable rows
-    /// (`fetch_heads`), each keyed head's line after it up to what the batch can take
+    /// (`fetch_heads`) and, when the window may have missed heads, those of a bounded key walk
+    /// ([`walk_heads`](Self::walk_heads)), each keyed head's line after it up to what the batch can take
     /// (`fetch_runs`), the batch chosen by the outbox's rules ([`choose`]) over these rows, and
     /// the chosen run rows row-locked without waiting; a run is cut before a row another
     /// transaction holds (R28), and nothing past the batch is locked but the window. A head that
     /// does not decode is taken alone: it fails before its key's next row could run (R106). Its work
-    /// is bounded by the batch: the window (twice the batch), at most a batch of LIMIT 1 probes
-    /// and a batch of line reads of at most max_per_key − 1 rows.
+    /// is bounded by the batch: the window (twice the batch), at most a batch of LIMIT 1 probes,
+    /// the walk's bounded descents, and a batch of line reads of at most max_per_key − 1 rows.
     async fn fetch_windowed(
         &mut self,
         s: &InboxStatements,
         req: &InboxFetchRequest,
         now: DateTime<Utc>,
+        cursor: &WalkCursor,
     ) -> Result<Vec<Uuid>, RepositoryError> {
         let group = String::from(req.group.as_str());
-        let heads = self
+        let mut heads = self
             .rows(
                 &s.fetch_heads,
                 &[
@@ -281,6 +292,10 @@ where
                 ],
             )
             .await?;
+        if heads.len() < req.limit && req.key_order && self.window_overflows(s, req).await? {
+            let more = self.walk_heads(s, req, now, &heads, cursor).await?;
+            heads.extend(more);
+        }
         if heads.is_empty() {
             return Ok(Vec::new());
         }
@@ -368,38 +383,74 @@ where
         Ok(n == Some(1))
     }
 
-    /// The whole-line fetch, when the window may have missed heads (it is full of rows queued
-    /// behind blocked heads, or of a few long lines): every in-line row of the group is read and
-    /// every fetchable one row-locked without waiting (one held elsewhere holds its key), then
-    /// the batch chosen. Its work grows with the group's in-line rows; a bounded key walk (the
-    /// outbox fetch's path B) is not carried over yet.
-    async fn fetch_whole_lines(
+    /// The heads past the window (the outbox fetch's path B for the inbox key, statement
+    /// `fetch_walk`): a walk of the group's keyed lines from the store's cursor, one index
+    /// descent per key, stopped after as many fetchable heads as the batch still wants or
+    /// [`fetch_walk_limit`] keys, and the rows without partition_key (each a head) among the
+    /// group's oldest unlocked fetchable rows, as many as the walk limit. The cursor moves to the
+    /// walk's last key, so walk after walk goes round every key (R20). The candidates not
+    /// already the window's heads are taken in head order, up to what the batch still wants, and
+    /// row-locked without waiting: one held elsewhere is dropped (its key is held), and each
+    /// taken row is judged again on its latest version. Work bounded by the batch, never by the
+    /// backlog (R85).
+    async fn walk_heads(
         &mut self,
         s: &InboxStatements,
         req: &InboxFetchRequest,
         now: DateTime<Utc>,
-    ) -> Result<Vec<Uuid>, RepositoryError> {
-        let binds = [
-            Bind::Text(String::from(req.group.as_str())),
-            Bind::OptTexts(req.sources.clone()),
-        ];
-        let mut rows = views(self.rows(&s.in_line_rows, &binds).await?);
-        let fetchable: Vec<Uuid> = rows
-            .iter()
-            .filter(|r| inbox_order::fetchable(r, now, req.lease_ttl))
-            .map(|r| r.id)
+        window_heads: &[InboxRawRow],
+        cursor: &WalkCursor,
+    ) -> Result<Vec<InboxRawRow>, RepositoryError> {
+        let want = req.limit.saturating_sub(window_heads.len());
+        let limit = fetch_walk_limit(req.limit);
+        let (from_source, from_key) = cursor.get();
+        let rows = self
+            .rows(
+                &s.fetch_walk,
+                &[
+                    Bind::Text(String::from(req.group.as_str())),
+                    Bind::OptTexts(req.sources.clone()),
+                    Bind::Int8(micros(req.lease_ttl)),
+                    Bind::Int8(i64::try_from(want).unwrap_or(i64::MAX)),
+                    Bind::Int8(limit),
+                    Bind::Text(from_source),
+                    Bind::Text(from_key),
+                    Bind::Int8(limit),
+                ],
+            )
+            .await?;
+        cursor.advance(rows.iter().rev().find_map(|r| {
+            r.partition_key
+                .as_ref()
+                .map(|k| (r.source.clone(), k.clone()))
+        }));
+        let known: HashSet<Uuid> = window_heads.iter().map(|h| h.id).collect();
+        let head = |r: &InboxRawRow| {
+            let v = r.clone().into_ordering_view();
+            inbox_order::fetchable(&v, now, req.lease_ttl) && req.matches(&v)
+        };
+        let mut seen = HashSet::new();
+        let mut candidates: Vec<InboxRawRow> = rows
+            .into_iter()
+            .filter(|r| !known.contains(&r.id) && seen.insert(r.id) && head(r))
             .collect();
-        if fetchable.is_empty() {
+        candidates.sort_by_key(|r| (r.scheduled_at, r.created_at, r.id));
+        candidates.truncate(want);
+        if candidates.is_empty() {
             return Ok(Vec::new());
         }
-        let locked: HashSet<Uuid> = self
-            .rows(&s.try_lock, &[Bind::Uuids(fetchable.clone())])
+        let order: Vec<Uuid> = candidates.iter().map(|r| r.id).collect();
+        let mut locked: HashMap<Uuid, InboxRawRow> = self
+            .rows(&s.try_lock, &[Bind::Uuids(order.clone())])
             .await?
             .into_iter()
-            .map(|r| r.id)
+            .map(|r| (r.id, r))
             .collect();
-        mark_held(&mut rows, &fetchable, &locked, now);
-        Ok(choose(&rows, now, req))
+        Ok(order
+            .iter()
+            .filter_map(|id| locked.remove(id))
+            .filter(|r| head(r))
+            .collect())
     }
 }
 
@@ -480,13 +531,11 @@ where
     ) -> Result<Vec<InboxFetched>, RepositoryError> {
         req.validate()?;
         let req = req.clone();
+        let walk = self.walk.clone();
         self.in_tx(|mut tx, s| {
             Box::pin(async move {
                 let now = tx.now(&s.now).await?;
-                let mut ids = tx.fetch_windowed(s, &req, now).await?;
-                if ids.len() < req.limit && tx.window_overflows(s, &req).await? {
-                    ids = tx.fetch_whole_lines(s, &req, now).await?;
-                }
+                let ids = tx.fetch_windowed(s, &req, now, &walk).await?;
                 if ids.is_empty() {
                     return Ok(Vec::new());
                 }

@@ -23,8 +23,9 @@
 -- holds (skipped by the window, still in line). A row without partition_key, and every row
 -- with key order off, is a key of its own and a head whenever it is fetchable (R150). Keys are
 -- probed in head order and the probes stop at $5 heads. A head outside the window (a window
--- full of rows queued behind blocked heads) is the store's business: it reads the whole line
--- then (PgInbox).
+-- full of rows queued behind blocked heads) is found by fetch_walk, the bounded key walk the
+-- store runs when this returns fewer than $5 heads and window_overflow says the group has more
+-- fetchable rows than the window (PgInbox).
 --
 -- The window's rows are read whole, once (the index read fetches each row for its lock
 -- anyway), and the heads are returned from them: no lookup by id follows. The sorts carry only

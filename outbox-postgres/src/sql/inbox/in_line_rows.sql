@@ -1,6 +1,6 @@
 -- in_line_rows (R149, R150, R161): the group's pending rows that stand in their key's line
--- (R27), optionally of some sources: the blocked keys' heads, and the fetch's whole-line read
--- when its window may have missed heads (PgInbox::fetch_and_lock). No LIMIT: the whole backlog.
+-- (R27), optionally of some sources: the blocked keys' heads (the operator's view; the fetch
+-- uses fetch_heads and fetch_walk). No LIMIT: the whole backlog.
 -- Parameters: $1 text consumer_group, $2 text[] sources (NULL for all). Returns {columns}.
 SELECT {t_columns}
   FROM {table} t
