@@ -436,6 +436,33 @@ impl From<RepositoryError> for Persist {
     }
 }
 
+/// The landed row (a redelivery's stored row) does not decode: R116 does not allow a run, so
+/// the runner does not run it and does not rewind the delivery. R106: "the runner leaves such a
+/// row to the processor and commits the delivery (R130)"; R130: "when the landed row is
+/// `completed` or `failed`, the delivery is a `duplicate`; when it is pending but R116 does not
+/// allow a run (…, undecodable, R106), the delivery is `landed`. Either way the row keeps its
+/// state and the delivery is committed under every policy." T wrote nothing (the landing
+/// inserted nothing), so it is rolled back; the caller commits the delivery. Any other error is
+/// a persistence error (R125).
+async fn not_run_undecodable<T: InboxTransaction>(
+    tx: T,
+    e: RepositoryError,
+) -> Result<DeliveryResult, Persist> {
+    let RepositoryError::Undecodable { id, status, reason } = e else {
+        tx.rollback().await;
+        return Err(Persist(e));
+    };
+    tx.rollback().await;
+    tracing::warn!(row_id = %id, reason = %reason,
+        "a delivery's stored inbox row does not decode; left to the processor, delivery committed");
+    let mut r = DeliveryResult::new(match status {
+        Some(Status::Completed | Status::Failed) => DeliveryOutcome::Duplicate,
+        _ => DeliveryOutcome::Landed,
+    });
+    r.row_id = Some(id);
+    Ok(r)
+}
+
 impl<B: InboxBackend> Runner<B> {
     /// A builder with the defaults of section 27.
     pub fn builder(
@@ -681,17 +708,21 @@ impl<B: InboxBackend> Runner<B> {
         if let Some(k) = &key {
             tx.lock_key(k).await?;
         }
-        let landed = tx.land(vec![event.clone()]).await?.remove(0);
+        let landed = match tx.land(vec![event.clone()]).await {
+            Ok(mut l) => l.remove(0),
+            Err(e) => return not_run_undecodable(tx, e).await,
+        };
         let inserted = landed.inserted;
         let mut r = DeliveryResult::new(DeliveryOutcome::Landed);
         r.row_id = Some(landed.row.id);
         r.event_type = Some(landed.row.event_type.clone());
-        let row = match tx.lock_row(landed.row.id).await? {
-            RowLock::Locked(row) => row,
-            RowLock::Busy | RowLock::Missing => {
+        let row = match tx.lock_row(landed.row.id).await {
+            Ok(RowLock::Locked(row)) => row,
+            Ok(RowLock::Busy | RowLock::Missing) => {
                 tx.commit().await?;
                 return Ok(r);
             }
+            Err(e) => return not_run_undecodable(tx, e).await,
         };
         if matches!(row.status, Status::Completed | Status::Failed) {
             tx.commit().await?;
@@ -893,7 +924,16 @@ impl<B: InboxBackend> Runner<B> {
             if let Some(k) = event.key().filter(|_| self.config.key_order) {
                 tx.lock_key(&k).await?;
             }
-            let l = tx.land(vec![event.clone()]).await?.remove(0);
+            let l = match tx.land(vec![event.clone()]).await {
+                Ok(mut l) => l.remove(0),
+                // The stored row does not decode: the message has its row, left to the
+                // processor (R106, R130), so the delivery is committed as landed.
+                Err(RepositoryError::Undecodable { id, .. }) => {
+                    tx.rollback().await;
+                    return Ok(id);
+                }
+                Err(e) => return Err(e),
+            };
             tx.commit().await?;
             Ok(l.row.id)
         }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use outbox_core::event::Status;
 use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
 use outbox_core::inbox::scripted::AckOp;
-use outbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent, RowReport};
+use outbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent, OnFailure, RowReport};
 use serde_json::json;
 
 use crate::inbox::ctx::{Ictx, g};
@@ -183,6 +183,89 @@ pub async fn y_16<F: InboxFactory>(f: &F) {
         (m3.status, m3.attempts_made, m3.locked_by),
         (Status::Pending, 0, None)
     );
+}
+
+/// Y-23 (added by the suite): a redelivery whose stored row does not decode is not run and not
+/// rewound (R106, R130). The stored row of m1 on k (written with plain SQL, headers `{"a": 1}`)
+/// is pending, then, on a fresh table, completed. Under record, rewind and at_most_once the
+/// delivery of m1 is `landed` (pending) or `duplicate` (completed), committed once and never
+/// rewound; the handler is not called and the row keeps its state. A processor cycle then fails
+/// the pending row as a counted `undecodable row: …` failure (Y-16): the row is in the inbox's
+/// hands. Before the runner read R130 this way, each redelivery was `persist_failed` and
+/// rewound 1 s, for ever.
+pub async fn y_23<F: InboxFactory>(f: &F) {
+    for status in ["pending", "completed"] {
+        for policy in ["record", "rewind", "at_most_once"] {
+            let c = Ictx::new(f).await;
+            let id = uuid::Uuid::new_v4();
+            let completed_at = if status == "completed" {
+                "now()"
+            } else {
+                "NULL"
+            };
+            c.h.sql(&format!(
+                "INSERT INTO {{table}} (id, event_type, payload, headers, status, attempts_made, \
+                 max_attempts, scheduled_at, completed_at, created_at, updated_at, message_id, \
+                 consumer_group, source, partition_key) VALUES ('{id}', 'e', '{{\"n\": 1}}'::jsonb, \
+                 '{{\"a\": 1}}'::jsonb, '{status}', 0, 6, now() - INTERVAL '1 second', \
+                 {completed_at}, now() - INTERVAL '1 second', now(), 'm1', 'g', 'src', 'k')"
+            ))
+            .await;
+            let i = c.deliver("m1", Some("k"));
+            c.script("m1", vec![Act::Write]);
+            let mut b = c.runner();
+            b = match policy {
+                "record" => b.on_failure(OnFailure::Record),
+                "rewind" => b.on_failure(OnFailure::Rewind),
+                _ => b.at_most_once(true),
+            };
+            let r = b.build().unwrap();
+            let res = c.handle(&r).await;
+            let want = if status == "pending" {
+                O::Landed
+            } else {
+                O::Duplicate
+            };
+            let ctx = format!("Y-23 {status} row, {policy}");
+            assert_eq!(
+                (res.outcome, res.committed, res.row_id),
+                (want, true, Some(id)),
+                "{ctx}: the delivery of a message whose stored row does not decode is {want:?} \
+                 and committed (R106, R130): {res:?}"
+            );
+            assert_eq!(c.sub.acks(i), vec![AckOp::Commit], "{ctx}: never rewound");
+            assert_eq!(c.handler.runs_of("m1"), 0, "{ctx}: the handler is not called");
+            assert!(c.effects().await.is_empty(), "{ctx}");
+            let row = c
+                .h
+                .sql(&format!(
+                    "SELECT status, attempts_made, last_error, locked_by FROM {{table}} \
+                     WHERE message_id = 'm1'"
+                ))
+                .await;
+            assert_eq!(row.len(), 1, "{ctx}: one row: {row:?}");
+            let row = &row[0];
+            assert_eq!(
+                (&row["status"], &row["attempts_made"]),
+                (&json!(status), &json!(0)),
+                "{ctx}: the row keeps its state: {row}"
+            );
+            assert!(
+                row["last_error"].is_null() && row["locked_by"].is_null(),
+                "{ctx}: {row}"
+            );
+            if status == "pending" && policy == "record" {
+                let p = c.processor().build().unwrap();
+                let rep = c.cycle(&p).await;
+                match rep.of(id) {
+                    Some(RowReport::Counted { error, .. })
+                        if error.starts_with("undecodable row: ") => {}
+                    other => panic!("{ctx}: the processor fails the row alone: {other:?}"),
+                }
+                assert_eq!(c.handler.runs_of("m1"), 0, "{ctx}");
+            }
+        }
+    }
 }
 
 /// D-03: the partitioned landing takes the ancestor's advisory lock, with omni-box 0.3.1's
