@@ -363,7 +363,7 @@ async fn g_02_across<B1: InboxBackend, B2: InboxBackend>(
         p.script.reached(1).await;
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
         assert!(
-            !done2.load(std::sync::atomic::Ordering::SeqCst),
+            !std::sync::atomic::AtomicBool::load(&done2, std::sync::atomic::Ordering::SeqCst),
             "{ctx}: w2 waits for w1's transaction (R110)"
         );
         p.script.open_gate();
