@@ -225,7 +225,12 @@ impl Script {
         }
     }
     fn runs_of(&self, id: &str) -> usize {
-        self.runs.lock().unwrap().iter().filter(|r| *r == id).count()
+        self.runs
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|r| *r == id)
+            .count()
     }
     async fn reached(&self, n: u32) {
         let _ = self.arrived.subscribe().wait_for(|a| *a >= n).await;
@@ -346,10 +351,8 @@ async fn g_02_across<B1: InboxBackend, B2: InboxBackend>(
         &[("event_id", "m1"), ("topic", "src"), ("event_type", "e")],
         "{\"n\": 0}",
     ));
-    p.script.script(
-        "m1",
-        vec![if rewind { Step::GateFail } else { Step::Gate }],
-    );
+    p.script
+        .script("m1", vec![if rewind { Step::GateFail } else { Step::Gate }]);
     let done2 = std::sync::atomic::AtomicBool::new(false);
     let first = async { w1.handle_next().await.unwrap().expect("w1 gets m1") };
     let second = async {
@@ -488,7 +491,11 @@ async fn g_07_across<B1: InboxBackend, B2: InboxBackend>(
     assert!(rep.fetched.is_empty(), "{ctx}: second cycle: {rep:?}");
     p.h.advance(std::time::Duration::from_secs(2)).await;
     assert_eq!(cycle().await.completed(), vec![a1.id], "{ctx}: third cycle");
-    assert_eq!(cycle().await.completed(), vec![a2.id], "{ctx}: fourth cycle");
+    assert_eq!(
+        cycle().await.completed(),
+        vec![a2.id],
+        "{ctx}: fourth cycle"
+    );
     assert_eq!(effects_of(&p.h).await, vec!["b1", "a1", "a2"], "{ctx}");
 }
 

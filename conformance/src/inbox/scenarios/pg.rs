@@ -234,11 +234,14 @@ pub async fn y_23<F: InboxFactory>(f: &F) {
                  and committed (R106, R130): {res:?}"
             );
             assert_eq!(c.sub.acks(i), vec![AckOp::Commit], "{ctx}: never rewound");
-            assert_eq!(c.handler.runs_of("m1"), 0, "{ctx}: the handler is not called");
+            assert_eq!(
+                c.handler.runs_of("m1"),
+                0,
+                "{ctx}: the handler is not called"
+            );
             assert!(c.effects().await.is_empty(), "{ctx}");
-            let row = c
-                .h
-                .sql(&format!(
+            let row =
+                c.h.sql(&format!(
                     "SELECT status, attempts_made, last_error, locked_by FROM {{table}} \
                      WHERE message_id = 'm1'"
                 ))
