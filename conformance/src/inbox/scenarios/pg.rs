@@ -241,10 +241,10 @@ pub async fn y_23<F: InboxFactory>(f: &F) {
             );
             assert!(c.effects().await.is_empty(), "{ctx}");
             let row =
-                c.h.sql(&format!(
-                    "SELECT status, attempts_made, last_error, locked_by FROM {{table}} \
-                     WHERE message_id = 'm1'"
-                ))
+                c.h.sql(
+                    "SELECT status, attempts_made, last_error, locked_by FROM {table} \
+                     WHERE message_id = 'm1'",
+                )
                 .await;
             assert_eq!(row.len(), 1, "{ctx}: one row: {row:?}");
             let row = &row[0];
