@@ -619,6 +619,7 @@ impl<B: InboxBackend> Processor<B> {
                 );
             }
         };
+        tx.plan_handler_timeout(self.config.handler_timeout);
         let row = match tx.guard(&guard).await {
             Ok(Some(r)) => r,
             Ok(None) => {

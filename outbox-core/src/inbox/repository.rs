@@ -406,6 +406,16 @@ pub trait InboxTransaction: Send + Sized {
     /// The handler's view of this transaction.
     fn handle(&mut self) -> &mut Self::Handle;
 
+    /// Tells the transaction the handler timeout of the run it may hold, before its first
+    /// statement (R181, R165). A store may then set the statement timeout ahead, with a
+    /// statement it sends anyway (a landing, a guard), instead of a round trip of its own after
+    /// [`savepoint`](Self::savepoint); it must still bound every statement of the run by
+    /// `timeout` and put the setting back before the commit (R181 step 4). The default does
+    /// nothing: [`savepoint`](Self::savepoint) sets it.
+    fn plan_handler_timeout(&mut self, timeout: Duration) {
+        let _ = timeout;
+    }
+
     /// Takes the key lock of R116 for the rest of the transaction, waiting for a transaction
     /// that holds it (G-09, F-22).
     async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError>;

@@ -371,6 +371,8 @@ pub fn schema_lock_key(table: &TableName) -> String {
 /// The statement files, one per statement kind.
 mod text {
     pub const LAND: &str = include_str!("../sql/inbox/land.sql");
+    pub const LAND_RUN: &str = include_str!("../sql/inbox/land_run.sql");
+    pub const LOCK_ROW_RUN: &str = include_str!("../sql/inbox/lock_row_run.sql");
     pub const BY_MESSAGE_ID: &str = include_str!("../sql/inbox/by_message_id.sql");
     pub const DEDUP_LOCK: &str = include_str!("../sql/inbox/dedup_lock.sql");
     pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
@@ -449,6 +451,8 @@ pub struct InboxStatements {
     pub now: String,
     /// `land.sql`.
     pub land: String,
+    /// `land_run.sql`: the runner's landing with its earlier probe and handler timeout.
+    pub land_run: String,
     /// `by_message_id.sql`.
     pub by_message_id: String,
     /// `dedup_lock.sql`.
@@ -457,6 +461,8 @@ pub struct InboxStatements {
     pub key_lock: String,
     /// `lock_row.sql`.
     pub lock_row: String,
+    /// `lock_row_run.sql`: the processor's guard with its handler timeout (plain table).
+    pub lock_row_run: String,
     /// `exists.sql`.
     pub exists: String,
     /// `earlier.sql`.
@@ -518,10 +524,12 @@ impl InboxStatements {
             layout,
             now: "SELECT now()".into(),
             land: r(text::LAND),
+            land_run: r(text::LAND_RUN),
             by_message_id: r(text::BY_MESSAGE_ID),
             dedup_lock: r(text::DEDUP_LOCK),
             key_lock: r(text::KEY_LOCK),
             lock_row: r(text::LOCK_ROW),
+            lock_row_run: r(text::LOCK_ROW_RUN),
             exists: r(text::EXISTS),
             earlier: r(text::EARLIER),
             completed_sibling: r(text::COMPLETED_SIBLING),
@@ -561,6 +569,8 @@ mod tests {
         let s = InboxStatements::new(&t, Layout::Plain);
         for text in [
             &s.land,
+            &s.land_run,
+            &s.lock_row_run,
             &s.by_message_id,
             &s.earlier,
             &s.write,

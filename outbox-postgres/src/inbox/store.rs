@@ -702,16 +702,37 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
             stmts: self.stmts.clone(),
             faults: self.faults.clone(),
             timeout_before: None,
+            planned_timeout: None,
+            timeout_early: false,
+            restore: None,
+            inserted: None,
         })
     }
 }
 
 /// One open inbox transaction over a driver transaction `T`.
+///
+/// Its round trips are counted (issue 21's benchmarks): the runner's landing of a new message
+/// is one statement (`land_run.sql`: the insert, the earlier probe, the handler timeout), the
+/// row it inserted is not locked or read again, the savepoint is not released by a statement
+/// of its own (the commit releases it, R181 step 3) and the statement timeout is put back by
+/// the outcome write (`write.sql`'s `$6`, R181 step 4).
 pub struct PgInboxTx<D: Driver> {
     tx: D::Tx,
     stmts: Arc<InboxStatements>,
     faults: Arc<InboxFaults>,
+    /// The statement_timeout before the handler's was set, to put back (R181 step 4).
     timeout_before: Option<String>,
+    /// The handler timeout in whole milliseconds ([`InboxTransaction::plan_handler_timeout`]).
+    planned_timeout: Option<String>,
+    /// Whether the handler timeout was set ahead, before the savepoint, by `land_run` or
+    /// `lock_row_run` (a rollback to the savepoint then keeps it).
+    timeout_early: bool,
+    /// A statement_timeout the next write puts back.
+    restore: Option<String>,
+    /// The row `land_run` inserted in this transaction, as inserted, and whether an earlier row
+    /// of its key was in line then; cleared by a write.
+    inserted: Option<(InboxEvent, bool)>,
 }
 
 impl<D: Driver> std::fmt::Debug for PgInboxTx<D> {
@@ -727,6 +748,12 @@ fn error_text(e: &str) -> String {
         &e.replace('\0', "\u{FFFD}"),
         limits::DEFAULT_ERROR_MAX_LENGTH,
     )
+}
+
+/// The handler timeout as R181 sets it: whole milliseconds rounded up, at least 1 (0 would turn
+/// the bound off).
+fn timeout_ms(timeout: Duration) -> String {
+    timeout.as_micros().div_ceil(1000).max(1).to_string()
 }
 
 fn retry_binds(retry: &Retry) -> (Bind, Bind) {
@@ -770,12 +797,16 @@ where
             ),
             RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
         };
+        // The row is written: what `land_run` returned of it no longer stands.
+        self.inserted = None;
         let binds = [
             Bind::Uuid(id),
             Bind::Text(String::from(kind)),
             nullable_text(error.as_deref()),
             after,
             at,
+            // R181 step 4: the timeout goes back for the commit that follows.
+            nullable_text(self.restore.take().as_deref()),
         ];
         self.c()
             .rows(&s.write, &binds)
@@ -830,8 +861,17 @@ where
             Bind::Text(String::from(e.consumer_group())),
             Bind::Text(String::from(e.source())),
             nullable_text(e.partition_key()),
+            nullable_text(self.planned_timeout.as_deref()),
         ];
-        if let Some(row) = one(self.c().rows(&s.land, &binds).await?)? {
+        if let Some(raw) = self.c().rows(&s.land_run, &binds).await?.into_iter().next() {
+            let earlier = raw.earlier.unwrap_or(false);
+            if let Some(before) = raw.timeout_before.clone() {
+                // land_run set the handler timeout (R181 step 1, ahead of the savepoint).
+                self.timeout_before = Some(before);
+                self.timeout_early = true;
+            }
+            let row = decoded(raw)?;
+            self.inserted = Some((row.clone(), earlier));
             return Ok(Landed {
                 row,
                 inserted: true,
@@ -851,12 +891,35 @@ where
     }
 }
 
+impl<D: InboxDriver> PgInboxTx<D> {
+    /// R152's guard: the row locked, pending and held by `worker`.
+    async fn guard_held(
+        &mut self,
+        id: Uuid,
+        worker: &WorkerId,
+    ) -> Result<Option<InboxEvent>, RepositoryError> {
+        Ok(match self.lock_row(id).await? {
+            RowLock::Locked(r)
+                if r.status == Status::Pending
+                    && r.locked_by.as_deref() == Some(worker.as_str()) =>
+            {
+                Some(r)
+            }
+            _ => None,
+        })
+    }
+}
+
 #[async_trait]
 impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     type Handle = D::Handle;
 
     fn handle(&mut self) -> &mut D::Handle {
         D::handle(&mut self.tx)
+    }
+
+    fn plan_handler_timeout(&mut self, timeout: Duration) {
+        self.planned_timeout = Some(timeout_ms(timeout));
     }
 
     async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {
@@ -879,6 +942,12 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     }
 
     async fn lock_row(&mut self, id: Uuid) -> Result<RowLock, RepositoryError> {
+        if let Some((row, _)) = self.inserted.as_ref().filter(|(r, _)| r.id == id) {
+            // R116 step 3: this transaction inserted the row and holds it; no other
+            // transaction sees it before T commits, and nothing wrote it since (a write clears
+            // `inserted`), so it stands as land_run returned it.
+            return Ok(RowLock::Locked(row.clone()));
+        }
         let s = self.stmts.clone();
         if let Some(r) = one(self.c().rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
             return Ok(RowLock::Locked(r));
@@ -893,6 +962,10 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         let Some(pk) = row.partition_key.as_deref() else {
             return Ok(false);
         };
+        if let Some((_, earlier)) = self.inserted.as_ref().filter(|(r, _)| r.id == row.id) {
+            // land_run's probe, read after the key lock in this transaction (R116, R145).
+            return Ok(*earlier);
+        }
         let s = self.stmts.clone();
         let binds = [
             Bind::Text(String::from(row.consumer_group.as_str())),
@@ -927,32 +1000,42 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
         let s = self.stmts.clone();
         self.c().execute(&s.savepoint, &[]).await?;
-        // Whole milliseconds, rounded up (R181); at least 1 (0 would turn the bound off).
-        let ms = timeout.as_micros().div_ceil(1000).max(1);
+        let ms = timeout_ms(timeout);
+        if self.timeout_early && self.planned_timeout.as_deref() == Some(ms.as_str()) {
+            // R181 step 1: land_run or lock_row_run set this very timeout in T's previous
+            // statement, and no statement has run since but the savepoint's.
+            return Ok(());
+        }
         let before = self
             .c()
-            .text(&s.statement_timeout, &[Bind::Text(ms.to_string())])
+            .text(&s.statement_timeout, &[Bind::Text(ms)])
             .await?;
-        self.timeout_before = before;
-        Ok(())
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
-        let s = self.stmts.clone();
-        self.c().execute(&s.release_savepoint, &[]).await?;
-        if let Some(before) = self.timeout_before.take() {
-            self.c()
-                .execute(&s.restore_timeout, &[Bind::Text(before)])
-                .await?;
+        if !self.timeout_early {
+            self.timeout_before = before;
         }
         Ok(())
     }
 
+    async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
+        // R181 step 3 without a round trip: the savepoint stays until the commit, which
+        // releases it with T (a released and an unreleased savepoint commit the same writes;
+        // nothing rolls back to it after a success). The timeout goes back with the outcome
+        // write (R181 step 4, write.sql's $6).
+        self.restore = self.timeout_before.take();
+        Ok(())
+    }
+
     async fn rollback_to_savepoint(&mut self) -> Result<(), RepositoryError> {
-        // The rollback also undoes the statement timeout's set_config.
-        self.timeout_before = None;
         let s = self.stmts.clone();
         self.c().execute(&s.rollback_to_savepoint, &[]).await?;
+        if self.timeout_early {
+            // Set before the savepoint, the timeout survives the rollback: the outcome write
+            // puts it back (R181 step 4).
+            self.restore = self.timeout_before.take();
+        } else {
+            // Set after the savepoint, the rollback undid it.
+            self.timeout_before = None;
+        }
         Ok(())
     }
 
@@ -987,15 +1070,24 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
                     _ => None,
                 })
             }
-            Guard::HeldBy { id, worker } => Ok(match self.lock_row(*id).await? {
-                RowLock::Locked(r)
-                    if r.status == Status::Pending
-                        && r.locked_by.as_deref() == Some(worker.as_str()) =>
-                {
-                    Some(r)
-                }
-                _ => None,
-            }),
+            Guard::HeldBy { id, worker } if s.layout == Layout::Plain => {
+                let Some(ms) = self.planned_timeout.clone() else {
+                    return self.guard_held(*id, worker).await;
+                };
+                // R152's guard and R181 step 1 in one round trip (lock_row_run.sql).
+                let binds = [Bind::Uuid(*id), Bind::Text(ms)];
+                let Some(raw) = self.c().rows(&s.lock_row_run, &binds).await?.into_iter().next()
+                else {
+                    return Ok(None);
+                };
+                self.timeout_before = raw.timeout_before.clone();
+                self.timeout_early = self.timeout_before.is_some();
+                let r = decoded(raw)?;
+                Ok((r.status == Status::Pending
+                    && r.locked_by.as_deref() == Some(worker.as_str()))
+                .then_some(r))
+            }
+            Guard::HeldBy { id, worker } => self.guard_held(*id, worker).await,
         }
     }
 

@@ -6,8 +6,10 @@
 -- 'clear_lease' (only the release); $3 text[] last_error (already normalized, R9; for counted,
 -- not_counted and terminal); $4 int8[] retry after this many microseconds from now() and $5
 -- timestamptz[] explicit retry time (wins over $4); both NULL keep scheduled_at (counted and
--- not_counted only). $3 to $5 are one-element arrays, nullable scalars (see driver::inbox).
--- Returns {columns} of the row as written.
+-- not_counted only); $6 text[] a statement_timeout to put back (R181 step 4) for the statements
+-- after this one (the commit), NULL to leave it. $3 to $6 are one-element arrays, nullable
+-- scalars (see driver::inbox).
+-- Returns {columns} of the row as written, then `timeout_restored text` (NULL when $6 is).
 UPDATE {table} t
    SET status = CASE
            WHEN $2::text = 'complete' THEN 'completed'
@@ -29,4 +31,6 @@ UPDATE {table} t
            ELSE t.scheduled_at END,
        locked_at = NULL, locked_by = NULL, updated_at = now()
  WHERE t.id = $1::uuid
-RETURNING {t_columns}
+RETURNING {t_columns},
+          CASE WHEN ($6::text[])[1] IS NOT NULL
+               THEN set_config('statement_timeout', ($6::text[])[1], true) END AS timeout_restored
