@@ -244,6 +244,8 @@ pub enum Guard {
     Unchanged {
         /// Row id.
         id: Uuid,
+        /// The row's created_at: with the id, the primary key of both Postgres layouts.
+        created_at: DateTime<Utc>,
         /// attempts_made as found.
         attempts_made: i32,
         /// scheduled_at as found.
@@ -255,6 +257,8 @@ pub enum Guard {
     HeldBy {
         /// Row id.
         id: Uuid,
+        /// The row's created_at: with the id, the primary key of both Postgres layouts.
+        created_at: DateTime<Utc>,
         /// The worker.
         worker: WorkerId,
     },

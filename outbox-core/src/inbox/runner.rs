@@ -896,6 +896,7 @@ impl<B: InboxBackend> Runner<B> {
         } else {
             Guard::Unchanged {
                 id: row.id,
+                created_at: row.created_at,
                 attempts_made: row.attempts_made,
                 scheduled_at: row.scheduled_at,
                 lease_ttl: self.config.lease_ttl,

@@ -459,12 +459,16 @@ pub struct InboxStatements {
     pub dedup_lock: String,
     /// `key_lock.sql`.
     pub key_lock: String,
-    /// `lock_row.sql`.
+    /// `lock_row.sql` by id alone.
     pub lock_row: String,
+    /// `lock_row.sql` by the primary key (created_at, id).
+    pub lock_row_at: String,
     /// `lock_row_run.sql`: the processor's guard with its handler timeout (plain table).
     pub lock_row_run: String,
-    /// `exists.sql`.
+    /// `exists.sql` by id alone.
     pub exists: String,
+    /// `exists.sql` by the primary key (created_at, id).
+    pub exists_at: String,
     /// `earlier.sql`.
     pub earlier: String,
     /// `completed_sibling.sql`.
@@ -479,8 +483,10 @@ pub struct InboxStatements {
     pub statement_timeout: String,
     /// `restore_timeout.sql`.
     pub restore_timeout: String,
-    /// `write.sql`.
+    /// `write.sql` by id alone.
     pub write: String,
+    /// `write.sql` by the primary key (created_at, id).
+    pub write_at: String,
     /// `in_line_rows.sql`.
     pub in_line_rows: String,
     /// `try_lock.sql`.
@@ -519,6 +525,10 @@ impl InboxStatements {
     /// Every statement for `table` in `layout`.
     pub fn new(table: &TableName, layout: Layout) -> Self {
         let r = |src: &str| render(src, table);
+        // The two forms of a by-id statement (`{at}`, see lock_row.sql): by id alone, and by
+        // the primary key of both layouts with the created_at parameter each file names.
+        let by_id = |src: &str| r(src).replace(" {at}", "");
+        let at = |src: &str, created_at: &str| r(src).replace("{at}", created_at);
         Self {
             table: table.clone(),
             layout,
@@ -528,9 +538,11 @@ impl InboxStatements {
             by_message_id: r(text::BY_MESSAGE_ID),
             dedup_lock: r(text::DEDUP_LOCK),
             key_lock: r(text::KEY_LOCK),
-            lock_row: r(text::LOCK_ROW),
+            lock_row: by_id(text::LOCK_ROW),
+            lock_row_at: at(text::LOCK_ROW, "AND created_at = $2::timestamptz"),
             lock_row_run: r(text::LOCK_ROW_RUN),
-            exists: r(text::EXISTS),
+            exists: by_id(text::EXISTS),
+            exists_at: at(text::EXISTS, "AND created_at = $2::timestamptz"),
             earlier: r(text::EARLIER),
             completed_sibling: r(text::COMPLETED_SIBLING),
             savepoint: "SAVEPOINT inbox_run".into(),
@@ -538,7 +550,8 @@ impl InboxStatements {
             rollback_to_savepoint: "ROLLBACK TO SAVEPOINT inbox_run".into(),
             statement_timeout: r(text::STATEMENT_TIMEOUT),
             restore_timeout: r(text::RESTORE_TIMEOUT),
-            write: r(text::WRITE),
+            write: by_id(text::WRITE),
+            write_at: at(text::WRITE, "AND t.created_at = $7::timestamptz"),
             in_line_rows: r(text::IN_LINE_ROWS),
             try_lock: r(text::TRY_LOCK),
             stamp: r(text::STAMP),
@@ -571,6 +584,10 @@ mod tests {
             &s.land,
             &s.land_run,
             &s.lock_row_run,
+            &s.lock_row,
+            &s.lock_row_at,
+            &s.exists_at,
+            &s.write_at,
             &s.by_message_id,
             &s.earlier,
             &s.write,

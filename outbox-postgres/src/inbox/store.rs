@@ -448,8 +448,10 @@ where
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
-        self.in_tx(|mut tx, s| Box::pin(async move { tx.now(&s.now).await }))
-            .await
+        // One statement in autocommit: one round trip, not three.
+        let table = &self.stmts.table;
+        let mut c = self.driver.acquire(table).await?;
+        Conn::<D> { c: &mut *c, table }.now(&self.stmts.now).await
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<InboxEvent>, RepositoryError> {
@@ -468,10 +470,13 @@ where
             Bind::Text(String::from(message_id)),
             Bind::Text(String::from(group.as_str())),
         ];
-        self.in_tx(|mut tx, s| {
-            Box::pin(async move { one(tx.rows(&s.by_message_id, &binds).await?) })
-        })
-        .await
+        // One statement in autocommit (its own snapshot): one round trip, not three; the
+        // runner's duplicate probe reads here (runner/duplicates.rs).
+        let table = &self.stmts.table;
+        let mut c = self.driver.acquire(table).await?;
+        one(Conn::<D> { c: &mut *c, table }
+            .rows(&self.stmts.by_message_id, &binds)
+            .await?)
     }
 
     async fn fetch_and_lock(
@@ -706,6 +711,7 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
             timeout_early: false,
             restore: None,
             inserted: None,
+            known: HashMap::new(),
         })
     }
 }
@@ -733,6 +739,10 @@ pub struct PgInboxTx<D: Driver> {
     /// The row `land_run` inserted in this transaction, as inserted, and whether an earlier row
     /// of its key was in line then; cleared by a write.
     inserted: Option<(InboxEvent, bool)>,
+    /// created_at of the rows this transaction read decoded or was given (a guard): with the
+    /// id, the primary key of both layouts, by which its by-id statements find them (on the
+    /// partitioned table a lookup by id alone reads every partition).
+    known: HashMap<Uuid, DateTime<Utc>>,
 }
 
 impl<D: Driver> std::fmt::Debug for PgInboxTx<D> {
@@ -808,15 +818,28 @@ where
             // R181 step 4: the timeout goes back for the commit that follows.
             nullable_text(self.restore.take().as_deref()),
         ];
-        self.c()
-            .rows(&s.write, &binds)
-            .await?
+        let rows = match self.known.get(&id) {
+            Some(at) => {
+                let mut binds = binds.to_vec();
+                binds.push(Bind::Timestamp(*at));
+                self.c().rows(&s.write_at, &binds).await?
+            }
+            None => self.c().rows(&s.write, &binds).await?,
+        };
+        rows
             .into_iter()
             .next()
             .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
     }
 
+    /// Lands one event ([`InboxTransaction::land`]); the row's created_at is known after.
     async fn land_one(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
+        let l = self.land_event(e).await?;
+        self.known.insert(l.row.id, l.row.created_at);
+        Ok(l)
+    }
+
+    async fn land_event(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
         let s = self.stmts.clone();
         let key = [
             Bind::Text(String::from(e.message_id())),
@@ -949,10 +972,21 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
             return Ok(RowLock::Locked(row.clone()));
         }
         let s = self.stmts.clone();
-        if let Some(r) = one(self.c().rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
+        // By the primary key (created_at, id) when this transaction knows the row's created_at
+        // (it landed or read it, or a guard named it), else by id alone.
+        let (lock, exists, binds) = match self.known.get(&id) {
+            Some(at) => (
+                &s.lock_row_at,
+                &s.exists_at,
+                vec![Bind::Uuid(id), Bind::Timestamp(*at)],
+            ),
+            None => (&s.lock_row, &s.exists, vec![Bind::Uuid(id)]),
+        };
+        if let Some(r) = one(self.c().rows(lock, &binds).await?)? {
+            self.known.insert(r.id, r.created_at);
             return Ok(RowLock::Locked(r));
         }
-        Ok(match self.c().int8(&s.exists, &[Bind::Uuid(id)]).await? {
+        Ok(match self.c().int8(exists, &binds).await? {
             Some(n) if n > 0 => RowLock::Busy,
             _ => RowLock::Missing,
         })
@@ -1052,10 +1086,12 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
             }
             Guard::Unchanged {
                 id,
+                created_at,
                 attempts_made,
                 scheduled_at,
                 lease_ttl,
             } => {
+                self.known.insert(*id, *created_at);
                 let now = self.c().now(&s.now).await?;
                 Ok(match self.lock_row(*id).await? {
                     RowLock::Locked(r)
@@ -1070,12 +1106,17 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
                     _ => None,
                 })
             }
-            Guard::HeldBy { id, worker } if s.layout == Layout::Plain => {
+            Guard::HeldBy {
+                id,
+                created_at,
+                worker,
+            } if s.layout == Layout::Plain => {
+                self.known.insert(*id, *created_at);
                 let Some(ms) = self.planned_timeout.clone() else {
                     return self.guard_held(*id, worker).await;
                 };
                 // R152's guard and R181 step 1 in one round trip (lock_row_run.sql).
-                let binds = [Bind::Uuid(*id), Bind::Text(ms)];
+                let binds = [Bind::Uuid(*id), Bind::Text(ms), Bind::Timestamp(*created_at)];
                 let Some(raw) = self.c().rows(&s.lock_row_run, &binds).await?.into_iter().next()
                 else {
                     return Ok(None);
@@ -1087,7 +1128,14 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
                     && r.locked_by.as_deref() == Some(worker.as_str()))
                 .then_some(r))
             }
-            Guard::HeldBy { id, worker } => self.guard_held(*id, worker).await,
+            Guard::HeldBy {
+                id,
+                created_at,
+                worker,
+            } => {
+                self.known.insert(*id, *created_at);
+                self.guard_held(*id, worker).await
+            }
         }
     }
 

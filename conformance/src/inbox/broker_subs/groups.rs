@@ -243,7 +243,7 @@ pub async fn g_06<S: SubscriptionUnderTest + ?Sized>(s: &S) {
         outcomes(&b.rec, "m1"),
         vec![(O::Landed, true), (O::Completed, true)]
     );
-    assert_eq!(b.processor().run_row(row.id).await, RowReport::LeaseLost);
+    assert_eq!(b.processor().run_row(row.id, row.created_at).await, RowReport::LeaseLost);
     assert_eq!(b.handler.runs_of("m1"), 1);
     assert_eq!(b.h.effects().await, vec!["m1"]);
     b.trial.cleanup().await;
