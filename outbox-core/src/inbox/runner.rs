@@ -725,11 +725,9 @@ impl<B: InboxBackend> Runner<B> {
         } else {
             Some(self.backend.now().await?)
         };
-        let runnable = inbox_order::fetchable(
-            &row,
-            now.unwrap_or(row.scheduled_at),
-            self.config.lease_ttl,
-        ) && !(key.is_some() && tx.earlier_in_line(&row).await?);
+        let runnable =
+            inbox_order::fetchable(&row, now.unwrap_or(row.scheduled_at), self.config.lease_ttl)
+                && !(key.is_some() && tx.earlier_in_line(&row).await?);
         if !runnable {
             tx.commit().await?;
             return Ok(r);

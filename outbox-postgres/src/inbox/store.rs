@@ -826,8 +826,7 @@ where
             }
             None => self.c().rows(&s.write, &binds).await?,
         };
-        rows
-            .into_iter()
+        rows.into_iter()
             .next()
             .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
     }
@@ -1116,17 +1115,28 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
                     return self.guard_held(*id, worker).await;
                 };
                 // R152's guard and R181 step 1 in one round trip (lock_row_run.sql).
-                let binds = [Bind::Uuid(*id), Bind::Text(ms), Bind::Timestamp(*created_at)];
-                let Some(raw) = self.c().rows(&s.lock_row_run, &binds).await?.into_iter().next()
+                let binds = [
+                    Bind::Uuid(*id),
+                    Bind::Text(ms),
+                    Bind::Timestamp(*created_at),
+                ];
+                let Some(raw) = self
+                    .c()
+                    .rows(&s.lock_row_run, &binds)
+                    .await?
+                    .into_iter()
+                    .next()
                 else {
                     return Ok(None);
                 };
                 self.timeout_before = raw.timeout_before.clone();
                 self.timeout_early = self.timeout_before.is_some();
                 let r = decoded(raw)?;
-                Ok((r.status == Status::Pending
-                    && r.locked_by.as_deref() == Some(worker.as_str()))
-                .then_some(r))
+                Ok(
+                    (r.status == Status::Pending
+                        && r.locked_by.as_deref() == Some(worker.as_str()))
+                    .then_some(r),
+                )
             }
             Guard::HeldBy {
                 id,

@@ -816,7 +816,9 @@ async fn drain(a: &InboxArgs, lib_first: bool) -> Result<Measured, BenchError> {
 pub async fn scripted_rate(a: &InboxArgs, n: usize) -> Result<f64, BenchError> {
     let bed = Bed::create(&a.conn, 2).await?;
     let res = async {
-        let (store, pool) = bed.store(&a.conn, (a.concurrency + 4) as u32, a.pool_ping).await?;
+        let (store, pool) = bed
+            .store(&a.conn, (a.concurrency + 4) as u32, a.pool_ping)
+            .await?;
         let (secs, _) = scripted_runner(store, &bed.lib, n, a.keys, a.concurrency).await?;
         pool.close().await;
         check(n, bed.done(&bed.lib).await?, "scripted runner")?;
