@@ -144,6 +144,16 @@ impl QueryableByName<Pg> for InboxRow {
             source: get::<Text, _>(row, "source", &mut u),
             partition_key: get::<OptText, _>(row, "partition_key", &mut u),
             unreadable: u.finish(),
+            // Columns after the row's, when the statement returns them (land_run.sql,
+            // lock_row_run.sql); absent elsewhere.
+            earlier: NamedRow::get::<Nullable<diesel::sql_types::Bool>, Option<bool>>(
+                row, "earlier",
+            )
+            .ok()
+            .flatten(),
+            timeout_before: NamedRow::get::<OptText, Option<String>>(row, "timeout_before")
+                .ok()
+                .flatten(),
         }))
     }
 }

@@ -28,10 +28,11 @@
 //! `fetch_walk`: its nodes read at most [`NODE_BOUND`] rows there too, and it finds a batch of
 //! heads past the window, none of the blocked key).
 //!
-//! Not here: the lookups by id on the partitioned table (`try_lock`, `stamp`, and the row
-//! transaction's `lock_row` and `write`). Its primary key is the ancestor's `(created_at, id)`
-//! and no index leads with id, so a lookup by id alone reads the whole table; the statements
-//! would need each row's created_at, which the store's row-transaction API does not carry.
+//! Not here: the fetch's lookups by id on the partitioned table (`try_lock`, `stamp`). Its
+//! primary key is the ancestor's `(created_at, id)` and no index leads with id, so a lookup by
+//! id alone reads the whole table. The row transaction's lookups (`lock_row_at`, `exists_at`,
+//! `lock_row_run`, `write_at`) carry each row's created_at and are checked on both layouts by
+//! `tests/inbox_row_plan.rs`.
 
 use outbox_conformance::inbox::InboxHarness;
 use outbox_postgres::inbox::sql::{InboxStatements, prefix, window_index};

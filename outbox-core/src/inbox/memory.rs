@@ -503,6 +503,7 @@ impl InboxTransaction for MemInboxTx {
                 attempts_made,
                 scheduled_at,
                 lease_ttl,
+                ..
             } => Ok(match self.lock_row(*id).await? {
                 RowLock::Locked(r)
                     if r.status == Status::Pending
@@ -515,7 +516,7 @@ impl InboxTransaction for MemInboxTx {
                 }
                 _ => None,
             }),
-            Guard::HeldBy { id, worker } => Ok(match self.lock_row(*id).await? {
+            Guard::HeldBy { id, worker, .. } => Ok(match self.lock_row(*id).await? {
                 RowLock::Locked(r)
                     if r.status == Status::Pending
                         && r.locked_by.as_deref() == Some(worker.as_str()) =>
@@ -535,11 +536,13 @@ impl InboxTransaction for MemInboxTx {
         error: &str,
         retry: Retry,
     ) -> Result<Option<WrittenState>, RepositoryError> {
-        let guard = Guard::HeldBy {
-            id,
-            worker: worker.clone(),
-        };
-        if self.guard(&guard).await?.is_none() {
+        // R152's guard (Guard::HeldBy), by id: this store finds rows by id alone.
+        let held = matches!(
+            self.lock_row(id).await?,
+            RowLock::Locked(r)
+                if r.status == Status::Pending && r.locked_by.as_deref() == Some(worker.as_str())
+        );
+        if !held {
             return Ok(None);
         }
         let error = error.to_owned();

@@ -516,8 +516,8 @@ impl<B: InboxBackend> Processor<B> {
                 continue;
             }
             let r = match &row {
-                InboxFetched::Row(_) => {
-                    let r = self.run_row(id).await;
+                InboxFetched::Row(r) => {
+                    let r = self.run_row(id, r.created_at).await;
                     self.breaker_record(&r);
                     r
                 }
@@ -581,9 +581,10 @@ impl<B: InboxBackend> Processor<B> {
 
     /// Runs one row this worker holds in its own transaction T_row (R152): the guard, the
     /// sibling check (R164), the handler run (R181), the outcome write (R154), the commit, then
-    /// the hooks (R158). Checked by Y-02, Y-11, Y-12, Y-15, G-06.
-    pub async fn run_row(&self, id: Uuid) -> RowReport {
-        let report = self.run_row_inner(id).await;
+    /// the hooks (R158). `created_at` is the row's: with the id, the primary key of both
+    /// Postgres layouts, by which T_row finds it. Checked by Y-02, Y-11, Y-12, Y-15, G-06.
+    pub async fn run_row(&self, id: Uuid, created_at: DateTime<Utc>) -> RowReport {
+        let report = self.run_row_inner(id, created_at).await;
         let event_type = report.1.as_ref().map(|r| r.event_type.as_str());
         hooks::each(&self.hooks, |h| {
             h.on_row(id, event_type, &report.0, report.2)
@@ -602,9 +603,14 @@ impl<B: InboxBackend> Processor<B> {
         report.0
     }
 
-    async fn run_row_inner(&self, id: Uuid) -> (RowReport, Option<InboxEvent>, Option<Duration>) {
+    async fn run_row_inner(
+        &self,
+        id: Uuid,
+        created_at: DateTime<Utc>,
+    ) -> (RowReport, Option<InboxEvent>, Option<Duration>) {
         let guard = Guard::HeldBy {
             id,
+            created_at,
             worker: self.config.worker.clone(),
         };
         let mut tx = match self.backend.begin().await {
@@ -619,6 +625,7 @@ impl<B: InboxBackend> Processor<B> {
                 );
             }
         };
+        tx.plan_handler_timeout(self.config.handler_timeout);
         let row = match tx.guard(&guard).await {
             Ok(Some(r)) => r,
             Ok(None) => {

@@ -244,6 +244,8 @@ pub enum Guard {
     Unchanged {
         /// Row id.
         id: Uuid,
+        /// The row's created_at: with the id, the primary key of both Postgres layouts.
+        created_at: DateTime<Utc>,
         /// attempts_made as found.
         attempts_made: i32,
         /// scheduled_at as found.
@@ -255,6 +257,8 @@ pub enum Guard {
     HeldBy {
         /// Row id.
         id: Uuid,
+        /// The row's created_at: with the id, the primary key of both Postgres layouts.
+        created_at: DateTime<Utc>,
         /// The worker.
         worker: WorkerId,
     },
@@ -405,6 +409,16 @@ pub trait InboxTransaction: Send + Sized {
 
     /// The handler's view of this transaction.
     fn handle(&mut self) -> &mut Self::Handle;
+
+    /// Tells the transaction the handler timeout of the run it may hold, before its first
+    /// statement (R181, R165). A store may then set the statement timeout ahead, with a
+    /// statement it sends anyway (a landing, a guard), instead of a round trip of its own after
+    /// [`savepoint`](Self::savepoint); it must still bound every statement of the run by
+    /// `timeout` and put the setting back before the commit (R181 step 4). The default does
+    /// nothing: [`savepoint`](Self::savepoint) sets it.
+    fn plan_handler_timeout(&mut self, timeout: Duration) {
+        let _ = timeout;
+    }
 
     /// Takes the key lock of R116 for the rest of the transaction, waiting for a transaction
     /// that holds it (G-09, F-22).

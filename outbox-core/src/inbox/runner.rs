@@ -44,6 +44,7 @@ use crate::inbox::repository::{
 use crate::inbox::subscription::{InboxDelivery, Subscription};
 use crate::repository::DEFAULT_LEASE_TTL;
 
+pub mod duplicates;
 pub mod run_loop;
 
 /// Default runner concurrency (R166).
@@ -401,6 +402,7 @@ impl<B: InboxBackend> RunnerBuilder<B> {
             started: AtomicBool::new(false),
             stop: CancellationToken::new(),
             warned_sources: Mutex::new(Vec::new()),
+            duplicates: duplicates::DuplicateShare::default(),
         })
     }
 }
@@ -417,6 +419,7 @@ pub struct Runner<B: InboxBackend> {
     started: AtomicBool,
     stop: CancellationToken,
     warned_sources: Mutex<Vec<String>>,
+    duplicates: duplicates::DuplicateShare,
 }
 
 impl<B: InboxBackend> std::fmt::Debug for Runner<B> {
@@ -590,6 +593,8 @@ impl<B: InboxBackend> Runner<B> {
         loop {
             match self.transact(d, &event).await {
                 Ok(mut r) => {
+                    self.duplicates
+                        .record(matches!(r.outcome, DeliveryOutcome::Duplicate));
                     r.message_id = Some(event.message_id().to_owned());
                     r.event_type
                         .get_or_insert_with(|| event.event_type().to_owned());
@@ -703,7 +708,15 @@ impl<B: InboxBackend> Runner<B> {
         d: &InboxDelivery,
         event: &NewInboxEvent,
     ) -> Result<DeliveryResult, Persist> {
+        if self.duplicates.likely()
+            && let Some(r) = self.duplicate_probe(event).await
+        {
+            return Ok(r);
+        }
         let mut tx = self.backend.begin().await?;
+        if self.handler.is_some() {
+            tx.plan_handler_timeout(self.config.handler_timeout);
+        }
         let key = event.key().filter(|_| self.config.key_order);
         if let Some(k) = &key {
             tx.lock_key(k).await?;
@@ -734,9 +747,18 @@ impl<B: InboxBackend> Runner<B> {
             self.warn_unserved(&row);
             return Ok(r);
         };
-        let now = self.backend.now().await?;
-        let runnable = inbox_order::fetchable(&row, now, self.config.lease_ttl)
-            && !(key.is_some() && tx.earlier_in_line(&row).await?);
+        // A row this T inserted is pending, without attempts or lease, and due at its own
+        // created_at (R105), read at the insert: a fetch could take it (R116) by the row alone,
+        // at its scheduled_at, without a clock read of its own. Any other row is judged at the
+        // backend's now (R72).
+        let now = if inserted {
+            None
+        } else {
+            Some(self.backend.now().await?)
+        };
+        let runnable =
+            inbox_order::fetchable(&row, now.unwrap_or(row.scheduled_at), self.config.lease_ttl)
+                && !(key.is_some() && tx.earlier_in_line(&row).await?);
         if !runnable {
             tx.commit().await?;
             return Ok(r);
@@ -786,6 +808,10 @@ impl<B: InboxBackend> Runner<B> {
             match self.config.policy.on_failure {
                 OnFailure::Record => self.record_write(&failure, &row, false),
                 OnFailure::Rewind => {
+                    let now = match now {
+                        Some(now) => now,
+                        None => self.backend.now().await?,
+                    };
                     let decision = {
                         let mut rng = self.rng.lock().expect("rng poisoned");
                         policy::rewind_decision(
@@ -851,6 +877,24 @@ impl<B: InboxBackend> Runner<B> {
         Ok(r)
     }
 
+    /// The duplicate probe of [`duplicates`]: the dedup key's row read in autocommit; a
+    /// `completed` or `failed` one answers the delivery as `duplicate` without T (R109, R130).
+    /// None (take T) when the row is pending, missing or cannot be read.
+    async fn duplicate_probe(&self, event: &NewInboxEvent) -> Option<DeliveryResult> {
+        let row = self
+            .backend
+            .get_by_message_id(event.message_id(), &self.config.group)
+            .await
+            .ok()??;
+        if !matches!(row.status, Status::Completed | Status::Failed) {
+            return None;
+        }
+        let mut r = DeliveryResult::new(DeliveryOutcome::Duplicate);
+        r.row_id = Some(row.id);
+        r.event_type = Some(row.event_type);
+        Some(r)
+    }
+
     fn record_write(&self, f: &Failure, row: &InboxEvent, at_most_once: bool) -> RowWrite {
         let mut rng = self.rng.lock().expect("rng poisoned");
         policy::record_write(
@@ -881,6 +925,7 @@ impl<B: InboxBackend> Runner<B> {
         } else {
             Guard::Unchanged {
                 id: row.id,
+                created_at: row.created_at,
                 attempts_made: row.attempts_made,
                 scheduled_at: row.scheduled_at,
                 lease_ttl: self.config.lease_ttl,

@@ -91,6 +91,13 @@ pub struct InboxRawRow {
     /// The first column the driver could not read, with why ([`Unreadable`]); that column
     /// holds a placeholder and the row does not decode.
     pub unreadable: Option<String>,
+    /// The column `earlier` after the row's, when the statement returns one (`land_run.sql`):
+    /// whether an earlier row of the row's inbox key is in line.
+    pub earlier: Option<bool>,
+    /// The column `timeout_before` after the row's, when the statement returns one
+    /// (`land_run.sql`, `lock_row_run.sql`): the statement_timeout in force before the
+    /// statement set the handler's; none when it set none.
+    pub timeout_before: Option<String>,
 }
 
 /// The first column of a row a driver could not read (R106). A column that cannot be read takes

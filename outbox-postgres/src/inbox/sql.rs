@@ -371,6 +371,8 @@ pub fn schema_lock_key(table: &TableName) -> String {
 /// The statement files, one per statement kind.
 mod text {
     pub const LAND: &str = include_str!("../sql/inbox/land.sql");
+    pub const LAND_RUN: &str = include_str!("../sql/inbox/land_run.sql");
+    pub const LOCK_ROW_RUN: &str = include_str!("../sql/inbox/lock_row_run.sql");
     pub const BY_MESSAGE_ID: &str = include_str!("../sql/inbox/by_message_id.sql");
     pub const DEDUP_LOCK: &str = include_str!("../sql/inbox/dedup_lock.sql");
     pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
@@ -450,16 +452,24 @@ pub struct InboxStatements {
     pub now: String,
     /// `land.sql`.
     pub land: String,
+    /// `land_run.sql`: the runner's landing with its earlier probe and handler timeout.
+    pub land_run: String,
     /// `by_message_id.sql`.
     pub by_message_id: String,
     /// `dedup_lock.sql`.
     pub dedup_lock: String,
     /// `key_lock.sql`.
     pub key_lock: String,
-    /// `lock_row.sql`.
+    /// `lock_row.sql` by id alone.
     pub lock_row: String,
-    /// `exists.sql`.
+    /// `lock_row.sql` by the primary key (created_at, id).
+    pub lock_row_at: String,
+    /// `lock_row_run.sql`: the processor's guard with its handler timeout (plain table).
+    pub lock_row_run: String,
+    /// `exists.sql` by id alone.
     pub exists: String,
+    /// `exists.sql` by the primary key (created_at, id).
+    pub exists_at: String,
     /// `earlier.sql`.
     pub earlier: String,
     /// `completed_sibling.sql`.
@@ -474,8 +484,10 @@ pub struct InboxStatements {
     pub statement_timeout: String,
     /// `restore_timeout.sql`.
     pub restore_timeout: String,
-    /// `write.sql`.
+    /// `write.sql` by id alone.
     pub write: String,
+    /// `write.sql` by the primary key (created_at, id).
+    pub write_at: String,
     /// `in_line_rows.sql`.
     pub in_line_rows: String,
     /// `try_lock.sql`.
@@ -516,16 +528,24 @@ impl InboxStatements {
     /// Every statement for `table` in `layout`.
     pub fn new(table: &TableName, layout: Layout) -> Self {
         let r = |src: &str| render(src, table);
+        // The two forms of a by-id statement (`{at}`, see lock_row.sql): by id alone, and by
+        // the primary key of both layouts with the created_at parameter each file names.
+        let by_id = |src: &str| r(src).replace(" {at}", "");
+        let at = |src: &str, created_at: &str| r(src).replace("{at}", created_at);
         Self {
             table: table.clone(),
             layout,
             now: "SELECT now()".into(),
             land: r(text::LAND),
+            land_run: r(text::LAND_RUN),
             by_message_id: r(text::BY_MESSAGE_ID),
             dedup_lock: r(text::DEDUP_LOCK),
             key_lock: r(text::KEY_LOCK),
-            lock_row: r(text::LOCK_ROW),
-            exists: r(text::EXISTS),
+            lock_row: by_id(text::LOCK_ROW),
+            lock_row_at: at(text::LOCK_ROW, "AND created_at = $2::timestamptz"),
+            lock_row_run: r(text::LOCK_ROW_RUN),
+            exists: by_id(text::EXISTS),
+            exists_at: at(text::EXISTS, "AND created_at = $2::timestamptz"),
             earlier: r(text::EARLIER),
             completed_sibling: r(text::COMPLETED_SIBLING),
             savepoint: "SAVEPOINT inbox_run".into(),
@@ -533,7 +553,8 @@ impl InboxStatements {
             rollback_to_savepoint: "ROLLBACK TO SAVEPOINT inbox_run".into(),
             statement_timeout: r(text::STATEMENT_TIMEOUT),
             restore_timeout: r(text::RESTORE_TIMEOUT),
-            write: r(text::WRITE),
+            write: by_id(text::WRITE),
+            write_at: at(text::WRITE, "AND t.created_at = $7::timestamptz"),
             in_line_rows: r(text::IN_LINE_ROWS),
             try_lock: r(text::TRY_LOCK),
             stamp: r(text::STAMP),
@@ -565,6 +586,12 @@ mod tests {
         let s = InboxStatements::new(&t, Layout::Plain);
         for text in [
             &s.land,
+            &s.land_run,
+            &s.lock_row_run,
+            &s.lock_row,
+            &s.lock_row_at,
+            &s.exists_at,
+            &s.write_at,
             &s.by_message_id,
             &s.earlier,
             &s.write,

@@ -499,8 +499,10 @@ where
     }
 
     async fn now(&self) -> Result<DateTime<Utc>, RepositoryError> {
-        self.in_tx(|mut tx, s| Box::pin(async move { tx.now(&s.now).await }))
-            .await
+        // One statement in autocommit: one round trip, not three.
+        let table = &self.stmts.table;
+        let mut c = self.driver.acquire(table).await?;
+        Conn::<D> { c: &mut *c, table }.now(&self.stmts.now).await
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<InboxEvent>, RepositoryError> {
@@ -519,10 +521,13 @@ where
             Bind::Text(String::from(message_id)),
             Bind::Text(String::from(group.as_str())),
         ];
-        self.in_tx(|mut tx, s| {
-            Box::pin(async move { one(tx.rows(&s.by_message_id, &binds).await?) })
-        })
-        .await
+        // One statement in autocommit (its own snapshot): one round trip, not three; the
+        // runner's duplicate probe reads here (runner/duplicates.rs).
+        let table = &self.stmts.table;
+        let mut c = self.driver.acquire(table).await?;
+        one(Conn::<D> { c: &mut *c, table }
+            .rows(&self.stmts.by_message_id, &binds)
+            .await?)
     }
 
     async fn fetch_and_lock(
@@ -751,16 +756,42 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
             stmts: self.stmts.clone(),
             faults: self.faults.clone(),
             timeout_before: None,
+            planned_timeout: None,
+            timeout_early: false,
+            restore: None,
+            inserted: None,
+            known: HashMap::new(),
         })
     }
 }
 
 /// One open inbox transaction over a driver transaction `T`.
+///
+/// Its round trips are counted (issue 21's benchmarks): the runner's landing of a new message
+/// is one statement (`land_run.sql`: the insert, the earlier probe, the handler timeout), the
+/// row it inserted is not locked or read again, the savepoint is not released by a statement
+/// of its own (the commit releases it, R181 step 3) and the statement timeout is put back by
+/// the outcome write (`write.sql`'s `$6`, R181 step 4).
 pub struct PgInboxTx<D: Driver> {
     tx: D::Tx,
     stmts: Arc<InboxStatements>,
     faults: Arc<InboxFaults>,
+    /// The statement_timeout before the handler's was set, to put back (R181 step 4).
     timeout_before: Option<String>,
+    /// The handler timeout in whole milliseconds ([`InboxTransaction::plan_handler_timeout`]).
+    planned_timeout: Option<String>,
+    /// Whether the handler timeout was set ahead, before the savepoint, by `land_run` or
+    /// `lock_row_run` (a rollback to the savepoint then keeps it).
+    timeout_early: bool,
+    /// A statement_timeout the next write puts back.
+    restore: Option<String>,
+    /// The row `land_run` inserted in this transaction, as inserted, and whether an earlier row
+    /// of its key was in line then; cleared by a write.
+    inserted: Option<(InboxEvent, bool)>,
+    /// created_at of the rows this transaction read decoded or was given (a guard): with the
+    /// id, the primary key of both layouts, by which its by-id statements find them (on the
+    /// partitioned table a lookup by id alone reads every partition).
+    known: HashMap<Uuid, DateTime<Utc>>,
 }
 
 impl<D: Driver> std::fmt::Debug for PgInboxTx<D> {
@@ -776,6 +807,12 @@ fn error_text(e: &str) -> String {
         &e.replace('\0', "\u{FFFD}"),
         limits::DEFAULT_ERROR_MAX_LENGTH,
     )
+}
+
+/// The handler timeout as R181 sets it: whole milliseconds rounded up, at least 1 (0 would turn
+/// the bound off).
+fn timeout_ms(timeout: Duration) -> String {
+    timeout.as_micros().div_ceil(1000).max(1).to_string()
 }
 
 fn retry_binds(retry: &Retry) -> (Bind, Bind) {
@@ -819,22 +856,38 @@ where
             ),
             RowWrite::ClearLease => ("clear_lease", None, retry_binds(&Retry::Keep)),
         };
+        // The row is written: what `land_run` returned of it no longer stands.
+        self.inserted = None;
         let binds = [
             Bind::Uuid(id),
             Bind::Text(String::from(kind)),
             nullable_text(error.as_deref()),
             after,
             at,
+            // R181 step 4: the timeout goes back for the commit that follows.
+            nullable_text(self.restore.take().as_deref()),
         ];
-        self.c()
-            .rows(&s.write, &binds)
-            .await?
-            .into_iter()
+        let rows = match self.known.get(&id) {
+            Some(at) => {
+                let mut binds = binds.to_vec();
+                binds.push(Bind::Timestamp(*at));
+                self.c().rows(&s.write_at, &binds).await?
+            }
+            None => self.c().rows(&s.write, &binds).await?,
+        };
+        rows.into_iter()
             .next()
             .ok_or_else(|| RepositoryError::Other(format!("inbox row {id} does not exist")))
     }
 
+    /// Lands one event ([`InboxTransaction::land`]); the row's created_at is known after.
     async fn land_one(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
+        let l = self.land_event(e).await?;
+        self.known.insert(l.row.id, l.row.created_at);
+        Ok(l)
+    }
+
+    async fn land_event(&mut self, e: &NewInboxEvent) -> Result<Landed, RepositoryError> {
         let s = self.stmts.clone();
         let key = [
             Bind::Text(String::from(e.message_id())),
@@ -879,8 +932,17 @@ where
             Bind::Text(String::from(e.consumer_group())),
             Bind::Text(String::from(e.source())),
             nullable_text(e.partition_key()),
+            nullable_text(self.planned_timeout.as_deref()),
         ];
-        if let Some(row) = one(self.c().rows(&s.land, &binds).await?)? {
+        if let Some(raw) = self.c().rows(&s.land_run, &binds).await?.into_iter().next() {
+            let earlier = raw.earlier.unwrap_or(false);
+            if let Some(before) = raw.timeout_before.clone() {
+                // land_run set the handler timeout (R181 step 1, ahead of the savepoint).
+                self.timeout_before = Some(before);
+                self.timeout_early = true;
+            }
+            let row = decoded(raw)?;
+            self.inserted = Some((row.clone(), earlier));
             return Ok(Landed {
                 row,
                 inserted: true,
@@ -900,12 +962,35 @@ where
     }
 }
 
+impl<D: InboxDriver> PgInboxTx<D> {
+    /// R152's guard: the row locked, pending and held by `worker`.
+    async fn guard_held(
+        &mut self,
+        id: Uuid,
+        worker: &WorkerId,
+    ) -> Result<Option<InboxEvent>, RepositoryError> {
+        Ok(match self.lock_row(id).await? {
+            RowLock::Locked(r)
+                if r.status == Status::Pending
+                    && r.locked_by.as_deref() == Some(worker.as_str()) =>
+            {
+                Some(r)
+            }
+            _ => None,
+        })
+    }
+}
+
 #[async_trait]
 impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     type Handle = D::Handle;
 
     fn handle(&mut self) -> &mut D::Handle {
         D::handle(&mut self.tx)
+    }
+
+    fn plan_handler_timeout(&mut self, timeout: Duration) {
+        self.planned_timeout = Some(timeout_ms(timeout));
     }
 
     async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {
@@ -928,11 +1013,28 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     }
 
     async fn lock_row(&mut self, id: Uuid) -> Result<RowLock, RepositoryError> {
+        if let Some((row, _)) = self.inserted.as_ref().filter(|(r, _)| r.id == id) {
+            // R116 step 3: this transaction inserted the row and holds it; no other
+            // transaction sees it before T commits, and nothing wrote it since (a write clears
+            // `inserted`), so it stands as land_run returned it.
+            return Ok(RowLock::Locked(row.clone()));
+        }
         let s = self.stmts.clone();
-        if let Some(r) = one(self.c().rows(&s.lock_row, &[Bind::Uuid(id)]).await?)? {
+        // By the primary key (created_at, id) when this transaction knows the row's created_at
+        // (it landed or read it, or a guard named it), else by id alone.
+        let (lock, exists, binds) = match self.known.get(&id) {
+            Some(at) => (
+                &s.lock_row_at,
+                &s.exists_at,
+                vec![Bind::Uuid(id), Bind::Timestamp(*at)],
+            ),
+            None => (&s.lock_row, &s.exists, vec![Bind::Uuid(id)]),
+        };
+        if let Some(r) = one(self.c().rows(lock, &binds).await?)? {
+            self.known.insert(r.id, r.created_at);
             return Ok(RowLock::Locked(r));
         }
-        Ok(match self.c().int8(&s.exists, &[Bind::Uuid(id)]).await? {
+        Ok(match self.c().int8(exists, &binds).await? {
             Some(n) if n > 0 => RowLock::Busy,
             _ => RowLock::Missing,
         })
@@ -942,6 +1044,10 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         let Some(pk) = row.partition_key.as_deref() else {
             return Ok(false);
         };
+        if let Some((_, earlier)) = self.inserted.as_ref().filter(|(r, _)| r.id == row.id) {
+            // land_run's probe, read after the key lock in this transaction (R116, R145).
+            return Ok(*earlier);
+        }
         let s = self.stmts.clone();
         let binds = [
             Bind::Text(String::from(row.consumer_group.as_str())),
@@ -976,32 +1082,42 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
         let s = self.stmts.clone();
         self.c().execute(&s.savepoint, &[]).await?;
-        // Whole milliseconds, rounded up (R181); at least 1 (0 would turn the bound off).
-        let ms = timeout.as_micros().div_ceil(1000).max(1);
+        let ms = timeout_ms(timeout);
+        if self.timeout_early && self.planned_timeout.as_deref() == Some(ms.as_str()) {
+            // R181 step 1: land_run or lock_row_run set this very timeout in T's previous
+            // statement, and no statement has run since but the savepoint's.
+            return Ok(());
+        }
         let before = self
             .c()
-            .text(&s.statement_timeout, &[Bind::Text(ms.to_string())])
+            .text(&s.statement_timeout, &[Bind::Text(ms)])
             .await?;
-        self.timeout_before = before;
-        Ok(())
-    }
-
-    async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
-        let s = self.stmts.clone();
-        self.c().execute(&s.release_savepoint, &[]).await?;
-        if let Some(before) = self.timeout_before.take() {
-            self.c()
-                .execute(&s.restore_timeout, &[Bind::Text(before)])
-                .await?;
+        if !self.timeout_early {
+            self.timeout_before = before;
         }
         Ok(())
     }
 
+    async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
+        // R181 step 3 without a round trip: the savepoint stays until the commit, which
+        // releases it with T (a released and an unreleased savepoint commit the same writes;
+        // nothing rolls back to it after a success). The timeout goes back with the outcome
+        // write (R181 step 4, write.sql's $6).
+        self.restore = self.timeout_before.take();
+        Ok(())
+    }
+
     async fn rollback_to_savepoint(&mut self) -> Result<(), RepositoryError> {
-        // The rollback also undoes the statement timeout's set_config.
-        self.timeout_before = None;
         let s = self.stmts.clone();
         self.c().execute(&s.rollback_to_savepoint, &[]).await?;
+        if self.timeout_early {
+            // Set before the savepoint, the timeout survives the rollback: the outcome write
+            // puts it back (R181 step 4).
+            self.restore = self.timeout_before.take();
+        } else {
+            // Set after the savepoint, the rollback undid it.
+            self.timeout_before = None;
+        }
         Ok(())
     }
 
@@ -1018,10 +1134,12 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
             }
             Guard::Unchanged {
                 id,
+                created_at,
                 attempts_made,
                 scheduled_at,
                 lease_ttl,
             } => {
+                self.known.insert(*id, *created_at);
                 let now = self.c().now(&s.now).await?;
                 Ok(match self.lock_row(*id).await? {
                     RowLock::Locked(r)
@@ -1036,15 +1154,47 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
                     _ => None,
                 })
             }
-            Guard::HeldBy { id, worker } => Ok(match self.lock_row(*id).await? {
-                RowLock::Locked(r)
-                    if r.status == Status::Pending
-                        && r.locked_by.as_deref() == Some(worker.as_str()) =>
-                {
-                    Some(r)
-                }
-                _ => None,
-            }),
+            Guard::HeldBy {
+                id,
+                created_at,
+                worker,
+            } if s.layout == Layout::Plain => {
+                self.known.insert(*id, *created_at);
+                let Some(ms) = self.planned_timeout.clone() else {
+                    return self.guard_held(*id, worker).await;
+                };
+                // R152's guard and R181 step 1 in one round trip (lock_row_run.sql).
+                let binds = [
+                    Bind::Uuid(*id),
+                    Bind::Text(ms),
+                    Bind::Timestamp(*created_at),
+                ];
+                let Some(raw) = self
+                    .c()
+                    .rows(&s.lock_row_run, &binds)
+                    .await?
+                    .into_iter()
+                    .next()
+                else {
+                    return Ok(None);
+                };
+                self.timeout_before = raw.timeout_before.clone();
+                self.timeout_early = self.timeout_before.is_some();
+                let r = decoded(raw)?;
+                Ok(
+                    (r.status == Status::Pending
+                        && r.locked_by.as_deref() == Some(worker.as_str()))
+                    .then_some(r),
+                )
+            }
+            Guard::HeldBy {
+                id,
+                created_at,
+                worker,
+            } => {
+                self.known.insert(*id, *created_at);
+                self.guard_held(*id, worker).await
+            }
         }
     }
 

@@ -19,8 +19,15 @@ pub struct Fresh {
 }
 
 pub async fn pool(url: &str, max: u32) -> Result<PgPool, BenchError> {
+    pool_with(url, max, true).await
+}
+
+/// [`pool`], pinging each connection on acquire (`test_before_acquire`, sqlx's default) only
+/// when `ping`.
+pub async fn pool_with(url: &str, max: u32, ping: bool) -> Result<PgPool, BenchError> {
     PgPoolOptions::new()
         .max_connections(max)
+        .test_before_acquire(ping)
         .acquire_timeout(Duration::from_secs(30))
         .connect(url)
         .await

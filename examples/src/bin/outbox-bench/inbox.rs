@@ -114,6 +114,11 @@ pub struct InboxArgs {
     /// Repetitions; the library goes first in odd runs and the reference in even ones.
     #[arg(long, default_value_t = 1)]
     pub runs: usize,
+    /// Keep sqlx's `test_before_acquire` on the library's pool: a ping, one more round trip,
+    /// on every acquire (each transaction and autocommit read). Off by default, as the
+    /// references hold their connections for the whole run and ping none.
+    #[arg(long)]
+    pub pool_ping: bool,
     #[command(flatten)]
     pub conn: Conn,
 }
@@ -177,9 +182,15 @@ impl Bed {
         Ok(bed)
     }
 
-    /// The library's store on a pool of its own of `size` connections.
-    pub async fn store(&self, conn: &Conn, size: u32) -> Result<(SqlxInbox, PgPool), BenchError> {
-        let pool = crate::db::pool(&conn.database_url, size).await?;
+    /// The library's store on a pool of its own of `size` connections, pinging each connection
+    /// on acquire when `ping` (sqlx's default, `--pool-ping`).
+    pub async fn store(
+        &self,
+        conn: &Conn,
+        size: u32,
+        ping: bool,
+    ) -> Result<(SqlxInbox, PgPool), BenchError> {
+        let pool = crate::db::pool_with(&conn.database_url, size, ping).await?;
         Ok((
             SqlxInbox::sqlx(pool.clone(), &self.lib, Layout::Plain),
             pool,
@@ -600,7 +611,7 @@ async fn land_and_duplicates(
     let bed = Bed::create(&a.conn, 2).await?;
     let res = async {
         let mut out = Vec::new();
-        let (store, store_pool) = bed.store(&a.conn, (c + 4) as u32).await?;
+        let (store, store_pool) = bed.store(&a.conn, (c + 4) as u32, a.pool_ping).await?;
         let (lib_secs, ref_secs, ended) = if lib_first {
             let (l, e) = scripted_runner(store.clone(), &bed.lib, a.messages, a.keys, c).await?;
             let r = reference_land(&bed, &a.conn, a.messages, a.keys, c).await?;
@@ -699,7 +710,7 @@ async fn preload(bed: &Bed, t: &TableName, rows: usize, keys: usize) -> Result<(
 
 async fn drain_library(bed: &Bed, a: &InboxArgs) -> Result<(f64, Value), BenchError> {
     let c = a.concurrency;
-    let (store, pool) = bed.store(&a.conn, (c + 4) as u32).await?;
+    let (store, pool) = bed.store(&a.conn, (c + 4) as u32, a.pool_ping).await?;
     let ended = Arc::new(Ended::default());
     let p = Processor::builder(store, GROUP, WriteOne::new(&bed.lib))
         .worker_id("bench")
@@ -805,7 +816,9 @@ async fn drain(a: &InboxArgs, lib_first: bool) -> Result<Measured, BenchError> {
 pub async fn scripted_rate(a: &InboxArgs, n: usize) -> Result<f64, BenchError> {
     let bed = Bed::create(&a.conn, 2).await?;
     let res = async {
-        let (store, pool) = bed.store(&a.conn, (a.concurrency + 4) as u32).await?;
+        let (store, pool) = bed
+            .store(&a.conn, (a.concurrency + 4) as u32, a.pool_ping)
+            .await?;
         let (secs, _) = scripted_runner(store, &bed.lib, n, a.keys, a.concurrency).await?;
         pool.close().await;
         check(n, bed.done(&bed.lib).await?, "scripted runner")?;
@@ -847,7 +860,7 @@ pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
                 "shape": s.name(), "run": run + 1, "library_first": lib_first,
                 "library_per_s": m.library.round(), "reference_per_s": m.reference.round(),
                 "ratio": (ratio * 1000.0).round() / 1000.0, "target": s.target(),
-                "load": crate::suite::load_avg(),
+                "load": crate::suite::load_avg(), "pool_ping": a.pool_ping,
             });
             if let (Some(o), Value::Object(e)) = (line.as_object_mut(), m.extra) {
                 if let Some(v) = e.get("scripted_per_s").and_then(Value::as_f64) {

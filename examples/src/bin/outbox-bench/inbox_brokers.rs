@@ -48,7 +48,9 @@ async fn library(
     a: &InboxArgs,
     sub: Arc<dyn outbox_core::inbox::Subscription>,
 ) -> Result<f64, BenchError> {
-    let (store, pool) = bed.store(&a.conn, (a.concurrency + 4) as u32).await?;
+    let (store, pool) = bed
+        .store(&a.conn, (a.concurrency + 4) as u32, a.pool_ping)
+        .await?;
     let ended = Arc::new(Ended::default());
     let r = runner(store, sub.clone(), &bed.lib, a.concurrency, ended.clone())?;
     let secs = run_until(r, &ended, a.broker_messages).await;

@@ -62,7 +62,20 @@ fn inbox_raw_row(r: &PgRow) -> Result<InboxRawRow, sqlx::Error> {
         source: get(r, 21, &mut u),
         partition_key: get(r, 22, &mut u),
         unreadable: u.finish(),
+        earlier: extra(r, "earlier"),
+        timeout_before: extra(r, "timeout_before"),
     })
+}
+
+/// A column after the row's (`earlier`, `timeout_before`), when the statement returns it.
+fn extra<'r, T>(r: &'r PgRow, name: &str) -> Option<T>
+where
+    T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    if r.len() <= INBOX_COLUMNS.len() {
+        return None;
+    }
+    r.try_get::<Option<T>, _>(name).ok().flatten()
 }
 
 /// Column `i`, or its type's default when it cannot be decoded (recorded in `u`).
