@@ -759,6 +759,7 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
             planned_timeout: None,
             timeout_early: false,
             restore: None,
+            run_timeout: None,
             inserted: None,
             known: HashMap::new(),
         })
@@ -785,6 +786,8 @@ pub struct PgInboxTx<D: Driver> {
     timeout_early: bool,
     /// A statement_timeout the next write puts back.
     restore: Option<String>,
+    /// The handler timeout of the run in progress (set by [`InboxTransaction::savepoint`]).
+    run_timeout: Option<Duration>,
     /// The row `land_run` inserted in this transaction, as inserted, and whether an earlier row
     /// of its key was in line then; cleared by a write.
     inserted: Option<(InboxEvent, bool)>,
@@ -811,6 +814,12 @@ fn error_text(e: &str) -> String {
 
 /// The handler timeout as R181 sets it: whole milliseconds rounded up, at least 1 (0 would turn
 /// the bound off).
+/// Below this handler timeout, the statement_timeout goes back in a statement of its own right
+/// after the run, before the outcome write (R181 step 4), instead of inside that write (which
+/// then runs under the handler's timeout): a short handler timeout must not cancel the outcome
+/// write of a run that ended in time, which would leave the message unhandled for good.
+const SHORT_HANDLER_TIMEOUT: Duration = Duration::from_secs(5);
+
 fn timeout_ms(timeout: Duration) -> String {
     timeout.as_micros().div_ceil(1000).max(1).to_string()
 }
@@ -827,6 +836,24 @@ impl<D: Driver> PgInboxTx<D>
 where
     D::Conn: InboxRows,
 {
+    /// R181 step 4 ahead of the outcome write when the run's handler timeout is short
+    /// ([`SHORT_HANDLER_TIMEOUT`]): the timeout to put back goes back now, in a statement of its
+    /// own, so the outcome write does not run under the handler's timeout.
+    async fn restore_if_short(&mut self) -> Result<(), RepositoryError> {
+        if self
+            .run_timeout
+            .take()
+            .is_some_and(|t| t < SHORT_HANDLER_TIMEOUT)
+            && let Some(before) = self.restore.take()
+        {
+            let s = self.stmts.clone();
+            self.c()
+                .text(&s.statement_timeout, &[Bind::Text(before)])
+                .await?;
+        }
+        Ok(())
+    }
+
     fn c(&mut self) -> Conn<'_, D> {
         Conn {
             c: &mut *self.tx,
@@ -1082,6 +1109,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
         let s = self.stmts.clone();
         self.c().execute(&s.savepoint, &[]).await?;
+        self.run_timeout = Some(timeout);
         let ms = timeout_ms(timeout);
         if self.timeout_early && self.planned_timeout.as_deref() == Some(ms.as_str()) {
             // R181 step 1: land_run or lock_row_run set this very timeout in T's previous
@@ -1104,7 +1132,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         // nothing rolls back to it after a success). The timeout goes back with the outcome
         // write (R181 step 4, write.sql's $6).
         self.restore = self.timeout_before.take();
-        Ok(())
+        self.restore_if_short().await
     }
 
     async fn rollback_to_savepoint(&mut self) -> Result<(), RepositoryError> {
@@ -1114,6 +1142,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
             // Set before the savepoint, the timeout survives the rollback: the outcome write
             // puts it back (R181 step 4).
             self.restore = self.timeout_before.take();
+            self.restore_if_short().await?;
         } else {
             // Set after the savepoint, the rollback undid it.
             self.timeout_before = None;

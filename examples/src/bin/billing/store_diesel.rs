@@ -7,8 +7,8 @@ use async_trait::async_trait;
 use diesel::sql_types::{BigInt, Integer, Nullable, Text, Uuid};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
-use outbox_diesel::{create_inbox_schema, diesel_inbox};
 use outbox_diesel::{Layout, PoolSettings, build_pool};
+use outbox_diesel::{create_inbox_schema, diesel_inbox};
 
 use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
 
