@@ -2,7 +2,8 @@
 //! and the inbox store for the runner and the processor of `outbox_core::inbox`.
 //!
 //! * [`sql`]: the DDL and the statement texts (files under `src/sql/inbox/`);
-//! * [`store`]: the store, written once over the driver layer ([`crate::driver::inbox`]);
+//! * [`store`]: the store, written once over the driver layer ([`crate::driver::inbox`]); its
+//!   fetch in `store/fetch.rs`, its transaction ([`PgInboxTx`]) in `store/transaction.rs`;
 //! * `sqlx` (feature `sqlx`): the sqlx driver, whose handlers get a sqlx `Transaction`.
 //!   `outbox-diesel` implements the same driver for diesel-async.
 
