@@ -26,26 +26,27 @@ use chrono::{DateTime, Utc};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
-use crate::backoff::{Backoff, RandomSource, SeededRng};
-use crate::error::{ConfigError, RepositoryError};
-use crate::event::{Status, WorkerId, limits};
+use crate::backoff::{Backoff, RandomSource};
+use crate::error::RepositoryError;
+use crate::event::{Status, limits};
 use crate::inbox::decode::{DecodeOptions, decode};
 use crate::inbox::handler::{Failure, Handler, HandlerRun, RunResult, run_handler};
 use crate::inbox::hooks::{self, InboxHooks};
-use crate::inbox::model::{ConsumerGroup, InboxEvent, InvalidMessage, NewInboxEvent};
+use crate::inbox::model::{InboxEvent, InvalidMessage, NewInboxEvent};
 use crate::inbox::ordering as inbox_order;
-use crate::inbox::policy::{self, AncestorAckSettings, FailurePolicy, OnFailure, RewindDecision};
-use crate::inbox::processor::{
-    DEFAULT_HANDLER_TIMEOUT, DEFAULT_INBOX_POLL, Processor, check_timeouts,
-};
+use crate::inbox::policy::{self, AncestorAckSettings, OnFailure, RewindDecision};
+use crate::inbox::processor::{DEFAULT_HANDLER_TIMEOUT, DEFAULT_INBOX_POLL, Processor};
 use crate::inbox::repository::{
     Guard, HandlerTx, InboxBackend, InboxTransaction, RowLock, RowWrite,
 };
 use crate::inbox::subscription::{InboxDelivery, Subscription};
 use crate::repository::DEFAULT_LEASE_TTL;
 
+mod builder;
 pub mod duplicates;
 pub mod run_loop;
+
+pub use builder::{RunnerBuilder, RunnerConfig};
 
 /// Default runner concurrency (R166).
 pub const DEFAULT_RUNNER_CONCURRENCY: usize = 16;
@@ -126,284 +127,6 @@ impl DeliveryResult {
             event_type: None,
             invalid_label: None,
         }
-    }
-}
-
-/// A validated runner configuration (defaults of section 27).
-#[derive(Debug, Clone)]
-pub struct RunnerConfig {
-    pub(crate) group: ConsumerGroup,
-    pub(crate) worker: WorkerId,
-    pub(crate) policy: FailurePolicy,
-    pub(crate) max_attempts: u32,
-    pub(crate) handler_timeout: Duration,
-    pub(crate) backoff: Backoff,
-    pub(crate) key_order: bool,
-    pub(crate) concurrency: usize,
-    pub(crate) lease_ttl: Duration,
-    pub(crate) commit_timeout: Duration,
-    pub(crate) require_message_id: bool,
-    pub(crate) sources: Vec<String>,
-    pub(crate) process_stored: bool,
-    pub(crate) breaker: Option<(u32, Duration)>,
-}
-
-impl RunnerConfig {
-    /// The group.
-    pub fn group(&self) -> &ConsumerGroup {
-        &self.group
-    }
-    /// The worker id.
-    pub fn worker(&self) -> &WorkerId {
-        &self.worker
-    }
-    /// The resolved policy.
-    pub fn policy(&self) -> FailurePolicy {
-        self.policy
-    }
-    /// max_attempts rows are landed with (R103).
-    pub fn landing_max_attempts(&self) -> u32 {
-        if self.policy.at_most_once {
-            1
-        } else {
-            self.max_attempts
-        }
-    }
-}
-
-/// Builds a [`Runner`].
-pub struct RunnerBuilder<B: InboxBackend> {
-    backend: B,
-    subscription: Arc<dyn Subscription>,
-    handler: Option<Arc<dyn Handler<HandlerTx<B>>>>,
-    group: String,
-    worker: Option<String>,
-    on_failure: Option<OnFailure>,
-    at_most_once: Option<bool>,
-    ancestor: AncestorAckSettings,
-    max_attempts: u32,
-    handler_timeout: Duration,
-    backoff: Backoff,
-    key_order: bool,
-    concurrency: usize,
-    lease_ttl: Duration,
-    commit_timeout: Duration,
-    require_message_id: bool,
-    sources: Option<Vec<String>>,
-    topics: Vec<String>,
-    process_stored: Option<bool>,
-    processor_poll: Duration,
-    hooks: Vec<Arc<dyn InboxHooks>>,
-    rng: Option<Box<dyn RandomSource>>,
-    breaker: Option<(u32, Duration)>,
-}
-
-impl<B: InboxBackend> RunnerBuilder<B> {
-    /// Enables the circuit breaker of R62 for handler runs (R120): it opens after
-    /// `failure_threshold` consecutive failed runs of any class and half-opens after
-    /// `recovery_timeout_seconds`. The values are checked as the relay's
-    /// ([`crate::relay::BreakerConfig::new`]).
-    pub fn breaker(
-        mut self,
-        failure_threshold: i64,
-        recovery_timeout_seconds: f64,
-    ) -> Result<Self, ConfigError> {
-        crate::relay::BreakerConfig::new(failure_threshold, recovery_timeout_seconds)?;
-        self.breaker = Some((
-            failure_threshold as u32,
-            Duration::from_secs_f64(recovery_timeout_seconds),
-        ));
-        Ok(self)
-    }
-
-    /// The handler; without one every delivery is landed for a processor (R121, R125).
-    pub fn handler(mut self, h: Arc<dyn Handler<HandlerTx<B>>>) -> Self {
-        self.handler = Some(h);
-        self
-    }
-    /// The worker id (R10; at most 253 characters with process_stored, R121).
-    pub fn worker_id(mut self, w: impl Into<String>) -> Self {
-        self.worker = Some(w.into());
-        self
-    }
-    /// Who retries a failed run (R123; default record).
-    pub fn on_failure(mut self, p: OnFailure) -> Self {
-        self.on_failure = Some(p);
-        self
-    }
-    /// Commit before handling (R129).
-    pub fn at_most_once(mut self, on: bool) -> Self {
-        self.at_most_once = Some(on);
-        self
-    }
-    /// The ancestor's ack settings, as aliases (R123).
-    pub fn ancestor_ack_settings(mut self, a: AncestorAckSettings) -> Self {
-        self.ancestor = a;
-        self
-    }
-    /// max_attempts of landed rows (0 means 6, R103).
-    pub fn max_attempts(mut self, n: u32) -> Self {
-        self.max_attempts = n;
-        self
-    }
-    /// Handler timeout (> 0, default 30 s, R165).
-    pub fn handler_timeout(mut self, d: Duration) -> Self {
-        self.handler_timeout = d;
-        self
-    }
-    /// Backoff (R39, R127).
-    pub fn backoff(mut self, b: Backoff) -> Self {
-        self.backoff = b;
-        self
-    }
-    /// Per-key order (default true, R147).
-    pub fn key_order(mut self, on: bool) -> Self {
-        self.key_order = on;
-        self
-    }
-    /// Deliveries held at once (≥ 1, default 16, R166).
-    pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n;
-        self
-    }
-    /// The group's lease TTL (default 300 s, R116).
-    pub fn lease_ttl(mut self, d: Duration) -> Self {
-        self.lease_ttl = d;
-        self
-    }
-    /// Commit timeout (> 0, default 5 s, R131).
-    pub fn commit_timeout(mut self, d: Duration) -> Self {
-        self.commit_timeout = d;
-        self
-    }
-    /// Messages without an id are invalid (R138).
-    pub fn require_message_id(mut self, on: bool) -> Self {
-        self.require_message_id = on;
-        self
-    }
-    /// The topics the runner reads (they are the default sources, R121).
-    pub fn topics<S: Into<String>>(mut self, t: impl IntoIterator<Item = S>) -> Self {
-        self.topics = t.into_iter().map(Into::into).collect();
-        self
-    }
-    /// The embedded processor's sources (R121; default the topics).
-    pub fn sources<S: Into<String>>(mut self, s: impl IntoIterator<Item = S>) -> Self {
-        self.sources = Some(s.into_iter().map(Into::into).collect());
-        self
-    }
-    /// Run an embedded processor (default true with a handler, R121).
-    pub fn process_stored(mut self, on: bool) -> Self {
-        self.process_stored = Some(on);
-        self
-    }
-    /// The embedded processor's poll interval (default 5 s).
-    pub fn processor_poll_interval(mut self, d: Duration) -> Self {
-        self.processor_poll = d;
-        self
-    }
-    /// Adds hooks (R171); the embedded processor gets them too.
-    pub fn hooks(mut self, h: Arc<dyn InboxHooks>) -> Self {
-        self.hooks.push(h);
-        self
-    }
-    /// The random source of the backoff.
-    pub fn random_source(mut self, r: Box<dyn RandomSource>) -> Self {
-        self.rng = Some(r);
-        self
-    }
-
-    /// Validates and builds (F-18).
-    pub fn build(self) -> Result<Runner<B>, ConfigError> {
-        let policy = policy::resolve(self.on_failure, self.at_most_once, self.ancestor)?;
-        let caps = self.subscription.capabilities();
-        if policy.on_failure == OnFailure::Rewind && !policy.at_most_once && !caps.rewind {
-            return Err(ConfigError::new(match caps.name {
-                // R175's text.
-                "kafka" => {
-                    "on_failure rewind is refused on Kafka: a rewind holds its whole partition"
-                        .to_owned()
-                }
-                name => format!(
-                    "on_failure = rewind is not possible on {name}: it cannot rewind one message (use record)"
-                ),
-            }));
-        }
-        let group = ConsumerGroup::new(&self.group)?;
-        let worker = match self.worker {
-            Some(w) => WorkerId::new(w).map_err(|e| ConfigError::new(e.to_string()))?,
-            None => WorkerId::generate(),
-        };
-        if self.concurrency == 0 {
-            return Err(ConfigError::new("concurrency must be at least 1"));
-        }
-        if self.commit_timeout.is_zero() {
-            return Err(ConfigError::new("commit_timeout must be positive"));
-        }
-        if self.handler_timeout.is_zero() {
-            return Err(ConfigError::new("handler_timeout must be positive"));
-        }
-        let process_stored = self.process_stored.unwrap_or(true) && self.handler.is_some();
-        let sources = self.sources.unwrap_or(self.topics);
-        let mut embedded = None;
-        if process_stored {
-            check_timeouts(self.handler_timeout, self.lease_ttl)?;
-            if sources.is_empty() {
-                return Err(ConfigError::new(
-                    "sources must be set for the embedded processor",
-                ));
-            }
-            let pw = format!("{worker}/p");
-            WorkerId::new(&pw).map_err(|e| ConfigError::new(e.to_string()))?;
-            let mut b = Processor::builder(
-                self.backend.clone(),
-                group.as_str(),
-                self.handler
-                    .clone()
-                    .expect("process_stored needs a handler"),
-            )
-            .worker_id(pw)
-            .sources(sources.clone())
-            .lease_ttl(self.lease_ttl)
-            .handler_timeout(self.handler_timeout)
-            .backoff(self.backoff)
-            .key_order(self.key_order)
-            .poll_interval(self.processor_poll);
-            for h in &self.hooks {
-                b = b.hooks(h.clone());
-            }
-            embedded = Some(b.build()?);
-        }
-        Ok(Runner {
-            backend: self.backend,
-            subscription: self.subscription,
-            handler: self.handler,
-            config: RunnerConfig {
-                group,
-                worker,
-                policy,
-                max_attempts: self.max_attempts,
-                handler_timeout: self.handler_timeout,
-                backoff: self.backoff,
-                key_order: self.key_order,
-                concurrency: self.concurrency,
-                lease_ttl: self.lease_ttl,
-                commit_timeout: self.commit_timeout,
-                require_message_id: self.require_message_id,
-                sources,
-                process_stored,
-                breaker: self.breaker,
-            },
-            embedded: embedded.map(Arc::new),
-            hooks: self.hooks,
-            rng: Mutex::new(
-                self.rng
-                    .unwrap_or_else(|| Box::new(SeededRng::from_entropy())),
-            ),
-            started: AtomicBool::new(false),
-            stop: CancellationToken::new(),
-            warned_sources: Mutex::new(Vec::new()),
-            duplicates: duplicates::DuplicateShare::default(),
-        })
     }
 }
 

@@ -28,7 +28,7 @@ const WEIGHT_SHIFT: u32 = 4;
 /// about five, so from about one in six.
 pub const PROBE_AT: u32 = ONE / 6;
 
-/// The share of recent deliveries that were duplicates, in [`ONE`] units.
+/// The share of recent deliveries that were duplicates, in units of 1/65,536 (`ONE` is the whole).
 #[derive(Debug, Default)]
 pub struct DuplicateShare(AtomicU32);
 
