@@ -73,8 +73,10 @@ pub struct Statements {
     /// parameters: `statements/fetch_heads.sql` (bind with [`FetchParams`] and a
     /// [`WalkCursor`]). Returns `(head_id uuid, topic text, partition_key text)` rows: heads in
     /// head order, then, when the key walk ran, one row with `head_id` NULL naming the walk's
-    /// last key ([`HeadRows`] reads them). Run it in the fetch transaction, then
-    /// [`Statements::fetch_take`] (lease delivery) or [`Statements::fetch_take_transaction`].
+    /// last key ([`HeadRows`] reads them). Run it in autocommit (its own transaction, whose
+    /// commit it makes asynchronous: it writes only row locks), then
+    /// [`Statements::fetch_take`] (lease delivery, autocommit) or
+    /// [`Statements::fetch_take_transaction`] (first statement of the delivery transaction).
     ///
     /// How it stays flat: path A reads the `window` oldest fetchable rows, row-locking them
     /// with `SKIP LOCKED` as it reads them (concurrent relays read disjoint windows), reduces
@@ -87,12 +89,15 @@ pub struct Statements {
     /// Fetch, second statement, lease delivery (R21, R76): lock the candidate heads in order
     /// until the batch is full, extend them into runs (R74), lock the run rows, stamp the
     /// lease. Text and parameters: `statements/fetch_take.sql` + `fetch_take_lease.sql`.
-    /// Returns [`COLUMNS`] of the taken rows in return order (R22). Commit right after.
+    /// Returns [`COLUMNS`] of the taken rows in return order (R22). Run it in autocommit (or
+    /// commit right after).
     pub fetch_take: String,
 
     /// Fetch, second statement, transaction delivery (R84): as [`Statements::fetch_take`]
     /// without the lease stamp (`fetch_take_transaction.sql`); the rows stay row-locked until
-    /// the cycle's transaction ends.
+    /// the cycle's transaction ends. One more parameter, `$9 text`: the transaction's
+    /// server-side idle bound in milliseconds, which it sets (transaction-local). Run it as the
+    /// first statement of the delivery transaction.
     pub fetch_take_transaction: String,
 
     /// Completion write (R56) for many rows, guarded (R54). `$1 uuid[]` ids, `$2 text` worker.
@@ -116,19 +121,6 @@ pub struct Statements {
     /// Delivery in one transaction (R84): [`Statements::fail`] guarded by the row lock the
     /// delivery holds (same parameters and result). Only counted failures are written there.
     pub fail_in_delivery: String,
-
-    /// `SAVEPOINT outbox_window`: in a delivery transaction (R84), taken before
-    /// [`Statements::fetch_heads`], so that [`Statements::window_release`] can drop the row
-    /// locks of its window before [`Statements::fetch_take_transaction`]; the transaction then
-    /// holds only the rows it took for the rest of the cycle.
-    pub window_savepoint: String,
-
-    /// `ROLLBACK TO SAVEPOINT outbox_window` (see [`Statements::window_savepoint`]).
-    pub window_release: String,
-
-    /// The first statement of a delivery transaction (R84, `statements/delivery_begin.sql`):
-    /// `$1 text` the idle timeout in milliseconds after which the server ends the transaction.
-    pub delivery_begin: String,
 
     /// Releases rows untouched (R77), guarded. `$1 uuid[]` ids, `$2 text` worker. Returns like
     /// [`Statements::complete`].
@@ -220,7 +212,6 @@ pub(super) mod text {
     pub const FAILED_IDS: &str = include_str!("statements/failed_ids.sql");
     #[cfg(feature = "testing")]
     pub const SHIFT_CLOCK: &str = include_str!("statements/shift_clock.sql");
-    pub const DELIVERY_BEGIN: &str = include_str!("statements/delivery_begin.sql");
 }
 
 /// A statement file made ready to send: comment lines (`--`) dropped, each `(name, text)` of
@@ -298,9 +289,6 @@ impl Statements {
                 &[("holder", "$2::text IS NOT NULL")],
             ),
             fail_in_delivery: render(text::FAIL, table, &[("holder", "$6::text IS NOT NULL")]),
-            delivery_begin: r(text::DELIVERY_BEGIN),
-            window_savepoint: "SAVEPOINT outbox_window".into(),
-            window_release: "ROLLBACK TO SAVEPOINT outbox_window".into(),
             release: r(text::RELEASE),
             refresh_lock: r(text::REFRESH_LOCK),
             release_lock: r(text::RELEASE_LOCK),
