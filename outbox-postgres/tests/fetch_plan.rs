@@ -427,18 +427,17 @@ mod plan_stability {
                 by_id: &["hl", "lk", "t"],
                 uses: &[],
             };
-            bad.extend(
-                plans
-                    .explain(
-                        &mut tx,
-                        rules("fetch_heads"),
-                        &s.fetch_heads,
-                        &heads_args(&p),
-                        &ctx,
-                    )
-                    .await,
-            );
-            exec(&mut tx, "ROLLBACK TO SAVEPOINT start").await;
+            for (name, text) in [
+                ("fetch_heads", &s.fetch_heads),
+                ("fetch_heads_autocommit", &s.fetch_heads_autocommit),
+            ] {
+                bad.extend(
+                    plans
+                        .explain(&mut tx, rules(name), text, &heads_args(&p), &ctx)
+                        .await,
+                );
+                exec(&mut tx, "ROLLBACK TO SAVEPOINT start").await;
+            }
             let ids = heads(&mut tx, &s, &p).await;
             assert!(ids.len() >= BATCH / 2, "{ctx}: only {} heads", ids.len());
             for (name, text) in [

@@ -8,22 +8,18 @@ use crate::driver::Bind;
 use crate::driver::outbox::{OutboxRows, fetch_heads_binds, fetch_take_binds};
 use crate::sql::{self, FetchParams, HeadRows, Statements, Take, WalkCursor};
 
-/// Runs [`Statements::fetch_heads`] on `conn` from `cursor` (which it then advances) and
-/// returns the candidate heads in head order.
-///
-/// The relay runs it in autocommit: it is then a transaction of its own, so the row locks of
-/// its window end with it, before the take, and its commit does not wait for a WAL flush (the
-/// statement turns synchronous_commit off for its own transaction; it wrote nothing but row
-/// locks). The take checks every candidate again.
+/// Runs a heads statement on `conn` from `cursor` (which it then advances) and returns the
+/// candidate heads in head order: `text` is [`Statements::fetch_heads`] inside the lease
+/// fetch's transaction, or [`Statements::fetch_heads_autocommit`] in autocommit (transaction
+/// delivery: its own transaction, so its window's row locks end with it, before the take,
+/// which checks every candidate again).
 pub async fn heads<C: OutboxRows + ?Sized>(
     conn: &mut C,
-    stmts: &Statements,
+    text: &str,
     p: &FetchParams,
     cursor: &WalkCursor,
 ) -> Result<Vec<Uuid>, C::Error> {
-    let heads = conn
-        .heads(&stmts.fetch_heads, fetch_heads_binds(p, cursor.get()))
-        .await?;
+    let heads = conn.heads(text, fetch_heads_binds(p, cursor.get())).await?;
     let heads = HeadRows::new(heads);
     cursor.advance(heads.walked_to);
     Ok(heads.ids)
@@ -49,13 +45,10 @@ pub async fn take<C: OutboxRows + ?Sized>(
     conn.fetched(stmts.take(take), binds).await
 }
 
-/// The lease fetch (R76) on `conn`: [`heads`], then the lease take, each in autocommit its own
-/// transaction (the take is the fetch-and-lock transaction of R76 and commits at once). A take
-/// that finds every candidate taken by another relay between the two statements looks again (a
-/// new snapshot), at most [`sql::FETCH_ATTEMPTS`] times.
-///
-/// Inside a caller's transaction (tests, benchmarks) the two statements run in it instead, and
-/// the window's row locks last until it ends.
+/// The lease fetch (R76) on `conn`, inside the caller's fetch transaction (commit it right
+/// after): [`Statements::fetch_heads`], then the lease take. A take that finds every candidate
+/// taken by another relay between the two statements looks again (a new snapshot), at most
+/// [`sql::FETCH_ATTEMPTS`] times.
 pub async fn fetch<C: OutboxRows + ?Sized>(
     conn: &mut C,
     stmts: &Statements,
@@ -64,7 +57,7 @@ pub async fn fetch<C: OutboxRows + ?Sized>(
     cursor: &WalkCursor,
 ) -> Result<Vec<Fetched>, C::Error> {
     for attempt in 1..=sql::FETCH_ATTEMPTS {
-        let ids = heads(conn, stmts, p, cursor).await?;
+        let ids = heads(conn, &stmts.fetch_heads, p, cursor).await?;
         if ids.is_empty() {
             return Ok(Vec::new());
         }

@@ -262,12 +262,12 @@ impl<D: OutboxDriver> OutboxRepository for Repository<D> {
     async fn fetch_and_lock(&self, req: &FetchRequest) -> Result<Vec<Fetched>, RepositoryError> {
         req.validate()?;
         let p = FetchParams::new(req);
-        // In autocommit: the heads statement, then the take, which is the fetch-and-lock
-        // transaction of its own and commits at once (R76).
-        let mut c = self.conn().await?;
-        fetch(&mut *c, &self.stmts, req.worker.as_str(), &p, &self.cursor)
+        // Its own transaction, committed at once (R76).
+        let mut tx = self.driver.begin(&self.cfg.table).await?;
+        let rows = fetch(&mut *tx, &self.stmts, req.worker.as_str(), &p, &self.cursor)
             .await
-            .map_err(|e| self.err(e))
+            .map_err(|e| self.err(e));
+        finish::<D, _>(&self.cfg.table, tx, rows).await
     }
 
     async fn begin_delivery(
@@ -283,9 +283,14 @@ impl<D: OutboxDriver> OutboxRepository for Repository<D> {
             // The heads statement in autocommit, its own transaction: the window's row locks
             // end with it, so the delivery transaction holds only the rows it takes.
             let mut c = self.conn().await?;
-            let ids = fetch::heads(&mut *c, &self.stmts, &p, &self.cursor)
-                .await
-                .map_err(|e| self.err(e))?;
+            let ids = fetch::heads(
+                &mut *c,
+                &self.stmts.fetch_heads_autocommit,
+                &p,
+                &self.cursor,
+            )
+            .await
+            .map_err(|e| self.err(e))?;
             if ids.is_empty() {
                 return Ok((Vec::new(), Box::new(EmptyDelivery)));
             }

@@ -73,10 +73,9 @@ pub struct Statements {
     /// parameters: `statements/fetch_heads.sql` (bind with [`FetchParams`] and a
     /// [`WalkCursor`]). Returns `(head_id uuid, topic text, partition_key text)` rows: heads in
     /// head order, then, when the key walk ran, one row with `head_id` NULL naming the walk's
-    /// last key ([`HeadRows`] reads them). Run it in autocommit (its own transaction, whose
-    /// commit it makes asynchronous: it writes only row locks), then
-    /// [`Statements::fetch_take`] (lease delivery, autocommit) or
-    /// [`Statements::fetch_take_transaction`] (first statement of the delivery transaction).
+    /// last key ([`HeadRows`] reads them). Run it in the lease fetch's transaction, then
+    /// [`Statements::fetch_take`]; transaction delivery runs
+    /// [`Statements::fetch_heads_autocommit`] instead.
     ///
     /// How it stays flat: path A reads the `window` oldest fetchable rows, row-locking them
     /// with `SKIP LOCKED` as it reads them (concurrent relays read disjoint windows), reduces
@@ -86,11 +85,17 @@ pub struct Statements {
     /// grows with the number of keys, rows behind blocked heads, or completed rows (R85).
     pub fetch_heads: String,
 
+    /// [`Statements::fetch_heads`] for autocommit, its own transaction (transaction delivery
+    /// runs it before it begins the delivery transaction, so the window's row locks end with
+    /// it): the same statement, which also sets synchronous_commit off for its own transaction
+    /// (it writes nothing but row locks). Same parameters and rows. Never run it inside a
+    /// transaction whose commit must be durable.
+    pub fetch_heads_autocommit: String,
+
     /// Fetch, second statement, lease delivery (R21, R76): lock the candidate heads in order
     /// until the batch is full, extend them into runs (R74), lock the run rows, stamp the
     /// lease. Text and parameters: `statements/fetch_take.sql` + `fetch_take_lease.sql`.
-    /// Returns [`COLUMNS`] of the taken rows in return order (R22). Run it in autocommit (or
-    /// commit right after).
+    /// Returns [`COLUMNS`] of the taken rows in return order (R22). Commit right after.
     pub fetch_take: String,
 
     /// Fetch, second statement, transaction delivery (R84): as [`Statements::fetch_take`]
@@ -227,13 +232,25 @@ pub(super) fn render(src: &str, table: &TableName, parts: &[(&str, &str)]) -> St
         .to_owned()
 }
 
-/// The bind parameters of [`Statements::fetch_heads`] that its fragments name.
-pub(super) const HEADS_BINDS: [(&str, &str); 4] = [
-    ("lease_us", "$2::int8"),
-    ("topics", "$3::text[]"),
-    ("aggregate_types", "$4::text[]"),
-    ("aggregate_ids", "$5::uuid[]"),
-];
+/// The parts of [`Statements::fetch_heads`]: the bind parameters its fragments name, and
+/// `own_commit`, empty, or for [`Statements::fetch_heads_autocommit`] the clause that makes
+/// the statement's own transaction commit without waiting for the WAL flush.
+pub(super) fn heads_parts(autocommit: bool) -> [(&'static str, &'static str); 5] {
+    [
+        ("lease_us", "$2::int8"),
+        ("topics", "$3::text[]"),
+        ("aggregate_types", "$4::text[]"),
+        ("aggregate_ids", "$5::uuid[]"),
+        (
+            "own_commit",
+            if autocommit {
+                "WHERE (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
+            } else {
+                ""
+            },
+        ),
+    ]
+}
 
 /// The parts of [`Statements::fetch_take`]: the bind parameters its fragments name and its
 /// `finish` (lease stamp or transaction delivery).
@@ -270,7 +287,8 @@ impl Statements {
             select_existing: format!(
                 "SELECT {cols} FROM {t} WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])"
             ),
-            fetch_heads: render(text::FETCH_HEADS, table, &HEADS_BINDS),
+            fetch_heads: render(text::FETCH_HEADS, table, &heads_parts(false)),
+            fetch_heads_autocommit: render(text::FETCH_HEADS, table, &heads_parts(true)),
             fetch_take: render(text::FETCH_TAKE, table, &take_parts(text::FETCH_TAKE_LEASE)),
             fetch_take_transaction: render(
                 text::FETCH_TAKE,

@@ -330,8 +330,10 @@ pub async fn lease_reference_drain(
 }
 
 /// The library's own fetch and completion statements ([`Statements::fetch_heads`] and
-/// [`Statements::fetch_take`], [`Statements::complete`]) run by hand, in autocommit as the
-/// lease relay runs them, with a timer around each: where the relay's database time goes.
+/// [`Statements::fetch_take`],
+/// [`Statements::complete`]) run by hand as the lease relay runs them (the fetch in a
+/// transaction, the completion in autocommit) with a timer around every round trip: where the
+/// relay's database time goes, statement by statement.
 pub async fn statement_profile(
     fresh: &Fresh,
     url: &str,
@@ -350,13 +352,12 @@ pub async fn statement_profile(
     let cursor = sql::WalkCursor::default();
     let mut out = SqlDrain::default();
     let started = Instant::now();
-    // As the relay runs them (lease delivery): every statement in autocommit, its own
-    // transaction, so the commits are inside the statements' times and begin_ms / commit_ms
-    // stay 0.
     loop {
+        let t0 = Instant::now();
+        let mut tx = conn.begin().await.map_err(db("begin"))?;
         let t1 = Instant::now();
         let rows = outbox_postgres::driver::sqlx::fetch_rows(
-            &mut conn,
+            &mut tx,
             &stmts,
             "bench-profile",
             &p,
@@ -365,19 +366,27 @@ pub async fn statement_profile(
         .await
         .map_err(db("fetch"))?;
         let t2 = Instant::now();
+        tx.commit().await.map_err(db("commit"))?;
+        let t3 = Instant::now();
         if rows.is_empty() {
             break;
         }
         let ids: Vec<uuid::Uuid> = rows.iter().map(|r| r.id()).collect();
+        // As the relay writes a cycle of completions: one statement in autocommit (its commit
+        // inside the statement's time).
+        let t4 = Instant::now();
         sqlx::query(AssertSqlSafe(stmts.complete.as_str()))
             .bind(&ids)
             .bind("bench-profile")
             .fetch_all(&mut *conn)
             .await
             .map_err(db("complete"))?;
-        let t3 = Instant::now();
+        let t5 = Instant::now();
+        let t6 = t5;
+        out.phases[0] += (t1 - t0 + (t4 - t3)).as_secs_f64();
         out.phases[1] += (t2 - t1).as_secs_f64();
-        out.phases[2] += (t3 - t2).as_secs_f64();
+        out.phases[2] += (t5 - t4).as_secs_f64();
+        out.phases[3] += (t3 - t2 + (t6 - t5)).as_secs_f64();
         out.events += ids.len();
         out.cycles += 1;
     }

@@ -74,9 +74,8 @@ pub fn bind_fetch_take<'q>(
     bind_all(query, fetch_take_binds(worker, p, heads))
 }
 
-/// The lease fetch ([`crate::outbox::fetch`]) on a sqlx connection: in autocommit as the
-/// relay runs it, or inside the caller's transaction (then the window's row locks last until
-/// it ends).
+/// The lease fetch ([`crate::outbox::fetch`]) on a sqlx connection inside the caller's
+/// transaction.
 pub async fn fetch_rows(
     conn: &mut PgConnection,
     stmts: &Statements,
