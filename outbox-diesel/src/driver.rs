@@ -231,6 +231,14 @@ impl Driver for DieselDriver {
         Ok(DieselTx(Some(Diesel(conn))))
     }
 
+    async fn begin_on(table: &TableName, conn: Self::Pooled) -> Result<Self::Tx, RepositoryError> {
+        let Diesel(mut conn) = *conn;
+        AnsiTransactionManager::begin_transaction(&mut *conn)
+            .await
+            .map_err(|e| map_diesel(table, e))?;
+        Ok(DieselTx(Some(Diesel(conn))))
+    }
+
     async fn commit(table: &TableName, mut tx: Self::Tx) -> Result<(), RepositoryError> {
         AnsiTransactionManager::commit_transaction(&mut *(*tx).0)
             .await

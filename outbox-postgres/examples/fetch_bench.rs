@@ -105,16 +105,9 @@ async fn main() {
                 let blocks = blocks(&plan) + blocks(&plan2);
                 let mut tx = h.pool().begin().await.unwrap();
                 let t = Instant::now();
-                let got = fetch_rows(
-                    &mut tx,
-                    &stmts,
-                    outbox_postgres::sql::Take::Lease,
-                    "bench",
-                    &p,
-                    &WalkCursor::default(),
-                )
-                .await
-                .unwrap();
+                let got = fetch_rows(&mut tx, &stmts, "bench", &p, &WalkCursor::default())
+                    .await
+                    .unwrap();
                 let w = t.elapsed().as_secs_f64() * 1000.0;
                 locks = sqlx::query_as(
                     "SELECT count(*) FILTER (WHERE locktype = 'advisory'), count(*) \

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use outbox_core::event::{NewEvent, WorkerId};
-use outbox_core::repository::{FetchRequest, OutboxRepository};
+use outbox_core::repository::{DeliveryBound, FetchRequest, OutboxRepository};
 use outbox_postgres::PgOutboxWriter;
 use outbox_postgres::driver::sqlx::fetch_rows;
 use outbox_postgres::sql::WalkCursor;
@@ -92,36 +92,15 @@ async fn two_open_fetches_take_disjoint_full_batches() {
         ids.push(write_one(&h, &format!("k{k}")).await);
     }
     let repo = h.sqlx_repository();
-    let stmts = repo.statements().clone();
-    let fetch = |worker: &'static str| {
-        let req = FetchRequest::new(WorkerId::new(worker).unwrap(), 3).max_per_key(1);
-        let mut p = outbox_postgres::sql::FetchParams::new(&req);
-        p.window = 6; // 2 × batch (the default has a floor of 64)
-        p
+    let bound = DeliveryBound {
+        server_timeout: Duration::from_secs(30),
     };
-    let (c1, c2) = (WalkCursor::default(), WalkCursor::default());
-    let mut t1 = h.pool().begin().await.unwrap();
-    let got1 = fetch_rows(
-        &mut t1,
-        &stmts,
-        outbox_postgres::sql::Take::Transaction,
-        "w1",
-        &fetch("w1"),
-        &c1,
-    )
-    .await
-    .unwrap();
-    let mut t2 = h.pool().begin().await.unwrap();
-    let got2 = tokio::time::timeout(
+    let req =
+        |worker: &'static str| FetchRequest::new(WorkerId::new(worker).unwrap(), 3).max_per_key(1);
+    let (got1, d1) = repo.begin_delivery(&req("w1"), bound).await.unwrap();
+    let (got2, d2) = tokio::time::timeout(
         Duration::from_secs(10),
-        fetch_rows(
-            &mut t2,
-            &stmts,
-            outbox_postgres::sql::Take::Transaction,
-            "w2",
-            &fetch("w2"),
-            &c2,
-        ),
+        repo.begin_delivery(&req("w2"), bound),
     )
     .await
     .expect("never waits")
@@ -129,12 +108,12 @@ async fn two_open_fetches_take_disjoint_full_batches() {
     let id = |r: &outbox_core::repository::Fetched| -> Uuid { r.id() };
     let (got1, got2): (Vec<Uuid>, Vec<Uuid>) =
         (got1.iter().map(id).collect(), got2.iter().map(id).collect());
-    t1.rollback().await.unwrap();
-    t2.rollback().await.unwrap();
+    d1.rollback().await;
+    d2.rollback().await;
     assert_eq!(got1, ids[0..3], "the first fetch takes the oldest heads");
-    // A delivery transaction keeps only the rows it took (its window's other row locks are
-    // released before the take), so the second takes the next three heads: a full batch,
-    // disjoint, without waiting.
+    // A delivery transaction keeps only the rows it took (its window's row locks end with the
+    // heads statement, which runs in its own transaction before the take), so the second takes
+    // the next three heads: a full batch, disjoint, without waiting.
     assert_eq!(got2, ids[3..6], "the second fetch takes the next heads");
 }
 
@@ -161,16 +140,9 @@ async fn a_fetch_holds_no_lock_per_visited_key() {
     let req = FetchRequest::new(WorkerId::new("w1").unwrap(), 100).max_per_key(16);
     let p = outbox_postgres::sql::FetchParams::new(&req);
     let mut tx = h.pool().begin().await.unwrap();
-    let rows = fetch_rows(
-        &mut tx,
-        &stmts,
-        outbox_postgres::sql::Take::Lease,
-        "w1",
-        &p,
-        &WalkCursor::default(),
-    )
-    .await
-    .unwrap();
+    let rows = fetch_rows(&mut tx, &stmts, "w1", &p, &WalkCursor::default())
+        .await
+        .unwrap();
     let (advisory, total): (i64, i64) = sqlx::query_as(
         "SELECT count(*) FILTER (WHERE locktype = 'advisory'), count(*)
            FROM pg_locks WHERE pid = pg_backend_pid()",

@@ -186,19 +186,12 @@ async fn fetched_heads_follow_the_head_rule_on_random_tables() {
             p.window = 2 * batch as i64;
             let cursor = WalkCursor::default();
             let mut tx = h.pool().begin().await.unwrap();
-            let got: Vec<uuid::Uuid> = fetch_rows(
-                &mut tx,
-                &stmts,
-                outbox_postgres::sql::Take::Lease,
-                "w1",
-                &p,
-                &cursor,
-            )
-            .await
-            .expect("fetch")
-            .iter()
-            .map(|r| r.id())
-            .collect();
+            let got: Vec<uuid::Uuid> = fetch_rows(&mut tx, &stmts, "w1", &p, &cursor)
+                .await
+                .expect("fetch")
+                .iter()
+                .map(|r| r.id())
+                .collect();
             tx.rollback().await.unwrap();
             assert_eq!(
                 got.len(),
@@ -362,12 +355,24 @@ mod plan_stability {
     }
 
     /// The parameters of a take statement as literals (`bind_fetch_take`' order).
-    fn take_args(p: &FetchParams, ids: &[Uuid]) -> Vec<String> {
+    /// The take's arguments; the transaction take's `$9` (its idle bound) when `text` is it.
+    fn take_args(text: &str, p: &FetchParams, ids: &[Uuid]) -> Vec<String> {
         let mut v = vec!["'w1'".into(), p.limit.to_string(), p.lease_us.to_string()];
         v.push(p.max_per_key.to_string());
         v.extend(["NULL::text[]", "NULL::text[]", "NULL::uuid[]"].map(String::from));
         v.push(uuids(ids));
+        if is_transaction_take(text) {
+            v.push(format!("'{IDLE_BOUND_MS}'"));
+        }
         v
+    }
+
+    /// The transaction take's idle bound in the checks, in milliseconds.
+    const IDLE_BOUND_MS: &str = "30000";
+
+    /// Whether `text` is the transaction delivery's take, which has a `$9`.
+    fn is_transaction_take(text: &str) -> bool {
+        text.contains("idle_in_transaction_session_timeout")
     }
 
     /// The heads the fetch would take now, as the relay reads them.
@@ -390,8 +395,11 @@ mod plan_stability {
         p: &FetchParams,
         ids: Vec<Uuid>,
     ) -> Vec<Uuid> {
-        bind_fetch_take(sqlx::query(AssertSqlSafe(text.to_owned())), "w1", p, ids)
-            .fetch_all(&mut *conn)
+        let mut q = bind_fetch_take(sqlx::query(AssertSqlSafe(text.to_owned())), "w1", p, ids);
+        if is_transaction_take(text) {
+            q = q.bind(IDLE_BOUND_MS);
+        }
+        q.fetch_all(&mut *conn)
             .await
             .expect("take")
             .iter()
@@ -419,18 +427,17 @@ mod plan_stability {
                 by_id: &["hl", "lk", "t"],
                 uses: &[],
             };
-            bad.extend(
-                plans
-                    .explain(
-                        &mut tx,
-                        rules("fetch_heads"),
-                        &s.fetch_heads,
-                        &heads_args(&p),
-                        &ctx,
-                    )
-                    .await,
-            );
-            exec(&mut tx, "ROLLBACK TO SAVEPOINT start").await;
+            for (name, text) in [
+                ("fetch_heads", &s.fetch_heads),
+                ("fetch_heads_autocommit", &s.fetch_heads_autocommit),
+            ] {
+                bad.extend(
+                    plans
+                        .explain(&mut tx, rules(name), text, &heads_args(&p), &ctx)
+                        .await,
+                );
+                exec(&mut tx, "ROLLBACK TO SAVEPOINT start").await;
+            }
             let ids = heads(&mut tx, &s, &p).await;
             assert!(ids.len() >= BATCH / 2, "{ctx}: only {} heads", ids.len());
             for (name, text) in [
@@ -440,7 +447,13 @@ mod plan_stability {
                 exec(&mut tx, "SAVEPOINT take").await;
                 bad.extend(
                     plans
-                        .explain(&mut tx, lookups(name), text, &take_args(&p, &ids), &ctx)
+                        .explain(
+                            &mut tx,
+                            lookups(name),
+                            text,
+                            &take_args(text, &p, &ids),
+                            &ctx,
+                        )
                         .await,
                 );
                 exec(&mut tx, "ROLLBACK TO SAVEPOINT take").await;

@@ -16,9 +16,8 @@
 //!   keeps its own error type ([`Connection::Error`]) and maps it, once, with
 //!   [`Connection::map_err`].
 //! - [`Driver`]: the pool side: a connection in autocommit ([`Driver::acquire`]) and a
-//!   transaction handle ([`Driver::begin`], [`Driver::commit`], [`Driver::rollback`]).
-//!   Savepoints are statements ([`crate::sql::Statements::window_savepoint`], …) run with
-//!   [`Connection::execute`].
+//!   transaction handle ([`Driver::begin`], or [`Driver::begin_on`] a connection already
+//!   acquired; [`Driver::commit`], [`Driver::rollback`]).
 //!
 //! # How a store uses it
 //!
@@ -137,6 +136,9 @@ pub trait Driver: Clone + Send + Sync + 'static {
     async fn acquire(&self, table: &TableName) -> Result<Self::Pooled, RepositoryError>;
     /// Begins a transaction on a pooled connection.
     async fn begin(&self, table: &TableName) -> Result<Self::Tx, RepositoryError>;
+    /// Begins a transaction on `conn`, a connection acquired with [`Driver::acquire`] (the
+    /// transaction delivery's fetch runs its heads statement on it in autocommit first).
+    async fn begin_on(table: &TableName, conn: Self::Pooled) -> Result<Self::Tx, RepositoryError>;
     /// Commits `tx` and hands its connection back.
     async fn commit(table: &TableName, tx: Self::Tx) -> Result<(), RepositoryError>;
     /// Rolls `tx` back and hands its connection back (or closes it if the rollback fails).

@@ -11,6 +11,6 @@ mod repository;
 mod writer;
 
 pub use config::PgConfig;
-pub use fetch::fetch;
+pub use fetch::{fetch, heads, take};
 pub use repository::Repository;
 pub use writer::Writer;

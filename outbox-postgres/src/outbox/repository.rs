@@ -17,8 +17,9 @@ use outbox_core::repository::{
 use uuid::Uuid;
 
 use super::delivery::OpenDelivery;
+use super::fetch::{self, fetch};
 use super::writer::decoded;
-use super::{PgConfig, Writer, fetch};
+use super::{PgConfig, Writer};
 use crate::driver::outbox::{AppliedRow, OutboxDriver, OutboxRows};
 use crate::driver::{Bind, Connection, finish};
 use crate::shared::{self, OutcomeBinds};
@@ -179,20 +180,28 @@ impl<D: OutboxDriver> Repository<D> {
         c.execute(sql, binds).await.map_err(|e| self.err(e))
     }
 
-    async fn write_outcomes_in(
+    async fn write_outcome_binds(
         &self,
         c: &mut D::Conn,
         worker: &WorkerId,
-        outcomes: &[Outcome],
+        b: OutcomeBinds,
     ) -> Result<HashMap<Uuid, OutcomeResult>, RepositoryError> {
-        let b = OutcomeBinds::new(outcomes, self.cfg.error_max_length);
         let s = &self.stmts;
         let sqls = [
             Some(s.complete.as_str()),
             Some(s.fail.as_str()),
             Some(s.release.as_str()),
         ];
-        let results = write_outcome_rows(c, &self.cfg.table, sqls, b, worker.as_str()).await?;
+        write_outcome_rows(c, &self.cfg.table, sqls, b, worker.as_str()).await
+    }
+
+    async fn write_outcomes_in(
+        &self,
+        c: &mut D::Conn,
+        worker: &WorkerId,
+        b: OutcomeBinds,
+    ) -> Result<HashMap<Uuid, OutcomeResult>, RepositoryError> {
+        let results = self.write_outcome_binds(c, worker, b).await?;
         if self.fail_next_commit.swap(false, Ordering::SeqCst) {
             // The statements ran; the caller rolls all of them back (R57).
             return Err(injected());
@@ -255,16 +264,9 @@ impl<D: OutboxDriver> OutboxRepository for Repository<D> {
         let p = FetchParams::new(req);
         // Its own transaction, committed at once (R76).
         let mut tx = self.driver.begin(&self.cfg.table).await?;
-        let rows = fetch(
-            &mut *tx,
-            &self.stmts,
-            Take::Lease,
-            req.worker.as_str(),
-            &p,
-            &self.cursor,
-        )
-        .await
-        .map_err(|e| self.err(e));
+        let rows = fetch(&mut *tx, &self.stmts, req.worker.as_str(), &p, &self.cursor)
+            .await
+            .map_err(|e| self.err(e));
         finish::<D, _>(&self.cfg.table, tx, rows).await
     }
 
@@ -275,41 +277,60 @@ impl<D: OutboxDriver> OutboxRepository for Repository<D> {
     ) -> Result<(Vec<Fetched>, Box<dyn Delivery>), RepositoryError> {
         req.validate()?;
         let p = FetchParams::new(req);
-        // The transaction stays open across the cycle (R84).
-        let mut tx = self.driver.begin(&self.cfg.table).await?;
         let timeout = bound.server_timeout.as_millis().max(1).to_string();
-        let rows = match tx
-            .execute(&self.stmts.delivery_begin, vec![Bind::Text(timeout)])
+        let table = &self.cfg.table;
+        for attempt in 1..=sql::FETCH_ATTEMPTS {
+            // The heads statement in autocommit, its own transaction: the window's row locks
+            // end with it, so the delivery transaction holds only the rows it takes.
+            let mut c = self.conn().await?;
+            let ids = fetch::heads(
+                &mut *c,
+                &self.stmts.fetch_heads_autocommit,
+                &p,
+                &self.cursor,
+            )
             .await
-        {
-            Ok(_) => fetch(
+            .map_err(|e| self.err(e))?;
+            if ids.is_empty() {
+                return Ok((Vec::new(), Box::new(EmptyDelivery)));
+            }
+            // The delivery transaction (R84) on the same connection: the take, which sets the
+            // server's idle bound, is its first statement, and it stays open across the cycle.
+            let mut tx = D::begin_on(table, c).await?;
+            let taken = fetch::take(
                 &mut *tx,
                 &self.stmts,
                 Take::Transaction,
                 req.worker.as_str(),
                 &p,
-                &self.cursor,
+                ids,
+                Some(timeout.clone()),
             )
             .await
-            .map_err(|e| self.err(e)),
-            Err(e) => Err(self.err(e)),
-        };
-        let rows = match rows {
-            Ok(rows) => rows,
-            Err(e) => return finish::<D, _>(&self.cfg.table, tx, Err(e)).await,
-        };
-        if rows.is_empty() {
-            // Nothing held: end the transaction now and hand the connection back.
-            D::commit(&self.cfg.table, tx).await?;
-            return Ok((rows, Box::new(EmptyDelivery)));
+            .map_err(|e| self.err(e));
+            let rows = match taken {
+                Ok(rows) => rows,
+                Err(e) => return finish::<D, _>(table, tx, Err(e)).await,
+            };
+            if rows.is_empty() {
+                // Nothing held: end the transaction now; another relay took every candidate
+                // between the two statements, so look again (a new snapshot), a bounded number
+                // of times.
+                D::commit(table, tx).await?;
+                if attempt == sql::FETCH_ATTEMPTS {
+                    break;
+                }
+                continue;
+            }
+            let delivery = OpenDelivery {
+                tx: Some(tx),
+                repo: self.clone(),
+                worker: req.worker.clone(),
+                fetched: shared::fetched_state(&rows),
+            };
+            return Ok((rows, Box::new(delivery)));
         }
-        let delivery = OpenDelivery {
-            tx: Some(tx),
-            repo: self.clone(),
-            worker: req.worker.clone(),
-            fetched: shared::fetched_state(&rows),
-        };
-        Ok((rows, Box::new(delivery)))
+        Ok((Vec::new(), Box::new(EmptyDelivery)))
     }
 
     async fn write_outcomes(
@@ -317,9 +338,26 @@ impl<D: OutboxDriver> OutboxRepository for Repository<D> {
         worker: &WorkerId,
         outcomes: &[Outcome],
     ) -> Result<Vec<WrittenOutcome>, RepositoryError> {
-        // One transaction, one statement per outcome kind (R54).
+        // One transaction, one statement per outcome kind (R54). When the outcomes need one
+        // statement (every row completed, the common cycle), that statement in autocommit is
+        // that one transaction: no BEGIN and COMMIT round trips. The test hook that fails the
+        // commit after the statements ran needs the explicit transaction.
+        let b = OutcomeBinds::new(outcomes, self.cfg.error_max_length);
+        let statements = [
+            !b.done.is_empty(),
+            !b.fail_ids.is_empty(),
+            !b.released.is_empty(),
+        ]
+        .into_iter()
+        .filter(|&needed| needed)
+        .count();
+        if statements <= 1 && !self.fail_next_commit.load(Ordering::SeqCst) {
+            let mut c = self.conn().await?;
+            let results = self.write_outcome_binds(&mut c, worker, b).await?;
+            return Ok(shared::written_outcomes(outcomes, &results));
+        }
         let mut tx = self.driver.begin(&self.cfg.table).await?;
-        let results = self.write_outcomes_in(&mut tx, worker, outcomes).await;
+        let results = self.write_outcomes_in(&mut tx, worker, b).await;
         let results = finish::<D, _>(&self.cfg.table, tx, results).await?;
         Ok(shared::written_outcomes(outcomes, &results))
     }

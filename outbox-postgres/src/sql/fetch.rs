@@ -20,8 +20,7 @@ pub fn fetch_walk_limit(batch: usize) -> i64 {
 }
 
 /// Which second statement a fetch runs: [`Statements::fetch_take`] (lease delivery, R76) or
-/// [`Statements::fetch_take_transaction`] (delivery in one transaction, R84, which also releases
-/// the window's row locks before the take).
+/// [`Statements::fetch_take_transaction`] (delivery in one transaction, R84).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Take {
     /// Stamp the lease.

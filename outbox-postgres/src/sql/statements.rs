@@ -73,8 +73,9 @@ pub struct Statements {
     /// parameters: `statements/fetch_heads.sql` (bind with [`FetchParams`] and a
     /// [`WalkCursor`]). Returns `(head_id uuid, topic text, partition_key text)` rows: heads in
     /// head order, then, when the key walk ran, one row with `head_id` NULL naming the walk's
-    /// last key ([`HeadRows`] reads them). Run it in the fetch transaction, then
-    /// [`Statements::fetch_take`] (lease delivery) or [`Statements::fetch_take_transaction`].
+    /// last key ([`HeadRows`] reads them). Run it in the lease fetch's transaction, then
+    /// [`Statements::fetch_take`]; transaction delivery runs
+    /// [`Statements::fetch_heads_autocommit`] instead.
     ///
     /// How it stays flat: path A reads the `window` oldest fetchable rows, row-locking them
     /// with `SKIP LOCKED` as it reads them (concurrent relays read disjoint windows), reduces
@@ -84,6 +85,13 @@ pub struct Statements {
     /// grows with the number of keys, rows behind blocked heads, or completed rows (R85).
     pub fetch_heads: String,
 
+    /// [`Statements::fetch_heads`] for autocommit, its own transaction (transaction delivery
+    /// runs it before it begins the delivery transaction, so the window's row locks end with
+    /// it): the same statement, which also sets synchronous_commit off for its own transaction
+    /// (it writes nothing but row locks). Same parameters and rows. Never run it inside a
+    /// transaction whose commit must be durable.
+    pub fetch_heads_autocommit: String,
+
     /// Fetch, second statement, lease delivery (R21, R76): lock the candidate heads in order
     /// until the batch is full, extend them into runs (R74), lock the run rows, stamp the
     /// lease. Text and parameters: `statements/fetch_take.sql` + `fetch_take_lease.sql`.
@@ -92,7 +100,9 @@ pub struct Statements {
 
     /// Fetch, second statement, transaction delivery (R84): as [`Statements::fetch_take`]
     /// without the lease stamp (`fetch_take_transaction.sql`); the rows stay row-locked until
-    /// the cycle's transaction ends.
+    /// the cycle's transaction ends. One more parameter, `$9 text`: the transaction's
+    /// server-side idle bound in milliseconds, which it sets (transaction-local). Run it as the
+    /// first statement of the delivery transaction.
     pub fetch_take_transaction: String,
 
     /// Completion write (R56) for many rows, guarded (R54). `$1 uuid[]` ids, `$2 text` worker.
@@ -116,19 +126,6 @@ pub struct Statements {
     /// Delivery in one transaction (R84): [`Statements::fail`] guarded by the row lock the
     /// delivery holds (same parameters and result). Only counted failures are written there.
     pub fail_in_delivery: String,
-
-    /// `SAVEPOINT outbox_window`: in a delivery transaction (R84), taken before
-    /// [`Statements::fetch_heads`], so that [`Statements::window_release`] can drop the row
-    /// locks of its window before [`Statements::fetch_take_transaction`]; the transaction then
-    /// holds only the rows it took for the rest of the cycle.
-    pub window_savepoint: String,
-
-    /// `ROLLBACK TO SAVEPOINT outbox_window` (see [`Statements::window_savepoint`]).
-    pub window_release: String,
-
-    /// The first statement of a delivery transaction (R84, `statements/delivery_begin.sql`):
-    /// `$1 text` the idle timeout in milliseconds after which the server ends the transaction.
-    pub delivery_begin: String,
 
     /// Releases rows untouched (R77), guarded. `$1 uuid[]` ids, `$2 text` worker. Returns like
     /// [`Statements::complete`].
@@ -226,7 +223,6 @@ pub(super) mod text {
     pub const TABLE_KIND: &str = include_str!("statements/table_kind.sql");
     #[cfg(feature = "testing")]
     pub const SHIFT_CLOCK: &str = include_str!("statements/shift_clock.sql");
-    pub const DELIVERY_BEGIN: &str = include_str!("statements/delivery_begin.sql");
 }
 
 /// A statement file made ready to send: comment lines (`--`) dropped, each `(name, text)` of
@@ -242,13 +238,25 @@ pub(super) fn render(src: &str, table: &TableName, parts: &[(&str, &str)]) -> St
         .to_owned()
 }
 
-/// The bind parameters of [`Statements::fetch_heads`] that its fragments name.
-pub(super) const HEADS_BINDS: [(&str, &str); 4] = [
-    ("lease_us", "$2::int8"),
-    ("topics", "$3::text[]"),
-    ("aggregate_types", "$4::text[]"),
-    ("aggregate_ids", "$5::uuid[]"),
-];
+/// The parts of [`Statements::fetch_heads`]: the bind parameters its fragments name, and
+/// `own_commit`, empty, or for [`Statements::fetch_heads_autocommit`] the clause that makes
+/// the statement's own transaction commit without waiting for the WAL flush.
+pub(super) fn heads_parts(autocommit: bool) -> [(&'static str, &'static str); 5] {
+    [
+        ("lease_us", "$2::int8"),
+        ("topics", "$3::text[]"),
+        ("aggregate_types", "$4::text[]"),
+        ("aggregate_ids", "$5::uuid[]"),
+        (
+            "own_commit",
+            if autocommit {
+                "WHERE (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL"
+            } else {
+                ""
+            },
+        ),
+    ]
+}
 
 /// The parts of [`Statements::fetch_take`]: the bind parameters its fragments name and its
 /// `finish` (lease stamp or transaction delivery).
@@ -285,7 +293,8 @@ impl Statements {
             select_existing: format!(
                 "SELECT {cols} FROM {t} WHERE id = ANY($1::uuid[]) OR idempotency_key = ANY($2::text[])"
             ),
-            fetch_heads: render(text::FETCH_HEADS, table, &HEADS_BINDS),
+            fetch_heads: render(text::FETCH_HEADS, table, &heads_parts(false)),
+            fetch_heads_autocommit: render(text::FETCH_HEADS, table, &heads_parts(true)),
             fetch_take: render(text::FETCH_TAKE, table, &take_parts(text::FETCH_TAKE_LEASE)),
             fetch_take_transaction: render(
                 text::FETCH_TAKE,
@@ -304,9 +313,6 @@ impl Statements {
                 &[("holder", "$2::text IS NOT NULL")],
             ),
             fail_in_delivery: render(text::FAIL, table, &[("holder", "$6::text IS NOT NULL")]),
-            delivery_begin: r(text::DELIVERY_BEGIN),
-            window_savepoint: "SAVEPOINT outbox_window".into(),
-            window_release: "ROLLBACK TO SAVEPOINT outbox_window".into(),
             release: r(text::RELEASE),
             refresh_lock: r(text::REFRESH_LOCK),
             release_lock: r(text::RELEASE_LOCK),

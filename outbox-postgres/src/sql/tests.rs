@@ -11,6 +11,7 @@ fn statement_files_render_completely() {
     #[allow(unused_mut)]
     let mut all = vec![
         ("fetch_heads", &s.fetch_heads),
+        ("fetch_heads_autocommit", &s.fetch_heads_autocommit),
         ("fetch_take", &s.fetch_take),
         ("fetch_take_transaction", &s.fetch_take_transaction),
         ("get", &s.get),
@@ -55,14 +56,30 @@ fn statement_files_render_completely() {
     }
     let want: Vec<(&str, usize)> = vec![
         ("fetch_heads", 9),
+        ("fetch_heads_autocommit", 9),
         ("fetch_take", 8),
-        ("fetch_take_transaction", 8),
+        ("fetch_take_transaction", 9),
         ("blocked_keys", 4),
     ];
     for (name, n) in want {
         let text = all.iter().find(|(k, _)| *k == name).unwrap().1;
         assert!(text.contains(&format!("${n}")) && !text.contains(&format!("${}", n + 1)));
     }
+}
+
+/// The two renderings of the heads statement differ only by the clause that makes the
+/// autocommit one's own transaction commit without waiting for the WAL flush.
+#[test]
+fn the_autocommit_heads_statement_only_adds_its_commit_setting() {
+    let s = Statements::new(&TableName::new("outbox_events").unwrap());
+    let clause = "WHERE (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL";
+    assert!(!s.fetch_heads.contains("synchronous_commit"));
+    assert_eq!(s.fetch_heads_autocommit.matches(clause).count(), 1);
+    assert_eq!(
+        s.fetch_heads_autocommit.replace(clause, ""),
+        s.fetch_heads,
+        "the same statement otherwise"
+    );
 }
 
 #[test]

@@ -21,7 +21,7 @@ use super::outbox::{
     AppliedRow, CountRow, OutboxDriver, OutboxRows, fetch_heads_binds, fetch_take_binds,
 };
 use super::{Bind, Connection, Driver};
-use crate::sql::{FetchParams, RawRow, Statements, TableName, Take, WalkCursor};
+use crate::sql::{FetchParams, RawRow, Statements, TableName, WalkCursor};
 
 /// A sqlx query with its arguments.
 pub type PgQuery<'q> = sqlx::query::Query<'q, Postgres, PgArguments>;
@@ -74,16 +74,16 @@ pub fn bind_fetch_take<'q>(
     bind_all(query, fetch_take_binds(worker, p, heads))
 }
 
-/// The fetch ([`crate::outbox::fetch`]) on a sqlx connection inside the caller's transaction.
+/// The lease fetch ([`crate::outbox::fetch`]) on a sqlx connection inside the caller's
+/// transaction.
 pub async fn fetch_rows(
     conn: &mut PgConnection,
     stmts: &Statements,
-    take: Take,
     worker: &str,
     p: &FetchParams,
     cursor: &WalkCursor,
 ) -> Result<Vec<Fetched>, sqlx::Error> {
-    crate::outbox::fetch(conn, stmts, take, worker, p, cursor).await
+    crate::outbox::fetch(conn, stmts, worker, p, cursor).await
 }
 
 /// The sqlx driver: a [`PgPool`].
@@ -246,6 +246,13 @@ impl Driver for SqlxDriver {
 
     async fn begin(&self, table: &TableName) -> Result<Self::Tx, RepositoryError> {
         self.0.begin().await.map_err(|e| map_err(table, e))
+    }
+
+    async fn begin_on(table: &TableName, conn: Self::Pooled) -> Result<Self::Tx, RepositoryError> {
+        // What `Pool::begin` does with the connection it acquires.
+        sqlx::Transaction::begin(conn, None)
+            .await
+            .map_err(|e| map_err(table, e))
     }
 
     async fn commit(table: &TableName, tx: Self::Tx) -> Result<(), RepositoryError> {

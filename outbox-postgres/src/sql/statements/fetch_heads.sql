@@ -45,6 +45,16 @@
 -- the whole table, ten times the custom plan's cost) and the generic plan was never chosen.
 -- Written as a range, `x.locked_at >= '-infinity' AND x.locked_at < ...` (the same rows:
 -- locked_at is not null), it is estimated as a narrow range, as it is in fact.
+--
+-- Two renderings ({own_commit}): `fetch_heads`, run inside the lease fetch's transaction
+-- before the take, where the window's row locks last until that transaction commits; and
+-- `fetch_heads_autocommit`, which transaction delivery runs in autocommit before it begins the
+-- delivery transaction, so the window's row locks end with the statement's own transaction
+-- (the delivery then holds only the rows it takes; the take checks every head again). Row
+-- locks are all that transaction writes, so its commit need not wait for the WAL flush: that
+-- rendering sets synchronous_commit off for its own transaction (set_config(..., true),
+-- transaction-local; a lost commit record of row locks loses nothing). Run it in autocommit
+-- only: inside a transaction the setting would apply to that transaction's commit.
 WITH RECURSIVE
 win_u AS MATERIALIZED (
     SELECT u.id, u.topic, u.partition_key, u.scheduled_at, u.created_at
@@ -153,4 +163,5 @@ SELECT r.head_id, r.topic::text, r.partition_key::text FROM (
     (SELECT NULL::uuid, w.topic, w.partition_key, 1, NULL::timestamptz, NULL::timestamptz
        FROM walk w ORDER BY w.depth DESC LIMIT 1)
 ) r
+{own_commit}
 ORDER BY r.part, r.scheduled_at, r.created_at, r.head_id
