@@ -537,7 +537,7 @@ impl InboxStatements {
             layout,
             now: "SELECT now()".into(),
             land: r(text::LAND),
-            land_run: r(text::LAND_RUN),
+            land_run: r(&text::LAND_RUN.replace("{land}", &fragments::strip(text::LAND))),
             by_message_id: r(text::BY_MESSAGE_ID),
             dedup_lock: r(text::DEDUP_LOCK),
             key_lock: r(text::KEY_LOCK),

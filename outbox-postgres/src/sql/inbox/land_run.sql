@@ -12,19 +12,13 @@
 -- No row lock is taken: the inserting transaction holds the new row, which no other
 -- transaction sees before T commits (R116 step 3). Nothing inserted (a duplicate): no row;
 -- the caller reads the stored one with by_message_id and lock_row, in statements of their own.
+-- The CTE i is land.sql itself, put in at render time (the insert is written once).
 -- Parameters: $1 to $13 as land.sql; $14 text[] the handler timeout in whole milliseconds, a
 -- one-element array, NULL for none (a nullable scalar, see driver::inbox).
 -- Returns {columns} of the row inserted, then `earlier bool`, `timeout_before text` (NULL when
 -- the timeout was not set), `timeout_set text`; or no row.
-WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts),
-i AS (
-    INSERT INTO {table} ({columns})
-    SELECT $1::uuid, $2::text, $3::text::jsonb, ($4::text[])[1]::jsonb, ($5::text[])[1], NULL,
-           ($6::text[])[1], ($7::text[])[1], ($8::text[])[1], 'pending', 0, $9::int4, NULL, c.ts,
-           NULL, NULL, NULL, c.ts, c.ts, $10::text, $11::text, $12::text, ($13::text[])[1]
-      FROM c
-    ON CONFLICT DO NOTHING
-    RETURNING {columns}
+WITH i AS (
+{land}
 )
 SELECT i.*, p.earlier,
        CASE WHEN p.run THEN b.before END AS timeout_before,
