@@ -53,6 +53,7 @@ pub struct RedisSubscriptionConfig {
     create_group: bool,
     dead_letter_suffix: String,
     timeout: Duration,
+    max_waiting_rewinds: usize,
 }
 
 impl std::fmt::Debug for RedisSubscriptionConfig {
@@ -88,6 +89,7 @@ impl RedisSubscriptionConfig {
             create_group: true,
             dead_letter_suffix: DEFAULT_DEAD_LETTER_SUFFIX.into(),
             timeout: crate::DEFAULT_TIMEOUT,
+            max_waiting_rewinds: outbox_core::inbox::runner::DEFAULT_RUNNER_CONCURRENCY,
         }
     }
 
@@ -122,6 +124,16 @@ impl RedisSubscriptionConfig {
         self
     }
 
+    /// How many rewinds may wait at once (R136; ≥ 1, default 16, the runner's default
+    /// concurrency: set it to the runner's concurrency). Beyond it, a handler failure the rewind
+    /// policy would rewind is recorded in the row instead, and a rewind after a persistence error
+    /// or a failed dead-letter copy (R132, R140) is left pending without a timer: it comes back
+    /// through XAUTOCLAIM after claim_idle. This bounds what a long database outage can pile up.
+    pub fn max_waiting_rewinds(mut self, n: usize) -> Self {
+        self.max_waiting_rewinds = n;
+        self
+    }
+
     /// The bound on one command that does not block (default 10 s).
     pub fn timeout(mut self, d: Duration) -> Self {
         self.timeout = d;
@@ -145,6 +157,9 @@ impl RedisSubscriptionConfig {
         }
         if self.block_time().is_zero() || self.block_time() >= self.claim_idle / 2 {
             return bad("block must be > 0 and shorter than claim_idle / 2".into());
+        }
+        if self.max_waiting_rewinds == 0 {
+            return bad("max_waiting_rewinds must be at least 1".into());
         }
         if self.timeout.is_zero() {
             return bad("timeout must be > 0".into());
@@ -733,20 +748,26 @@ impl AckHandle for RedisAck {
         self.xack().await
     }
 
-    /// Keeps the entry pending under this consumer, renewed, and claims it again after `delay`.
+    /// Keeps the entry pending under this consumer, renewed, and claims it again after `delay`;
+    /// with `max_waiting_rewinds` already waiting, leaves it pending without a timer or
+    /// renewals, so that XAUTOCLAIM brings it back after claim_idle (R136).
     async fn rewind(&self, delay: Duration) -> Result<(), SubscriptionError> {
-        self.inner
-            .state
-            .lock()
-            .expect("poisoned")
-            .rewinds
-            .push(Rewind {
+        let mut st = self.inner.state.lock().expect("poisoned");
+        if st.rewinds.len() < self.inner.config.max_waiting_rewinds {
+            st.rewinds.push(Rewind {
                 stream: self.stream.clone(),
                 id: self.id.clone(),
                 due: Instant::now() + delay,
                 touch: self.touch.clone(),
             });
+        }
         Ok(())
+    }
+
+    /// False once `max_waiting_rewinds` rewinds wait (R136).
+    fn rewind_has_room(&self) -> bool {
+        self.inner.state.lock().expect("poisoned").rewinds.len()
+            < self.inner.config.max_waiting_rewinds
     }
 
     /// XACK (after the copy of R140).
@@ -914,6 +935,8 @@ mod tests {
                 .is_err()
         );
         assert!(c.clone().block(Duration::from_secs(30)).validate().is_err());
+        assert!(c.clone().max_waiting_rewinds(0).validate().is_err());
+        assert!(c.clone().max_waiting_rewinds(1).validate().is_ok());
         assert!(
             RedisSubscriptionConfig::new("redis://x", "g", "w1", Vec::<String>::new())
                 .validate()

@@ -331,6 +331,117 @@ async fn j_09_pending_after_rewind() {
     t.cleanup().await;
 }
 
+/// J-35, R136's bound on waiting rewinds: with `max_waiting_rewinds(1)` a second rewind is left pending
+/// without a timer (no room is reported once one waits); the first comes back when due as
+/// delivery 2, the second only through XAUTOCLAIM once idle for claim_idle (2 s here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r136_rewinds_beyond_the_bound_wait_for_autoclaim() {
+    let t = Trial::new();
+    let sub = RedisSubscription::connect(
+        t.config("w1", Duration::from_secs(2))
+            .block(Duration::from_millis(200))
+            .max_waiting_rewinds(1),
+    )
+    .await
+    .expect("connect the subscription");
+    t.publish(&[("event_id", "m1")], r#"{"n":1}"#).await;
+    t.publish(&[("event_id", "m2")], r#"{"n":2}"#).await;
+    let d = sub.next(2, Duration::from_millis(500)).await.unwrap();
+    assert_eq!(d.len(), 2);
+    assert!(d[0].ack.rewind_has_room(), "nothing waits yet");
+    let rewound = std::time::Instant::now();
+    d[0].ack.rewind(Duration::from_millis(300)).await.unwrap();
+    assert!(
+        !d[1].ack.rewind_has_room(),
+        "one rewind waits: the bound is reached"
+    );
+    d[1].ack.rewind(Duration::from_millis(300)).await.unwrap();
+    let mut back = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(8);
+    while back.len() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "came back: {back:?}"
+        );
+        for x in sub.next(2, Duration::from_millis(100)).await.unwrap() {
+            let id = match &x.message {
+                outbox_core::inbox::BrokerMessage::Redis { fields, .. } => fields
+                    .iter()
+                    .find(|(k, _)| k == "event_id")
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default(),
+                other => panic!("not a Redis entry: {other:?}"),
+            };
+            back.push((id, x.delivery_number, rewound.elapsed()));
+            x.ack.commit().await.unwrap();
+        }
+    }
+    assert_eq!(back[0].0, "m1", "the rewind with a timer first: {back:?}");
+    assert!(
+        back[0].2 < Duration::from_millis(1500),
+        "m1 when due: {back:?}"
+    );
+    assert_eq!((back[1].0.as_str(), back[1].1), ("m2", 2), "{back:?}");
+    assert!(
+        back[1].2 >= Duration::from_secs(2),
+        "m2 only after claim_idle, through XAUTOCLAIM: {back:?}"
+    );
+    assert!(t.pending().await.is_empty());
+    t.cleanup().await;
+}
+
+struct Fails;
+
+#[async_trait]
+impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Fails {
+    async fn handle(
+        &self,
+        _row: &outbox_core::inbox::InboxEvent,
+        _tx: &mut outbox_core::inbox::MemInboxTx,
+    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
+        Err(outbox_core::inbox::HandlerError::new("boom"))
+    }
+}
+
+/// J-36, R136 on the runner: under `on_failure = rewind` with room for one waiting rewind, the first
+/// failed delivery is rewound and the second, with no room left, is recorded in its row (R126)
+/// and acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn r136_a_failure_without_room_is_recorded() {
+    let t = Trial::new();
+    let sub = RedisSubscription::connect(
+        t.config("w1", Duration::from_secs(30))
+            .max_waiting_rewinds(1),
+    )
+    .await
+    .expect("connect the subscription");
+    t.publish(&[("event_id", "m1"), ("partition_key", "k1")], r#"{"n":1}"#)
+        .await;
+    t.publish(&[("event_id", "m2"), ("partition_key", "k2")], r#"{"n":2}"#)
+        .await;
+    let h = MemInboxHarness::default();
+    let r = Runner::builder(h.backend(), Arc::new(sub), "g")
+        .worker_id("w1")
+        .process_stored(false)
+        .sources(["src"])
+        .concurrency(1)
+        .on_failure(outbox_core::inbox::OnFailure::Rewind)
+        .handler(Arc::new(Fails))
+        .build()
+        .expect("runner");
+    let first = r.handle_next().await.unwrap().expect("m1");
+    let second = r.handle_next().await.unwrap().expect("m2");
+    assert_eq!(first.outcome, DeliveryOutcome::Rewound, "{first:?}");
+    assert_eq!(
+        (second.outcome, second.committed),
+        (DeliveryOutcome::Recorded, true),
+        "{second:?}"
+    );
+    let p = t.pending().await;
+    assert_eq!(p.len(), 1, "only the rewound m1 stays pending: {p:?}");
+    t.cleanup().await;
+}
+
 /// The end-to-end trials (J-14, J-15, SI-03): the outbox adapter and the subscriptions on one
 /// fresh key prefix; every key under it is deleted at the end.
 struct RedisEndToEnd;

@@ -549,6 +549,10 @@ impl<B: InboxBackend> Runner<B> {
                         )
                     };
                     match decision {
+                        // R136: no room for one more waiting rewind: the failure is recorded.
+                        RewindDecision::Rewind(_) if !d.ack.rewind_has_room() => {
+                            self.record_write(&failure, &row, false)
+                        }
                         RewindDecision::Rewind(delay) => {
                             tx.rollback().await;
                             r.outcome = DeliveryOutcome::Rewound;

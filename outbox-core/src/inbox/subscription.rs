@@ -65,6 +65,14 @@ pub trait AckHandle: Send + Sync {
     /// Copies the message as received to the dead-letter destination with the reason and the
     /// group (R140). A failure leaves the delivery to be rewound.
     async fn dead_letter(&self, reason: &str, group: &str) -> Result<(), SubscriptionError>;
+    /// Whether one more rewind may wait now. A subscription that keeps the waiting rewinds
+    /// itself bounds them (Redis: at most the runner's concurrency, R136); when this is false,
+    /// the runner records a handler failure in the row (R126) instead of rewinding it. True by
+    /// default: a broker that holds rewound messages itself (a NATS nak, a RabbitMQ nack) needs
+    /// no bound.
+    fn rewind_has_room(&self) -> bool {
+        true
+    }
 }
 
 /// One hand-over of a broker message to one runner (R113).
