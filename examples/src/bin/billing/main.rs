@@ -399,7 +399,8 @@ async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>
                         ["orders"],
                     )
                     .key_prefix(args.redis_key_prefix.clone())
-                    .claim_idle(args.claim_idle),
+                    .claim_idle(args.claim_idle)
+                    .max_waiting_rewinds(args.concurrency.max(1)),
                 )
                 .await?,
             )
