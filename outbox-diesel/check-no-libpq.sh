@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 
 # `cargo tree -i` fails when pq-sys is in no graph of the workspace, and prints nothing when it
 # is elsewhere in the lock file but not under outbox-diesel; either way it is absent here.
-tree=$(cargo tree -p outbox-diesel -e normal,dev --all-features -i pq-sys 2>/dev/null || true)
+tree=$(cargo tree -p txoutbox-diesel -e normal,dev --all-features -i pq-sys 2>/dev/null || true)
 if [ -n "$tree" ]; then
     echo "FAIL: pq-sys (libpq) is in outbox-diesel's dependency graph:" >&2
     echo "$tree" >&2
@@ -15,7 +15,7 @@ if [ -n "$tree" ]; then
 fi
 echo "ok: no pq-sys in outbox-diesel's dependency graph"
 
-bins=$(cargo test -p outbox-diesel --no-run --message-format=json 2>/dev/null \
+bins=$(cargo test -p txoutbox-diesel --no-run --message-format=json 2>/dev/null \
     | python3 -c 'import json,sys
 for line in sys.stdin:
     try: m = json.loads(line)

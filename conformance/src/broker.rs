@@ -15,11 +15,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::clock::{Clock, ManualClock};
-use outbox_core::event::{NewEvent, OutboxEvent, Status};
-use outbox_core::relay::{CycleReport, Relay};
-use outbox_core::repository::OutboxRepository;
-use outbox_core::{Broker, CancellationToken, InMemoryRepository, Message};
+use txoutbox_core::clock::{Clock, ManualClock};
+use txoutbox_core::event::{NewEvent, OutboxEvent, Status};
+use txoutbox_core::relay::{CycleReport, Relay};
+use txoutbox_core::repository::OutboxRepository;
+use txoutbox_core::{Broker, CancellationToken, InMemoryRepository, Message};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::JoinHandle;
@@ -187,11 +187,11 @@ pub fn fresh_suffix() -> String {
 pub(crate) fn relay_for(
     repo: &InMemoryRepository,
     broker: Arc<dyn Broker>,
-) -> outbox_core::RelayBuilder {
+) -> txoutbox_core::RelayBuilder {
     Relay::builder(Arc::new(repo.clone()) as Arc<dyn OutboxRepository>, broker).worker_id("w1")
 }
 
-pub(crate) fn event(topic: &str, key: &str, payload: Value) -> outbox_core::EventBuilder {
+pub(crate) fn event(topic: &str, key: &str, payload: Value) -> txoutbox_core::EventBuilder {
     NewEvent::builder()
         .event_type("test.happened")
         .aggregate("test", Uuid::nil())
@@ -668,7 +668,7 @@ pub async fn stalled_ack(b: &dyn BrokerUnderTest) {
 /// R43: a transient failure is retried 1.0 s after it was recorded (`now`, read right after the
 /// cycle; the manual clock may have ticked by microseconds since).
 pub fn assert_next_try_in_one_second(
-    f: &outbox_core::relay::FailureReport,
+    f: &txoutbox_core::relay::FailureReport,
     now: chrono::DateTime<chrono::Utc>,
 ) {
     let next = f.next_try.expect("a transient failure writes its next try");

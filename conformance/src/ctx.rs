@@ -5,14 +5,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::CancellationToken;
-use outbox_core::backoff::{Backoff, SeededRng};
-use outbox_core::clock::ManualRelayClock;
-use outbox_core::event::{EventBuilder, NewEvent, OutboxEvent, Status, WorkerId};
-use outbox_core::relay::{BreakerConfig, CycleReport, Relay};
-use outbox_core::repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository, WriteResult};
-use outbox_core::scripted::ScriptedBroker;
-use outbox_core::step::PipelineStep;
+use txoutbox_core::CancellationToken;
+use txoutbox_core::backoff::{Backoff, SeededRng};
+use txoutbox_core::clock::ManualRelayClock;
+use txoutbox_core::event::{EventBuilder, NewEvent, OutboxEvent, Status, WorkerId};
+use txoutbox_core::relay::{BreakerConfig, CycleReport, Relay};
+use txoutbox_core::repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository, WriteResult};
+use txoutbox_core::scripted::ScriptedBroker;
+use txoutbox_core::step::PipelineStep;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -46,7 +46,7 @@ pub struct Cfg {
     /// Use the peer backend's repository.
     pub peer: bool,
     /// The delivery mode; `None` takes the harness's ([`Harness::delivery`]).
-    pub delivery: Option<outbox_core::DeliveryMode>,
+    pub delivery: Option<txoutbox_core::DeliveryMode>,
 }
 
 impl Default for Cfg {
@@ -157,7 +157,7 @@ impl Ctx {
     /// exact, and [`advance`](Self::advance) moves that clock instead of shifting the rows back.
     /// A database clock runs on during a cycle.
     ///
-    /// [`Capabilities::database_clock`]: outbox_core::repository::Capabilities::database_clock
+    /// [`Capabilities::database_clock`]: txoutbox_core::repository::Capabilities::database_clock
     pub fn clock_stands_still(&self) -> bool {
         !self.repo().capabilities().database_clock
     }

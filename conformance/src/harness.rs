@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
-use outbox_core::event::{NewEvent, Status};
-use outbox_core::repository::{DeliveryMode, OutboxRepository, WriteResult};
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::{NewEvent, Status};
+use txoutbox_core::repository::{DeliveryMode, OutboxRepository, WriteResult};
 use uuid::Uuid;
 
 /// The kind of backend, which decides the scenarios that apply (tags `[mem]` and `[pg]`).

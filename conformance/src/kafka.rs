@@ -15,9 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::clock::Clock;
-use outbox_core::event::Status;
-use outbox_core::{Broker, Message};
+use txoutbox_core::clock::Clock;
+use txoutbox_core::event::Status;
+use txoutbox_core::{Broker, Message};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -262,7 +262,7 @@ pub async fn k_07(b: &dyn KafkaUnderTest) -> Outcome {
     let id = row.id.hyphenated().to_string();
     let created = row
         .created_at
-        .to_rfc3339_opts(outbox_core::broker::CREATED_AT_FORMAT, true);
+        .to_rfc3339_opts(txoutbox_core::broker::CREATED_AT_FORMAT, true);
     let mut names: Vec<&str> = m.headers.iter().map(|(k, _)| k.as_str()).collect();
     names.sort_unstable();
     assert_eq!(
@@ -768,7 +768,7 @@ pub async fn k_18(b: &dyn KafkaUnderTest) -> Outcome {
     let id = row.id.hyphenated().to_string();
     let time = row
         .created_at
-        .to_rfc3339_opts(outbox_core::broker::CREATED_AT_FORMAT, true);
+        .to_rfc3339_opts(txoutbox_core::broker::CREATED_AT_FORMAT, true);
     assert_eq!(
         m.key.as_deref(),
         Some(&b"acct 1"[..]),

@@ -5,11 +5,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::clock::ManualClock;
-use outbox_core::error::RepositoryError;
-use outbox_core::event::NewEvent;
-use outbox_core::memory::{InMemoryRepository, MemTransaction};
-use outbox_core::repository::{OutboxRepository, WriteResult};
+use txoutbox_core::clock::ManualClock;
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::memory::{InMemoryRepository, MemTransaction};
+use txoutbox_core::repository::{OutboxRepository, WriteResult};
 use tokio::sync::OwnedMutexGuard;
 use uuid::Uuid;
 
@@ -137,7 +137,7 @@ impl Harness for MemHarness {
         error_max_length: usize,
     ) -> Option<Result<(), String>> {
         Some(
-            outbox_core::memory::MemoryConfig::default()
+            txoutbox_core::memory::MemoryConfig::default()
                 .batch_size(batch_size)
                 .and_then(|c| c.error_max_length(error_max_length))
                 .map(|_| ())

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::clock::Clock;
-use outbox_core::event::Status;
-use outbox_core::{Broker, Message};
+use txoutbox_core::clock::Clock;
+use txoutbox_core::event::Status;
+use txoutbox_core::{Broker, Message};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -209,7 +209,7 @@ pub async fn k_08(b: &dyn RabbitMqUnderTest) {
     );
     let created = first
         .created_at
-        .to_rfc3339_opts(outbox_core::broker::CREATED_AT_FORMAT, true);
+        .to_rfc3339_opts(txoutbox_core::broker::CREATED_AT_FORMAT, true);
     for (k, v) in [
         ("event_id", id.as_str()),
         ("event_type", "order.paid"),
@@ -576,7 +576,7 @@ pub async fn k_18(b: &dyn RabbitMqUnderTest) {
     let id = row.id.hyphenated().to_string();
     let time = row
         .created_at
-        .to_rfc3339_opts(outbox_core::broker::CREATED_AT_FORMAT, true);
+        .to_rfc3339_opts(txoutbox_core::broker::CREATED_AT_FORMAT, true);
     // Everything of the plain message.
     assert_eq!(m.message_id.as_deref(), Some(id.as_str()));
     assert_eq!(m.content_type.as_deref(), Some("application/json"));

@@ -1,3 +1,3 @@
 //! The inbox scenarios against the in-memory reference inbox.
 
-outbox_conformance::inbox_suite!(memory: outbox_conformance::inbox::memory::MemInboxFactory);
+txoutbox_conformance::inbox_suite!(memory: txoutbox_conformance::inbox::memory::MemInboxFactory);

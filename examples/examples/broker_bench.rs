@@ -13,7 +13,7 @@
 //! after another per repetition, so their ratios are measured under the same load.
 //!
 //! ```text
-//! cargo run --release -p outbox-examples --features kafka,rabbitmq --example broker_bench -- \
+//! cargo run --release -p txoutbox-examples --features kafka,rabbitmq --example broker_bench -- \
 //!     --events 5000 --runs 3
 //! ```
 
@@ -22,12 +22,12 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::StreamExt;
-use outbox_core::broker::NoopBroker;
-use outbox_core::{Broker, CancellationToken, InMemoryRepository, NewEvent, Relay, SystemClock};
-use outbox_kafka_broker::krafka;
-use outbox_kafka_broker::{Idempotence, KafkaBroker, KafkaBrokerConfig};
-use outbox_rabbitmq_broker::lapin;
-use outbox_rabbitmq_broker::{RabbitMqBroker, RabbitMqBrokerConfig};
+use txoutbox_core::broker::NoopBroker;
+use txoutbox_core::{Broker, CancellationToken, InMemoryRepository, NewEvent, Relay, SystemClock};
+use txoutbox_kafka_broker::krafka;
+use txoutbox_kafka_broker::{Idempotence, KafkaBroker, KafkaBrokerConfig};
+use txoutbox_rabbitmq_broker::lapin;
+use txoutbox_rabbitmq_broker::{RabbitMqBroker, RabbitMqBrokerConfig};
 
 #[derive(Parser)]
 struct Args {
@@ -94,7 +94,7 @@ async fn relay(a: &Args, broker: Arc<dyn Broker>, topic: &str) -> Res<f64> {
         let done = repo
             .rows()
             .iter()
-            .filter(|r| r.status == outbox_core::Status::Completed)
+            .filter(|r| r.status == txoutbox_core::Status::Completed)
             .count();
         if done == a.events {
             break;

@@ -4,9 +4,9 @@
 //! Run it (PostgreSQL and Redis on their default local ports):
 //!
 //! ```sh
-//! cargo run -p outbox-examples --features diesel,redis --example diesel_redis
+//! cargo run -p txoutbox-examples --features diesel,redis --example diesel_redis
 //! # or elsewhere:
-//! DATABASE_URL=postgres://user@host/db REDIS_URL=redis://host:6379 cargo run -p outbox-examples --features diesel,redis --example diesel_redis
+//! DATABASE_URL=postgres://user@host/db REDIS_URL=redis://host:6379 cargo run -p txoutbox-examples --features diesel,redis --example diesel_redis
 //! ```
 //!
 //! It runs the outbox migration for `example_diesel_redis.outbox_events`, creates an `accounts`
@@ -19,10 +19,10 @@ use std::time::Duration;
 
 use diesel::sql_types::{Text, Uuid as SqlUuid};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use outbox_core::{CancellationToken, NewEvent, OutboxRepository, Relay, Status};
-use outbox_diesel::{DieselConfig, DieselOutboxRepository, PoolSettings, WriteError, build_pool};
-use outbox_postgres::TableName;
-use outbox_redis_broker::{RedisBroker, RedisBrokerConfig};
+use txoutbox_core::{CancellationToken, NewEvent, OutboxRepository, Relay, Status};
+use txoutbox_diesel::{DieselConfig, DieselOutboxRepository, PoolSettings, WriteError, build_pool};
+use txoutbox_postgres::TableName;
+use txoutbox_redis_broker::{RedisBroker, RedisBrokerConfig};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -32,7 +32,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into());
     let redis_url = std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
     let table = TableName::new("example_diesel_redis.outbox_events")?;
-    outbox_diesel::run_migrations_url(&db, &table).await?;
+    txoutbox_diesel::run_migrations_url(&db, &table).await?;
     let mut conn = AsyncPgConnection::establish(&db).await?;
     diesel::sql_query(
         "CREATE TABLE IF NOT EXISTS example_diesel_redis.accounts (id uuid PRIMARY KEY, owner text NOT NULL)",
@@ -51,11 +51,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
     let relay = Arc::new(
         Relay::builder(repo.clone(), Arc::new(broker))
-            .worker_id(outbox_examples::default_worker_id())
+            .worker_id(txoutbox_examples::default_worker_id())
             .build()?,
     );
     // LISTEN on diesel-async's notification stream (no sqlx); reconnects by itself.
-    let _listener = outbox_diesel::WakeListener::spawn(&db, &table, vec![relay.waker()]).await?;
+    let _listener = txoutbox_diesel::WakeListener::spawn(&db, &table, vec![relay.waker()]).await?;
     let stop = CancellationToken::new();
     let running = tokio::spawn({
         let (relay, stop) = (relay.clone(), stop.clone());

@@ -3,8 +3,8 @@
 //! whose figures examples/README.md states.
 //!
 //! ```sh
-//! cargo run --release -p outbox-examples --example latency               # 1000 events per mode
-//! cargo run --release -p outbox-examples --example latency -- 200 250ms  # events, poll interval
+//! cargo run --release -p txoutbox-examples --example latency               # 1000 events per mode
+//! cargo run --release -p txoutbox-examples --example latency -- 200 250ms  # events, poll interval
 //! ```
 //!
 //! Needs PostgreSQL (DATABASE_URL, default postgres://postgres@127.0.0.1:5432/test) and NATS
@@ -22,9 +22,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
-use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
-use outbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
+use txoutbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
+use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
 use rand::RngExt;
 use tokio::sync::mpsc;
 use uuid::Uuid;
@@ -92,7 +92,7 @@ async fn measure(
         .build()?,
     );
     let _listener = if notify {
-        Some(outbox_postgres::WakeListener::spawn(&pool, &table, vec![relay.waker()]).await?)
+        Some(txoutbox_postgres::WakeListener::spawn(&pool, &table, vec![relay.waker()]).await?)
     } else {
         None
     };

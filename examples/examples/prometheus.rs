@@ -3,9 +3,9 @@
 //! `metrics-exporter-prometheus` serving `/metrics`.
 //!
 //! ```sh
-//! cargo run -p outbox-examples --features prometheus --example prometheus
+//! cargo run -p txoutbox-examples --features prometheus --example prometheus
 //! # keep serving afterwards (scrape http://127.0.0.1:9898/metrics), stop with Ctrl-C:
-//! cargo run -p outbox-examples --features prometheus --example prometheus -- --serve
+//! cargo run -p txoutbox-examples --features prometheus --example prometheus -- --serve
 //! ```
 //!
 //! It publishes 30 events over 3 keys (one is refused once, so a retry shows), scrapes its own
@@ -15,8 +15,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::scripted::{Action, ScriptedBroker};
-use outbox_core::{
+use txoutbox_core::scripted::{Action, ScriptedBroker};
+use txoutbox_core::{
     Backoff, CancellationToken, InMemoryRepository, MetricsStep, NewEvent, OutboxRepository, Relay,
 };
 use serde_json::json;

@@ -5,9 +5,9 @@
 //! Run it (PostgreSQL and NATS with JetStream on their default local ports):
 //!
 //! ```sh
-//! cargo run -p outbox-examples --example sqlx_nats
+//! cargo run -p txoutbox-examples --example sqlx_nats
 //! # or elsewhere:
-//! DATABASE_URL=postgres://user@host/db NATS_URL=nats://host:4222 cargo run -p outbox-examples --example sqlx_nats
+//! DATABASE_URL=postgres://user@host/db NATS_URL=nats://host:4222 cargo run -p txoutbox-examples --example sqlx_nats
 //! ```
 //!
 //! It creates the schema `example_sqlx_nats` (tables `orders` and `outbox_events`) and the
@@ -29,18 +29,18 @@
 //! uuid = { version = "1", features = ["v4"] }
 //! ```
 //!
-//! sqlx and async-nats are named through `outbox_postgres::sqlx` and
-//! `outbox_nats_broker::async_nats`, so they are the versions the adapters are built with.
+//! sqlx and async-nats are named through `txoutbox_postgres::sqlx` and
+//! `txoutbox_nats_broker::async_nats`, so they are the versions the adapters are built with.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use outbox_core::{CancellationToken, NewEvent, Relay};
-use outbox_nats_broker::async_nats::jetstream::{self, consumer};
-use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
-use outbox_postgres::sqlx::{self, PgPool};
-use outbox_postgres::{PgConfig, PgOutboxRepository, WakeListener, create_schema};
+use txoutbox_core::{CancellationToken, NewEvent, Relay};
+use txoutbox_nats_broker::async_nats::jetstream::{self, consumer};
+use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
+use txoutbox_postgres::sqlx::{self, PgPool};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, WakeListener, create_schema};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -81,7 +81,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // A consumer of the stream, made before the writes: it gets the messages published from
     // now on. A real one would be durable (`durable_name`) and run in its own service.
-    let js = jetstream::new(outbox_nats_broker::async_nats::connect(&nats).await?);
+    let js = jetstream::new(txoutbox_nats_broker::async_nats::connect(&nats).await?);
     let orders = js
         .get_stream("EXAMPLE_ORDERS")
         .await?

@@ -5,7 +5,7 @@
 //! Run it (PostgreSQL and NATS with JetStream on their default local ports):
 //!
 //! ```sh
-//! cargo run -p outbox-examples --example tracing_nats
+//! cargo run -p txoutbox-examples --example tracing_nats
 //! ```
 //!
 //! It creates the schema `example_tracing` (table `outbox_events`) and the stream
@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use outbox_core::{CancellationToken, NewEvent, Relay, TraceParent};
-use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
-use outbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
+use txoutbox_core::{CancellationToken, NewEvent, Relay, TraceParent};
+use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -73,7 +73,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         PgConfig::default().table(table),
     ));
     let relay = Relay::builder(repo, Arc::new(broker))
-        .worker_id(outbox_examples::default_worker_id())
+        .worker_id(txoutbox_examples::default_worker_id())
         .build()?;
     let report = relay.cycle(&CancellationToken::new()).await?;
     println!("relayed   {} event(s)", report.completed.len());

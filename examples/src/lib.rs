@@ -35,7 +35,7 @@ mod tests {
     #[test]
     fn default_worker_id_is_valid() {
         let id = default_worker_id();
-        assert!(outbox_core::WorkerId::new(id.clone()).is_ok(), "{id}");
+        assert!(txoutbox_core::WorkerId::new(id.clone()).is_ok(), "{id}");
         assert!(id.ends_with(&format!("-{}", std::process::id())));
     }
 

@@ -39,7 +39,7 @@
 //!
 //! ```sh
 //! OUTBOX_E2E_CUSTOMERS=200 OUTBOX_E2E_ORDERS=100 OUTBOX_E2E_SECONDS=120 \
-//!   cargo test --release -p outbox-examples --all-features --test e2e_faults -- --nocapture
+//!   cargo test --release -p txoutbox-examples --all-features --test e2e_faults -- --nocapture
 //! ```
 
 mod common;
@@ -51,10 +51,10 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{database_url, nats_url, suffix};
-use outbox_conformance::broker::LoopbackProxy;
-use outbox_core::{Broker, Message, OutboxRepository};
-use outbox_postgres::sqlx::{self, PgPool};
-use outbox_postgres::{PgConfig, PgOutboxRepository};
+use txoutbox_conformance::broker::LoopbackProxy;
+use txoutbox_core::{Broker, Message, OutboxRepository};
+use txoutbox_postgres::sqlx::{self, PgPool};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository};
 use rand::RngExt;
 use tokio::process::{Child, Command};
 
@@ -750,7 +750,7 @@ struct BrokerBed {
 impl BrokerBed {
     async fn cleanup(mut self) {
         if let Some(q) = self.queue.take() {
-            use outbox_rabbitmq_broker::lapin::options::QueueDeleteOptions;
+            use txoutbox_rabbitmq_broker::lapin::options::QueueDeleteOptions;
             if let Ok(ch) = amqp_channel(&amqp_url()).await {
                 let _ = ch
                     .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
@@ -809,8 +809,8 @@ impl RealRestart {
 
 async fn amqp_channel(
     url: &str,
-) -> Result<outbox_rabbitmq_broker::lapin::Channel, outbox_rabbitmq_broker::lapin::Error> {
-    use outbox_rabbitmq_broker::lapin::{Connection, ConnectionProperties};
+) -> Result<txoutbox_rabbitmq_broker::lapin::Channel, txoutbox_rabbitmq_broker::lapin::Error> {
+    use txoutbox_rabbitmq_broker::lapin::{Connection, ConnectionProperties};
     Connection::connect(url, ConnectionProperties::default())
         .await?
         .create_channel()
@@ -825,17 +825,17 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
         Kind::Nats => {
             let stream = format!("E2E_{}", s.to_uppercase());
             let prefix = format!("e2e{s}.");
-            let client = outbox_nats_broker::async_nats::connect(nats_url())
+            let client = txoutbox_nats_broker::async_nats::connect(nats_url())
                 .await
                 .expect("NATS with JetStream at OUTBOX_TEST_NATS_URL");
-            let js = outbox_nats_broker::async_nats::jetstream::new(client);
-            js.create_stream(outbox_nats_broker::async_nats::jetstream::stream::Config {
+            let js = txoutbox_nats_broker::async_nats::jetstream::new(client);
+            js.create_stream(txoutbox_nats_broker::async_nats::jetstream::stream::Config {
                 name: stream.clone(),
                 subjects: vec![format!("{prefix}>")],
                 // Short, so a copy published 1.5 s later is delivered again (a relay that
                 // published twice, far apart).
                 duplicate_window: Duration::from_secs(1),
-                storage: outbox_nats_broker::async_nats::jetstream::stream::StorageType::Memory,
+                storage: txoutbox_nats_broker::async_nats::jetstream::stream::StorageType::Memory,
                 ..Default::default()
             })
             .await
@@ -869,8 +869,8 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
                     "4s",
                 ]),
                 republisher: Box::new(
-                    outbox_nats_broker::NatsBroker::connect(
-                        outbox_nats_broker::NatsBrokerConfig::new(nats_url())
+                    txoutbox_nats_broker::NatsBroker::connect(
+                        txoutbox_nats_broker::NatsBrokerConfig::new(nats_url())
                             .subject_prefix(prefix),
                     )
                     .await
@@ -913,8 +913,8 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
                     "4s",
                 ]),
                 republisher: Box::new(
-                    outbox_redis_broker::RedisBroker::connect(
-                        outbox_redis_broker::RedisBrokerConfig::new(redis_url())
+                    txoutbox_redis_broker::RedisBroker::connect(
+                        txoutbox_redis_broker::RedisBrokerConfig::new(redis_url())
                             .key_pattern(format!("{prefix}{{topic}}")),
                     )
                     .await
@@ -937,7 +937,7 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
             // and committed offset, which is a new broker rather than a restart. K-19
             // (outbox-kafka-broker/tests/restart.rs) restarts one under the relay for what that
             // can show.
-            let listen = outbox_conformance::broker::closed_port().await;
+            let listen = txoutbox_conformance::broker::closed_port().await;
             let proxy = LoopbackProxy::start(listen).await;
             let tansu = start_tansu(listen, proxy.addr(), logs).await;
             let prefix = format!("e2e{s}.");
@@ -970,8 +970,8 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
                     "2s",
                 ]),
                 republisher: Box::new(
-                    outbox_kafka_broker::KafkaBroker::connect(
-                        outbox_kafka_broker::KafkaBrokerConfig::new(bootstrap.clone())
+                    txoutbox_kafka_broker::KafkaBroker::connect(
+                        txoutbox_kafka_broker::KafkaBrokerConfig::new(bootstrap.clone())
                             .topic_prefix(prefix)
                             .delivery_timeout(Duration::from_secs(2)),
                     )
@@ -986,8 +986,8 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
             }
         }
         Kind::Rabbitmq => {
-            use outbox_rabbitmq_broker::lapin::options::QueueDeclareOptions;
-            use outbox_rabbitmq_broker::lapin::types::{AMQPValue, FieldTable};
+            use txoutbox_rabbitmq_broker::lapin::options::QueueDeclareOptions;
+            use txoutbox_rabbitmq_broker::lapin::types::{AMQPValue, FieldTable};
             let prefix = format!("e2e{s}.");
             let queue = format!("{prefix}orders");
             let mut args = FieldTable::default();
@@ -1034,8 +1034,8 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
                     &queue,
                 ]),
                 republisher: Box::new(
-                    outbox_rabbitmq_broker::RabbitMqBroker::connect(
-                        outbox_rabbitmq_broker::RabbitMqBrokerConfig::new(amqp_url())
+                    txoutbox_rabbitmq_broker::RabbitMqBroker::connect(
+                        txoutbox_rabbitmq_broker::RabbitMqBrokerConfig::new(amqp_url())
                             .routing_key_prefix(prefix)
                             .confirm_timeout(Duration::from_secs(2)),
                     )
@@ -1099,8 +1099,8 @@ async fn start_tansu(listen: SocketAddr, advertised: SocketAddr, logs: &std::pat
 }
 
 async fn create_kafka_topic(bootstrap: &str, name: &str, partitions: i32) {
-    use outbox_kafka_broker::krafka::Kafka;
-    use outbox_kafka_broker::krafka::admin::{CreateTopicsOptions, NewTopic};
+    use txoutbox_kafka_broker::krafka::Kafka;
+    use txoutbox_kafka_broker::krafka::admin::{CreateTopicsOptions, NewTopic};
     let admin = Kafka::builder(bootstrap.to_owned())
         .client_id("e2e-admin")
         .request_timeout(Duration::from_secs(4))

@@ -1,5 +1,5 @@
 //! `outbox-relay migrate --print-sql`: the exact DDL of `migrate` (from
-//! `outbox_postgres::sql::ddl` / `sql::partitioned::ddl`), printed without a database, that a
+//! `txoutbox_postgres::sql::ddl` / `sql::partitioned::ddl`), printed without a database, that a
 //! team commits as a sqlx migration.
 
 mod common;
@@ -8,7 +8,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use common::{Db, command, relay, wait};
-use outbox_postgres::TableName;
+use txoutbox_postgres::TableName;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 
 async fn print_sql(args: &[&str]) -> common::Out {
@@ -36,14 +36,14 @@ async fn print_sql_is_the_ddl_of_migrate_and_runs_as_a_sqlx_migration() {
     let db = Db::fresh().await;
     let out = print_sql(&["--table", &db.table_arg()]).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
-    assert_in_order(&out.stdout, &outbox_postgres::sql::ddl(&db.table));
+    assert_in_order(&out.stdout, &txoutbox_postgres::sql::ddl(&db.table));
     assert!(
         out.stdout.contains("CREATE TABLE IF NOT EXISTS"),
         "{}",
         out.stdout
     );
     // The CONCURRENTLY forms for a large existing table, as comments.
-    for s in outbox_postgres::sql::create_indexes_concurrently(&db.table) {
+    for s in txoutbox_postgres::sql::create_indexes_concurrently(&db.table) {
         assert!(s.contains("CONCURRENTLY"), "{s}");
         assert!(out.stdout.contains(&format!("--   {s};")), "{}", out.stdout);
     }
@@ -106,7 +106,7 @@ async fn print_sql_partitioned_is_the_partitioned_ddl() {
     assert_eq!(out.code, 0, "{}", out.stderr);
     assert_in_order(
         &out.stdout,
-        &outbox_postgres::sql::partitioned::ddl(&db.table, 2),
+        &txoutbox_postgres::sql::partitioned::ddl(&db.table, 2),
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(out.stdout.clone()))
         .execute(&db.pool)

@@ -88,12 +88,12 @@ async fn migrate_partitioned_creates_the_partitioned_table_and_refuses_bad_names
     assert_eq!(parts(db.table_arg()).await, 1 + 6);
 
     // The relay's commands work on it: stats sees rows written by the partitioned writer.
-    let w = outbox_postgres::PgOutboxWriter::with_layout(
+    let w = txoutbox_postgres::PgOutboxWriter::with_layout(
         &db.table,
-        outbox_postgres::Layout::Partitioned,
+        txoutbox_postgres::Layout::Partitioned,
     );
     let mut tx = db.pool.begin().await.unwrap();
-    let ev = outbox_core::NewEvent::builder()
+    let ev = txoutbox_core::NewEvent::builder()
         .topic("ops")
         .partition_key("k")
         .event_type("e")

@@ -403,7 +403,7 @@ async fn json_logs(how: &str) {
         extra.push("--log-json");
     }
     let mut cmd = command(&strs(&run_args(&db, &extra)));
-    cmd.env("RUST_LOG", "info,outbox_core::relay=debug")
+    cmd.env("RUST_LOG", "info,txoutbox_core::relay=debug")
         .stdout(Stdio::null());
     match how {
         "flag" => cmd.env_remove("OUTBOX_LOG_JSON"),

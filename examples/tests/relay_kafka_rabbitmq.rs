@@ -91,7 +91,7 @@ async fn impossible_settings_are_refused_before_connecting() {
 async fn waiting_for_an_unreachable_broker_prints_no_secret() {
     let db = Db::fresh().await;
     db.migrate().await;
-    let port = outbox_conformance::broker::closed_port().await;
+    let port = txoutbox_conformance::broker::closed_port().await;
     for (broker, env) in [
         (
             "rabbitmq",
@@ -129,11 +129,11 @@ async fn waiting_for_an_unreachable_broker_prints_no_secret() {
 #[cfg(feature = "rabbitmq")]
 #[tokio::test(flavor = "multi_thread")]
 async fn rabbitmq_queue_holds_every_event_once_in_key_order() {
-    use outbox_rabbitmq_broker::lapin::options::{
+    use txoutbox_rabbitmq_broker::lapin::options::{
         BasicGetOptions, QueueDeclareOptions, QueueDeleteOptions,
     };
-    use outbox_rabbitmq_broker::lapin::types::FieldTable;
-    use outbox_rabbitmq_broker::lapin::{Connection, ConnectionProperties};
+    use txoutbox_rabbitmq_broker::lapin::types::FieldTable;
+    use txoutbox_rabbitmq_broker::lapin::{Connection, ConnectionProperties};
     use uuid::Uuid;
 
     let db = Db::fresh().await;

@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::{Db, Stream, command, nats_url, stderr_lines, wait};
-use outbox_conformance::net::Forwarder;
+use txoutbox_conformance::net::Forwarder;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 /// Waits (at most 60 s) for the `n`-th stderr line containing `needle`; returns it.
@@ -241,7 +241,7 @@ async fn broker_outage_10s(until_drained: bool, redis: bool) -> OutageFigures {
         a.push("--until-drained".into());
     }
     let mut child = command(&a.iter().map(String::as_str).collect::<Vec<_>>())
-        .env("RUST_LOG", "info,outbox_core::relay=debug")
+        .env("RUST_LOG", "info,txoutbox_core::relay=debug")
         .spawn()
         .expect("spawn outbox-relay");
     let mut rx = stderr_lines(&mut child);

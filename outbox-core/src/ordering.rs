@@ -26,7 +26,7 @@
 //! in line and not returned by the same fetch.
 //!
 //! [`select`] implements these rules over rows in memory; it is what the in-memory backend runs.
-//! The Postgres backends implement the same rules in SQL (`outbox_postgres::sql`). Conformance
+//! The Postgres backends implement the same rules in SQL (`txoutbox_postgres::sql`). Conformance
 //! scenarios O-01 to O-23 and check them on every backend.
 
 use std::collections::HashMap;

@@ -13,7 +13,7 @@
 /// Works on a single URL, a comma-separated list of URLs (NATS), or any text that quotes URLs.
 ///
 /// ```
-/// use outbox_core::redact::secrets;
+/// use txoutbox_core::redact::secrets;
 /// assert_eq!(secrets("postgres://app:s3cret@db:5432/app"), "postgres://app:***@db:5432/app");
 /// assert_eq!(secrets("redis://:s3cret@cache:6379"), "redis://:***@cache:6379");
 /// assert_eq!(

@@ -5,16 +5,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
-use outbox_core::backoff::{Backoff, Fixed, Jitter, RandomSource};
-use outbox_core::clock::{ManualClock, ManualRelayClock, RelayClock};
-use outbox_core::event::{
+use txoutbox_core::backoff::{Backoff, Fixed, Jitter, RandomSource};
+use txoutbox_core::clock::{ManualClock, ManualRelayClock, RelayClock};
+use txoutbox_core::event::{
     BuildSettings, NewEvent, WorkerId, check_error_max_length, force_unlock_text, limits,
 };
-use outbox_core::memory::MemoryConfig;
-use outbox_core::relay::{BreakerConfig, Relay};
-use outbox_core::repository::{FetchRequest, OutboxRepository, args, check_backend_batch_size};
-use outbox_core::scripted::ScriptedBroker;
-use outbox_core::{CancellationToken, InMemoryRepository};
+use txoutbox_core::memory::MemoryConfig;
+use txoutbox_core::relay::{BreakerConfig, Relay};
+use txoutbox_core::repository::{FetchRequest, OutboxRepository, args, check_backend_batch_size};
+use txoutbox_core::scripted::ScriptedBroker;
+use txoutbox_core::{CancellationToken, InMemoryRepository};
 use proptest::prelude::*;
 use serde_json::json;
 use uuid::Uuid;
@@ -261,7 +261,7 @@ impl RandomSource for NanSource {
     }
 }
 
-fn base() -> outbox_core::EventBuilder {
+fn base() -> txoutbox_core::EventBuilder {
     NewEvent::builder()
         .event_type("test.event")
         .aggregate("agg", Uuid::new_v4())
@@ -305,7 +305,7 @@ fn overflowing_values_are_configuration_errors() {
 /// (2^61 permits) panicked in the first cycle; it is a configuration error now.
 #[test]
 fn a_publish_concurrency_beyond_the_limit_is_a_configuration_error() {
-    use outbox_core::relay::MAX_PUBLISH_CONCURRENCY;
+    use txoutbox_core::relay::MAX_PUBLISH_CONCURRENCY;
     let repo = InMemoryRepository::new(Arc::new(ManualClock::starting_now()));
     let builder = || Relay::builder(Arc::new(repo.clone()), Arc::new(ScriptedBroker::new()));
     let e = builder()

@@ -7,11 +7,11 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use opentelemetry::trace::{SpanId, SpanKind, Status, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use outbox_core::CancellationToken;
-use outbox_core::clock::ManualClock;
-use outbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
-use outbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
-use outbox_core::inbox::{
+use txoutbox_core::CancellationToken;
+use txoutbox_core::clock::ManualClock;
+use txoutbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
+use txoutbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
+use txoutbox_core::inbox::{
     Handler, HandlerError, HandlerOutcome, InboxEvent, InboxRepository, Processor, Runner,
 };
 use tracing_subscriber::layer::SubscriberExt;
@@ -73,7 +73,7 @@ async fn a_04_spans_continue_the_messages_trace() {
     for _ in 0..3 {
         runner.handle_next().await.unwrap().unwrap();
     }
-    let g = outbox_core::inbox::ConsumerGroup::new("g").unwrap();
+    let g = txoutbox_core::inbox::ConsumerGroup::new("g").unwrap();
     let m3 = inbox.get_by_message_id("m3", &g).await.unwrap().unwrap();
     clock.set(m3.scheduled_at);
     let p = Processor::builder(inbox.clone(), "g", handler)

@@ -8,17 +8,17 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::broker::{Ack, Broker, Message};
-use outbox_core::clock::ManualClock;
-use outbox_core::error::{BrokerError, RepositoryError, StepError};
-use outbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId};
-use outbox_core::relay::{BreakerConfig, CycleReport, Relay};
-use outbox_core::repository::{
+use txoutbox_core::broker::{Ack, Broker, Message};
+use txoutbox_core::clock::ManualClock;
+use txoutbox_core::error::{BrokerError, RepositoryError, StepError};
+use txoutbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId};
+use txoutbox_core::relay::{BreakerConfig, CycleReport, Relay};
+use txoutbox_core::repository::{
     BlockedKey, Capabilities, FetchRequest, Fetched, OutboxRepository, Outcome, StatusCount,
     WrittenOutcome,
 };
-use outbox_core::scripted::{Action, ScriptedBroker};
-use outbox_core::{CancellationToken, InMemoryRepository, PipelineStep, StepDecision};
+use txoutbox_core::scripted::{Action, ScriptedBroker};
+use txoutbox_core::{CancellationToken, InMemoryRepository, PipelineStep, StepDecision};
 use serde_json::json;
 use uuid::Uuid;
 

@@ -1,11 +1,11 @@
 //! The relay's publish span carries the OpenTelemetry messaging attributes and the trace
-//! context stored with the row (`outbox_core::trace`).
+//! context stored with the row (`txoutbox_core::trace`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use outbox_core::{
+use txoutbox_core::{
     Ack, Broker, BrokerError, CancellationToken, InMemoryRepository, Message, NewEvent, Relay,
 };
 use tracing::field::{Field, Visit};

@@ -1,4 +1,4 @@
-//! The diesel-async driver of `outbox_postgres::driver` (semver-exempt): [`DieselDriver`] on
+//! The diesel-async driver of `txoutbox_postgres::driver` (semver-exempt): [`DieselDriver`] on
 //! a deadpool pool, statements on [`Diesel`], a wrapper of an [`AsyncPgConnection`]. Every
 //! statement is prepared once per connection (see `prepared.rs`).
 
@@ -10,11 +10,11 @@ use diesel::pg::Pg;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Nullable, Text, Timestamptz};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
-use outbox_core::RepositoryError;
-use outbox_core::repository::{BlockedKey, Fetched};
-use outbox_postgres::driver::outbox::{AppliedRow, CountRow, OutboxDriver, OutboxRows};
-use outbox_postgres::driver::{Bind, Connection, Driver};
-use outbox_postgres::sql::{RawRow, TableName};
+use txoutbox_core::RepositoryError;
+use txoutbox_core::repository::{BlockedKey, Fetched};
+use txoutbox_postgres::driver::outbox::{AppliedRow, CountRow, OutboxDriver, OutboxRows};
+use txoutbox_postgres::driver::{Bind, Connection, Driver};
+use txoutbox_postgres::sql::{RawRow, TableName};
 use uuid::Uuid;
 
 use crate::error::{map_diesel, map_pool};

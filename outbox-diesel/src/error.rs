@@ -12,8 +12,8 @@
 use diesel::result::{ConnectionError, DatabaseErrorKind, Error as DieselError};
 use diesel_async::pooled_connection::PoolError as ManagerError;
 use diesel_async::pooled_connection::deadpool::PoolError;
-use outbox_core::RepositoryError;
-use outbox_postgres::sql::{self, TableName};
+use txoutbox_core::RepositoryError;
+use txoutbox_postgres::sql::{self, TableName};
 
 /// A failure of this crate outside the repository trait: configuration, pool, migrations.
 #[derive(Debug, thiserror::Error)]
@@ -24,7 +24,7 @@ pub enum Error {
     Config(String),
     /// The table name is not a safe identifier (R78).
     #[error(transparent)]
-    TableName(#[from] outbox_postgres::Error),
+    TableName(#[from] txoutbox_postgres::Error),
     /// The connection pool could not be built.
     #[error("could not build the connection pool: {0}; check the database URL and pool size")]
     Pool(String),
@@ -62,16 +62,16 @@ pub enum Error {
     Repository(#[from] RepositoryError),
 }
 
-impl From<outbox_core::ConfigError> for Error {
-    fn from(e: outbox_core::ConfigError) -> Self {
+impl From<txoutbox_core::ConfigError> for Error {
+    fn from(e: txoutbox_core::ConfigError) -> Self {
         Error::Config(e.to_string())
     }
 }
 
 /// Maps a diesel query error on `table` into the repository vocabulary.
 ///
-/// This differs from the sqlx backend's `outbox_postgres::map_err`, which classifies by SQLSTATE
-/// with `outbox_postgres::sql::classify`: diesel-async keeps the SQLSTATE only as a
+/// This differs from the sqlx backend's `txoutbox_postgres::map_err`, which classifies by SQLSTATE
+/// with `txoutbox_postgres::sql::classify`: diesel-async keeps the SQLSTATE only as a
 /// [`DatabaseErrorKind`] for the integrity and serialization classes, and reports every other
 /// code as `Unknown` with the server's message alone. So the kinds are mapped here, and the
 /// `Unknown` rest is told apart by the server's wording (`classify_unknown`).
@@ -121,7 +121,7 @@ fn classify_unknown(table: &TableName, message: String) -> RepositoryError {
         && (lower.contains("relation") || lower.contains("column") || lower.contains("schema"))
     {
         RepositoryError::Schema(format!(
-            "{message}; run the outbox migrations for table {table} first (outbox_diesel::run_migrations)"
+            "{message}; run the outbox migrations for table {table} first (txoutbox_diesel::run_migrations)"
         ))
     } else if lower.contains("deadlock detected")
         || lower.contains("terminating connection")

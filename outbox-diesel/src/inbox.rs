@@ -1,5 +1,5 @@
 //! The inbox on diesel-async (contract Part II): the one inbox store of
-//! `outbox_postgres::inbox` over [`DieselDriver`]. A handler gets the diesel-async connection
+//! `txoutbox_postgres::inbox` over [`DieselDriver`]. A handler gets the diesel-async connection
 //! inside the transaction of its run (R181): `&mut AsyncPgConnection`, through which it makes
 //! every write that belongs to the message.
 
@@ -14,12 +14,12 @@ use diesel::pg::Pg;
 use diesel::row::NamedRow;
 use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
-use outbox_core::RepositoryError;
-use outbox_postgres::driver::Bind;
-use outbox_postgres::driver::inbox::{InboxDriver, InboxRawRow, InboxRows, Unreadable};
-use outbox_postgres::inbox::schema::create_inbox_schema_on;
-use outbox_postgres::inbox::store::PgInbox;
-use outbox_postgres::sql::{Layout, TableName};
+use txoutbox_core::RepositoryError;
+use txoutbox_postgres::driver::Bind;
+use txoutbox_postgres::driver::inbox::{InboxDriver, InboxRawRow, InboxRows, Unreadable};
+use txoutbox_postgres::inbox::schema::create_inbox_schema_on;
+use txoutbox_postgres::inbox::store::PgInbox;
+use txoutbox_postgres::sql::{Layout, TableName};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -37,7 +37,7 @@ pub fn diesel_inbox(pool: PgPool, table: &TableName, layout: Layout) -> DieselIn
 }
 
 /// Creates the inbox schema of `table` (Appendix D; idempotent, R173's index rule: see
-/// `outbox_postgres::inbox::schema`) on `conn` in one transaction under the schema-creation
+/// `txoutbox_postgres::inbox::schema`) on `conn` in one transaction under the schema-creation
 /// advisory lock.
 pub async fn create_inbox_schema(
     conn: &mut AsyncPgConnection,

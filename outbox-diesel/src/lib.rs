@@ -21,7 +21,7 @@ pub use migrations::{
     OutboxMigrations, create_schema, create_schema_with, ensure_partitions, run_migrations,
     run_migrations_url, run_migrations_with,
 };
-pub use outbox_postgres::sql::{Layout, TableName};
+pub use txoutbox_postgres::sql::{Layout, TableName};
 pub use pool::{MAX_POOL_SIZE, PgPool, PoolSettings, PooledConnection, build_pool};
 pub use repository::{DieselConfig, DieselOutboxRepository};
 pub use writer::{DieselOutboxWriter, WriteError};

@@ -7,7 +7,7 @@
 //! ([`AsyncPgConnection::notifications_stream`]) and wakes relays (`Relay::waker()`), which then
 //! start a cycle at once instead of waiting for their poll interval.
 //!
-//! Reconnecting after a lost connection is `outbox_postgres::wake`'s. Checked by this crate's
+//! Reconnecting after a lost connection is `txoutbox_postgres::wake`'s. Checked by this crate's
 //! `tests/listen.rs`.
 
 use std::sync::Arc;
@@ -15,9 +15,9 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use futures::StreamExt;
-use outbox_postgres::sql::TableName;
-use outbox_postgres::wake::{Listening, WakeSource};
-pub use outbox_postgres::wake::{RECONNECT_MAX, RECONNECT_MIN};
+use txoutbox_postgres::sql::TableName;
+use txoutbox_postgres::wake::{Listening, WakeSource};
+pub use txoutbox_postgres::wake::{RECONNECT_MAX, RECONNECT_MIN};
 use tokio::sync::Notify;
 
 use crate::error::Error;

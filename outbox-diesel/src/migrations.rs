@@ -5,19 +5,19 @@
 //! The table name is configurable (R78), and a static `up.sql` could only create one fixed
 //! name; a second copy of the DDL would also be the SQL written twice. So the one migration of
 //! this crate, [`OutboxMigrations`], is a diesel [`MigrationSource`] built at run time from
-//! `outbox_postgres::sql::ddl(table)`: the same statements the sqlx backend's `create_schema`
+//! `txoutbox_postgres::sql::ddl(table)`: the same statements the sqlx backend's `create_schema`
 //! runs, for any validated table name. It is embedded in the binary like `embed_migrations!`
 //! output, and diesel_migrations records it in `__diesel_schema_migrations` as version
 //! `outbox_<table>_0001`, so it runs once per table. A second migration, `outbox_<table>_0002`,
-//! creates the additive indexes (`outbox_postgres::sql::additions`) with `CREATE INDEX IF NOT
+//! creates the additive indexes (`txoutbox_postgres::sql::additions`) with `CREATE INDEX IF NOT
 //! EXISTS`: a table migrated before they existed gets them, a new one finds them made by
 //! `0001`. For a large existing table, build them first with
-//! `outbox_postgres::sql::create_indexes_concurrently` (outside a transaction).
+//! `txoutbox_postgres::sql::create_indexes_concurrently` (outside a transaction).
 //!
 //! # The partitioned layout
 //!
 //! [`OutboxMigrations::with_layout`] with [`Layout::Partitioned`] runs
-//! `outbox_postgres::sql::partitioned::ddl` instead (the table `PARTITION BY RANGE
+//! `txoutbox_postgres::sql::partitioned::ddl` instead (the table `PARTITION BY RANGE
 //! (created_at)`, its default partition, the seven indexes and the additions, and the monthly
 //! partitions of the current month and the next three), recorded as version
 //! `outbox_<table>_p0001` (and `_p0002` for the additions) so the two
@@ -52,12 +52,12 @@ use diesel_async::{
     AsyncConnection, AsyncMigrationHarness, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
 };
 use diesel_migrations::MigrationHarness;
-use outbox_postgres::sql::{self, Layout, Statements, TableName};
+use txoutbox_postgres::sql::{self, Layout, Statements, TableName};
 
 use crate::error::Error;
 
 /// The outbox schema as a diesel migration source: one migration per table that runs
-/// `outbox_postgres::sql::ddl(table)` in a transaction, under the shared schema advisory lock.
+/// `txoutbox_postgres::sql::ddl(table)` in a transaction, under the shared schema advisory lock.
 /// Use it with any diesel [`MigrationHarness`], or call [`run_migrations`].
 #[derive(Debug, Clone)]
 pub struct OutboxMigrations {
@@ -109,7 +109,7 @@ impl OutboxMigrations {
     }
 
     /// The SQL of the second migration: the advisory lock, then `CREATE INDEX IF NOT EXISTS`
-    /// for each of `outbox_postgres::sql::additions` (on the parent, for the partitioned
+    /// for each of `txoutbox_postgres::sql::additions` (on the parent, for the partitioned
     /// layout).
     pub fn additions_sql(&self) -> String {
         self.locked(sql::create_additions(&self.table))
@@ -309,7 +309,7 @@ pub async fn create_schema_with(
 
 /// Partitioned layout: creates the missing monthly partitions from the current month (database
 /// clock, UTC months) through `months_ahead` months ahead (at most
-/// `outbox_postgres::sql::partitioned::MONTHS_AHEAD_MAX`), in one transaction under the schema
+/// `txoutbox_postgres::sql::partitioned::MONTHS_AHEAD_MAX`), in one transaction under the schema
 /// advisory lock, like the sqlx backend's `ensure_partitions`. Run it regularly (daily, say).
 /// Fails with [`Error::Partitions`], creating nothing, when the default partition already
 /// holds rows of a missing month (the message says what to do). Works on a current-thread

@@ -69,7 +69,7 @@ impl PoolSettings {
 }
 
 /// Builds a pool for `database_url` (`postgres://user@host:port/db`). No connection is opened
-/// until one is needed; an unreachable database shows as [`outbox_core::RepositoryError::Unavailable`]
+/// until one is needed; an unreachable database shows as [`txoutbox_core::RepositoryError::Unavailable`]
 /// on first use.
 ///
 /// TLS: `sslmode=require`, `verify-ca` or `verify-full` in the URL (with `sslrootcert=` for a

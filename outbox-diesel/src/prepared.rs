@@ -2,7 +2,7 @@
 //!
 //! diesel never caches a `sql_query` (it marks every one unsafe to cache), so each call would
 //! be parsed and planned again; the fetch alone plans in about 6 ms, more than its execution.
-//! The outbox statements are fixed texts per table ([`outbox_postgres::sql::Statements`], the
+//! The outbox statements are fixed texts per table ([`txoutbox_postgres::sql::Statements`], the
 //! table name validated before it reaches SQL) with every value bound, so caching them by SQL
 //! text and bind types is sound. [`Prepared`] says so: diesel-async then prepares each text
 //! once per connection and reuses it, and PostgreSQL switches to a generic plan after a few

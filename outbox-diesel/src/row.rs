@@ -1,6 +1,6 @@
 //! Decoding rows: diesel reads the columns by name into [`OutboxRow`] with the SQL types of
 //! [`crate::schema::outbox_events`]; the outbox's own decoding (headers must be a string map,
-//! status one of three, R82) is `outbox_postgres::sql::RawRow::decode`, shared with the sqlx
+//! status one of three, R82) is `txoutbox_postgres::sql::RawRow::decode`, shared with the sqlx
 //! backend.
 
 use chrono::{DateTime, Utc};
@@ -10,12 +10,12 @@ use diesel::pg::Pg;
 use diesel::row::NamedRow;
 use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
 
-use outbox_core::repository::{BlockedKey, Fetched, UndecodableRow};
-use outbox_postgres::sql::RawRow;
+use txoutbox_core::repository::{BlockedKey, Fetched, UndecodableRow};
+use txoutbox_postgres::sql::RawRow;
 use serde_json::Value;
 use uuid::Uuid;
 
-/// The columns of `outbox_postgres::sql::COLUMNS`, read by name.
+/// The columns of `txoutbox_postgres::sql::COLUMNS`, read by name.
 #[derive(Debug, Clone, QueryableByName)]
 #[diesel(table_name = crate::schema::outbox_events)]
 #[diesel(check_for_backend(diesel::pg::Pg))]
@@ -222,7 +222,7 @@ pub(crate) struct CountRow {
     count: i64,
 }
 
-impl From<CountRow> for outbox_postgres::driver::outbox::CountRow {
+impl From<CountRow> for txoutbox_postgres::driver::outbox::CountRow {
     fn from(r: CountRow) -> Self {
         Self {
             topic: r.topic,

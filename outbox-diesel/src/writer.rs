@@ -1,12 +1,12 @@
 //! Writing events inside the caller's diesel-async transaction (R12 to R17): the one writer
-//! of `outbox_postgres::outbox`, on the application's `&mut AsyncPgConnection`.
+//! of `txoutbox_postgres::outbox`, on the application's `&mut AsyncPgConnection`.
 
 use diesel_async::AsyncPgConnection;
-use outbox_core::RepositoryError;
-use outbox_core::event::NewEvent;
-use outbox_core::repository::WriteResult;
-use outbox_postgres::outbox::Writer;
-use outbox_postgres::sql::{Layout, TableName};
+use txoutbox_core::RepositoryError;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::WriteResult;
+use txoutbox_postgres::outbox::Writer;
+use txoutbox_postgres::sql::{Layout, TableName};
 
 use crate::driver::{Diesel, DieselDriver};
 use crate::error::map_diesel;
@@ -16,13 +16,13 @@ use crate::error::map_diesel;
 /// the events become visible to relays when, and only if, the caller commits.
 ///
 /// ```no_run
-/// # async fn demo(conn: &mut diesel_async::AsyncPgConnection, w: outbox_diesel::DieselOutboxWriter,
-/// #               event: outbox_core::NewEvent) -> Result<(), outbox_core::RepositoryError> {
+/// # async fn demo(conn: &mut diesel_async::AsyncPgConnection, w: txoutbox_diesel::DieselOutboxWriter,
+/// #               event: txoutbox_core::NewEvent) -> Result<(), txoutbox_core::RepositoryError> {
 /// use diesel_async::AsyncConnection;
 /// conn.transaction(async |conn| {
 ///     // … the application's own writes on `conn` …
 ///     w.write(conn, vec![event]).await?;
-///     Ok::<_, outbox_diesel::WriteError>(())
+///     Ok::<_, txoutbox_diesel::WriteError>(())
 /// })
 /// .await?;
 /// # Ok(()) }

@@ -7,17 +7,17 @@ use common::{Count, Name, connect};
 use diesel::sql_types::Text;
 use diesel::{QueryDsl, Queryable, Selectable, SelectableHelper};
 use diesel_async::{AsyncConnection, RunQueryDsl, SimpleAsyncConnection};
-use outbox_core::RepositoryError;
-use outbox_core::event::NewEvent;
-use outbox_core::repository::OutboxRepository;
-use outbox_diesel::error::map_diesel;
-use outbox_diesel::schema::outbox_events;
-use outbox_diesel::{
+use txoutbox_core::RepositoryError;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::OutboxRepository;
+use txoutbox_diesel::error::map_diesel;
+use txoutbox_diesel::schema::outbox_events;
+use txoutbox_diesel::{
     DieselConfig, DieselOutboxRepository, OutboxMigrations, PoolSettings, TableName, WriteError,
     build_pool, run_migrations,
 };
-use outbox_postgres::sql;
-use outbox_postgres::testing::{database_url, fresh_schema_name};
+use txoutbox_postgres::sql;
+use txoutbox_postgres::testing::{database_url, fresh_schema_name};
 use uuid::Uuid;
 
 /// Every column of the checked-in `table!`, with the Rust types the backend decodes them into.
@@ -298,7 +298,7 @@ fn table_names_are_validated_before_sql() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_diesel_writer_notifies_at_commit_only_when_asked_and_inserting() {
     let h = common::DieselHarness::create(&database_url()).await;
-    let mut probe = outbox_postgres::testing::WakeProbe::listen(h.peer().pool(), h.table()).await;
+    let mut probe = txoutbox_postgres::testing::WakeProbe::listen(h.peer().pool(), h.table()).await;
     let repo = h.diesel_repository();
     let notifying = repo.writer().notify(true);
     assert!(notifying.notifies() && !repo.writer().notifies());
@@ -356,8 +356,8 @@ async fn the_outbox_statements_are_prepared_once_per_connection() {
         pool.clone(),
         DieselConfig::default().table(h.table().clone()),
     );
-    let req = outbox_core::repository::FetchRequest::new(
-        outbox_core::event::WorkerId::new("w1").unwrap(),
+    let req = txoutbox_core::repository::FetchRequest::new(
+        txoutbox_core::event::WorkerId::new("w1").unwrap(),
         10,
     );
     for _ in 0..3 {

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use outbox_core::repository::MAX_BACKEND_BATCH_SIZE;
-use outbox_diesel::{DieselConfig, PoolSettings, build_pool};
+use txoutbox_core::repository::MAX_BACKEND_BATCH_SIZE;
+use txoutbox_diesel::{DieselConfig, PoolSettings, build_pool};
 use proptest::prelude::*;
 
 fn any_duration() -> impl Strategy<Value = Duration> {

@@ -4,13 +4,13 @@
 
 mod common;
 
-outbox_conformance::suite!(postgres: common::DieselFactory::new());
+txoutbox_conformance::suite!(postgres: common::DieselFactory::new());
 
 /// The whole suite again with every relay delivering in one transaction (R84), plus TX-01 to
 /// TX-05; trial names start with `transaction::`.
 mod transaction {
     use super::common;
-    use outbox_conformance::InTransaction;
+    use txoutbox_conformance::InTransaction;
 
-    outbox_conformance::suite!(postgres_transaction: InTransaction(common::DieselFactory::new()));
+    txoutbox_conformance::suite!(postgres_transaction: InTransaction(common::DieselFactory::new()));
 }

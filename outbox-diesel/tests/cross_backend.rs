@@ -7,9 +7,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use outbox_conformance::ctx::{Cfg, Ctx};
-use outbox_core::event::Status;
-use outbox_core::scripted::Action;
+use txoutbox_conformance::ctx::{Cfg, Ctx};
+use txoutbox_core::event::Status;
+use txoutbox_core::scripted::Action;
 use uuid::Uuid;
 
 const KEYS: usize = 4;

@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::patient_pool;
-use outbox_core::repository::DeliveryMode;
-use outbox_diesel::{DieselConfig, DieselOutboxRepository};
-use outbox_postgres::testing::fetch_terminated_mid_statement_with;
+use txoutbox_core::repository::DeliveryMode;
+use txoutbox_diesel::{DieselConfig, DieselOutboxRepository};
+use txoutbox_postgres::testing::fetch_terminated_mid_statement_with;
 
 async fn mid_fetch(delivery: DeliveryMode) {
     let f = fetch_terminated_mid_statement_with(delivery, |url, table| {

@@ -3,4 +3,4 @@
 
 mod common;
 
-outbox_conformance::inbox_suite!(postgres: common::inbox::DieselInboxFactory::plain());
+txoutbox_conformance::inbox_suite!(postgres: common::inbox::DieselInboxFactory::plain());

@@ -3,12 +3,12 @@
 
 mod common;
 
-outbox_conformance::inbox_suite!(postgres_partitioned: common::inbox::DieselInboxFactory::partitioned());
+txoutbox_conformance::inbox_suite!(postgres_partitioned: common::inbox::DieselInboxFactory::partitioned());
 
 /// E-14 on a partitioned table with one partition for a past month only.
 mod past_partition {
     #[allow(unused_imports)]
     use super::*;
 
-    outbox_conformance::inbox_suite!(postgres_past_partition: super::common::inbox::DieselInboxFactory::past_partition_only());
+    txoutbox_conformance::inbox_suite!(postgres_past_partition: super::common::inbox::DieselInboxFactory::past_partition_only());
 }

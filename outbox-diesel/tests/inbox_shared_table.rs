@@ -11,21 +11,21 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use outbox_conformance::inbox::InboxHarness;
-use outbox_core::CancellationToken;
-use outbox_core::clock::{Clock, ManualClock};
-use outbox_core::inbox::repository::{InboxBackend, InboxTransaction};
-use outbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
-use outbox_core::inbox::{
+use txoutbox_conformance::inbox::InboxHarness;
+use txoutbox_core::CancellationToken;
+use txoutbox_core::clock::{Clock, ManualClock};
+use txoutbox_core::inbox::repository::{InboxBackend, InboxTransaction};
+use txoutbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
+use txoutbox_core::inbox::{
     DeliveryOutcome, Handler, HandlerError, HandlerOutcome, InboxEvent, NewInboxEvent, OnFailure,
     Processor, RowReport, Runner,
 };
-use outbox_diesel::Layout;
-use outbox_diesel::inbox::diesel_inbox;
-use outbox_postgres::inbox::SqlxHandlerTx;
-use outbox_postgres::inbox::testing::{PgInboxHarness, effects, trial_table};
-use outbox_postgres::sqlx;
-use outbox_postgres::testing::database_url;
+use txoutbox_diesel::Layout;
+use txoutbox_diesel::inbox::diesel_inbox;
+use txoutbox_postgres::inbox::SqlxHandlerTx;
+use txoutbox_postgres::inbox::testing::{PgInboxHarness, effects, trial_table};
+use txoutbox_postgres::sqlx;
+use txoutbox_postgres::testing::database_url;
 use serde_json::json;
 
 use common::{patient_pool, url_in_new_york};
@@ -101,7 +101,7 @@ async fn z_07() {
     for layout in [Layout::Plain, Layout::Partitioned] {
         let h = PgInboxHarness::create(layout).await;
         let table = trial_table(h.schema(), layout);
-        let sqlx_inbox = outbox_postgres::inbox::SqlxInbox::sqlx(h.pool().clone(), &table, layout);
+        let sqlx_inbox = txoutbox_postgres::inbox::SqlxInbox::sqlx(h.pool().clone(), &table, layout);
         let diesel = diesel_inbox(
             patient_pool(&url_in_new_york(&database_url()), 4),
             &table,
@@ -288,7 +288,7 @@ impl Handler<SqlxHandlerTx> for SqlxParty {
 fn party_runner<B: InboxBackend>(
     backend: B,
     sub: &ScriptedSubscription,
-    handler: Arc<dyn Handler<outbox_core::inbox::repository::HandlerTx<B>>>,
+    handler: Arc<dyn Handler<txoutbox_core::inbox::repository::HandlerTx<B>>>,
     worker: &str,
     on_failure: OnFailure,
 ) -> Runner<B> {
@@ -307,8 +307,8 @@ fn party_runner<B: InboxBackend>(
 /// scripted handler (one script for both).
 struct Parties {
     h: PgInboxHarness,
-    sqlx: outbox_postgres::inbox::SqlxInbox,
-    diesel: outbox_diesel::inbox::DieselInbox,
+    sqlx: txoutbox_postgres::inbox::SqlxInbox,
+    diesel: txoutbox_diesel::inbox::DieselInbox,
     script: Arc<Script>,
 }
 
@@ -317,7 +317,7 @@ impl Parties {
         let h = PgInboxHarness::create(layout).await;
         let table = trial_table(h.schema(), layout);
         Self {
-            sqlx: outbox_postgres::inbox::SqlxInbox::sqlx(h.pool().clone(), &table, layout),
+            sqlx: txoutbox_postgres::inbox::SqlxInbox::sqlx(h.pool().clone(), &table, layout),
             diesel: diesel_inbox(
                 patient_pool(&url_in_new_york(&database_url()), 4),
                 &table,
@@ -472,9 +472,9 @@ async fn g_07_across<B1: InboxBackend, B2: InboxBackend>(
     let a1 = land_on(w1, "a1", "k").await;
     let a2 = land_on(b2, "a2", "k").await;
     let b1 = land_on(w1, "b1", "o").await;
-    let mut req = outbox_core::inbox::repository::InboxFetchRequest::new(
-        outbox_core::event::WorkerId::new("W1").unwrap(),
-        outbox_core::inbox::ConsumerGroup::new("g").unwrap(),
+    let mut req = txoutbox_core::inbox::repository::InboxFetchRequest::new(
+        txoutbox_core::event::WorkerId::new("W1").unwrap(),
+        txoutbox_core::inbox::ConsumerGroup::new("g").unwrap(),
         1,
     );
     req.max_per_key = 1;

@@ -1,4 +1,4 @@
-//! The relays' wake-up listener of the diesel backend (`outbox_diesel::WakeListener`, on
+//! The relays' wake-up listener of the diesel backend (`txoutbox_diesel::WakeListener`, on
 //! diesel-async's notification stream): a committed notifying write wakes it; a terminated
 //! listening connection is replaced, and the relays are woken once when it is back.
 
@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use diesel::sql_types::{Bool, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl};
-use outbox_core::event::NewEvent;
-use outbox_diesel::{WakeListener, WriteError};
-use outbox_postgres::testing::database_url;
+use txoutbox_core::event::NewEvent;
+use txoutbox_diesel::{WakeListener, WriteError};
+use txoutbox_postgres::testing::database_url;
 use tokio::sync::Notify;
 use uuid::Uuid;
 

@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 
 use common::{Count, Name, connect, event};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use outbox_conformance::harness::Harness;
-use outbox_core::RepositoryError;
-use outbox_diesel::{
+use txoutbox_conformance::harness::Harness;
+use txoutbox_core::RepositoryError;
+use txoutbox_diesel::{
     DieselOutboxWriter, Error, Layout, OutboxMigrations, TableName, WriteError, ensure_partitions,
     run_migrations, run_migrations_with,
 };
-use outbox_postgres::sql;
-use outbox_postgres::testing::{database_url, fresh_schema_name};
+use txoutbox_postgres::sql;
+use txoutbox_postgres::testing::{database_url, fresh_schema_name};
 
 async fn count(conn: &mut AsyncPgConnection, q: &str) -> i64 {
     diesel::sql_query(q)
@@ -127,7 +127,7 @@ async fn wait_for_advisory_waiter(conn: &mut AsyncPgConnection) {
 async fn diesel_and_sqlx_writers_of_one_key_serialize() {
     let h = common::DieselHarness::create_with(&database_url(), Layout::Partitioned).await;
     let mut t1 = h.begin_diesel().await;
-    use outbox_conformance::harness::WriteTx;
+    use txoutbox_conformance::harness::WriteTx;
     let r1 = t1.write(vec![event("k", Some("ik"))]).await.unwrap();
     assert!(r1[0].inserted);
     let peer_tx = h.peer().begin_tx().await;

@@ -6,7 +6,7 @@
 
 use diesel::sql_types::Bool;
 use diesel_async::RunQueryDsl;
-use outbox_diesel::{PoolSettings, build_pool};
+use txoutbox_diesel::{PoolSettings, build_pool};
 
 #[derive(diesel::QueryableByName)]
 struct Ssl {
@@ -40,7 +40,7 @@ async fn verify_full_with_the_servers_ca_connects_over_tls() {
     let url = format!("{}?sslmode=verify-full&sslrootcert={}", base(), ca());
     assert_eq!(ssl_of(&url).await, Ok(true));
     // The diesel connection used by the migrations takes the same URL.
-    let conn = outbox_diesel::tls::establish(&url).await;
+    let conn = txoutbox_diesel::tls::establish(&url).await;
     assert!(conn.is_ok(), "{:?}", conn.err().map(|e| e.to_string()));
 }
 

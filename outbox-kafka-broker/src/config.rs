@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use outbox_core::cloudevents::{self, MessageFormat};
+use txoutbox_core::cloudevents::{self, MessageFormat};
 
 use crate::error::KafkaBrokerError;
 

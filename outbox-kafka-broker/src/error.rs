@@ -1,8 +1,8 @@
 //! The error type of this crate (configuration and start-up) and R88's mapping of what happened
-//! to a record onto [`outbox_core::BrokerError`].
+//! to a record onto [`txoutbox_core::BrokerError`].
 
 use krafka::error::{ErrorCode, KrafkaError};
-use outbox_core::BrokerError;
+use txoutbox_core::BrokerError;
 use thiserror::Error;
 
 /// A Kafka broker adapter could not be configured or started.

@@ -14,8 +14,8 @@ use async_trait::async_trait;
 use krafka::auth::{AuthConfig, TlsConfig};
 use krafka::producer::{Acks, Producer};
 use krafka::{Kafka, Record};
-use outbox_core::broker::{Probe, ReconnectSignal, ReconnectWatch};
-use outbox_core::{Ack, Broker, BrokerError, Message};
+use txoutbox_core::broker::{Probe, ReconnectSignal, ReconnectWatch};
+use txoutbox_core::{Ack, Broker, BrokerError, Message};
 
 pub use config::{
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_DELIVERY_TIMEOUT, DEFAULT_LINGER, DEFAULT_MAX_REQUEST_SIZE,
@@ -25,7 +25,7 @@ pub use error::{KafkaBrokerError, code_name, code_text};
 /// The Kafka client this adapter is built on (krafka, pure Rust), for applications that name
 /// its types.
 pub use krafka;
-pub use outbox_core::cloudevents::MessageFormat;
+pub use txoutbox_core::cloudevents::MessageFormat;
 pub use subscription::{KafkaSubscription, KafkaSubscriptionConfig, OffsetReset};
 
 /// A [`Broker`] sending each row as one Kafka record with acks = all and, unless turned off, an

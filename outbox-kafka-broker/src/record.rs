@@ -2,8 +2,8 @@
 
 use std::collections::BTreeMap;
 
-use outbox_core::cloudevents::{self, MessageFormat};
-use outbox_core::{BrokerError, Message};
+use txoutbox_core::cloudevents::{self, MessageFormat};
+use txoutbox_core::{BrokerError, Message};
 
 use crate::config::KafkaBrokerConfig;
 

@@ -37,8 +37,8 @@ use krafka::consumer::{
 };
 use krafka::producer::{Acks, Producer};
 use krafka::{Kafka, Record};
-use outbox_core::inbox::decode::BrokerMessage;
-use outbox_core::inbox::subscription::{
+use txoutbox_core::inbox::decode::BrokerMessage;
+use txoutbox_core::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
 use tokio::time::Instant;

@@ -8,4 +8,4 @@ mod common;
 
 use common::*;
 
-outbox_conformance::kafka_suite!(TestKafka);
+txoutbox_conformance::kafka_suite!(TestKafka);

@@ -6,15 +6,15 @@
 mod common;
 
 use common::*;
-use outbox_conformance::kafka::KafkaUnderTest;
-use outbox_conformance::kafka_proxy::{DropFirstProduceAnswer, Mode};
-use outbox_core::{BrokerError, Message, NewEvent};
+use txoutbox_conformance::kafka::KafkaUnderTest;
+use txoutbox_conformance::kafka_proxy::{DropFirstProduceAnswer, Mode};
+use txoutbox_core::{BrokerError, Message, NewEvent};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_that_refuses_init_producer_id_fails_the_start_and_every_publish_under_on() {
     let (listener, proxy_addr) = DropFirstProduceAnswer::bind().await;
     let Some(private) = TestKafka.private_broker(proxy_addr).await else {
-        outbox_conformance::kafka::report(
+        txoutbox_conformance::kafka::report(
             "SKIPPED a_broker_that_refuses_init_producer_id…: needs a broker the test can start",
         );
         return;

@@ -11,21 +11,21 @@ use std::sync::Mutex;
 
 use common::*;
 use krafka::Record;
-use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
-use outbox_conformance::inbox::ctx::{Recorder, g};
-use outbox_conformance::inbox::harness::InboxHarness;
-use outbox_conformance::inbox::memory::MemInboxHarness;
-use outbox_conformance::inbox::script::{Act, Gate, ScriptedHandler};
-use outbox_conformance::kafka::{KafkaCapability, KafkaUnderTest, report};
-use outbox_conformance::kafka_proxy::{DropFirstProduceAnswer, Mode, OFFSET_COMMIT};
-use outbox_core::backoff::SeededRng;
-use outbox_core::event::Status;
-use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::{
+use txoutbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
+use txoutbox_conformance::inbox::ctx::{Recorder, g};
+use txoutbox_conformance::inbox::harness::InboxHarness;
+use txoutbox_conformance::inbox::memory::MemInboxHarness;
+use txoutbox_conformance::inbox::script::{Act, Gate, ScriptedHandler};
+use txoutbox_conformance::kafka::{KafkaCapability, KafkaUnderTest, report};
+use txoutbox_conformance::kafka_proxy::{DropFirstProduceAnswer, Mode, OFFSET_COMMIT};
+use txoutbox_core::backoff::SeededRng;
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::inbox::{
     AckStrategy, AncestorAckSettings, CommitOffsetPolicy, DeliveryOutcome as O, InMemoryInbox,
     OnFailure, Runner, RunnerBuilder, Subscription,
 };
-use outbox_kafka_broker::{KafkaSubscription, KafkaSubscriptionConfig};
+use txoutbox_kafka_broker::{KafkaSubscription, KafkaSubscriptionConfig};
 use tokio::task::JoinHandle;
 
 /// One fresh topic `in.src-{r}` (with its dead-letter topic) and Kafka group `g-{r}`.
@@ -210,7 +210,7 @@ impl SubscriptionUnderTest for Tansu {
     }
 }
 
-outbox_conformance::inbox_broker_suite!(Tansu);
+txoutbox_conformance::inbox_broker_suite!(Tansu);
 
 // ---- the J scenarios ----
 
@@ -547,7 +547,7 @@ async fn j_20() {
     let dl = read_topic(&b.t.dead_letter()).await;
     assert_eq!(dl.len(), 2, "{dl:?}");
     let topic = b.t.name();
-    let want = |r: &outbox_conformance::kafka::KafkaRecord, reason: &str, offset: &str| {
+    let want = |r: &txoutbox_conformance::kafka::KafkaRecord, reason: &str, offset: &str| {
         assert_eq!(r.header("Inbox-Invalid-Reason").as_deref(), Some(reason));
         assert_eq!(r.header("Inbox-Consumer-Group").as_deref(), Some("g"));
         assert_eq!(
@@ -632,7 +632,7 @@ async fn j_21() {
         async move {
             for i in n {
                 for k in 0..10usize {
-                    let row = outbox_core::NewEvent::builder()
+                    let row = txoutbox_core::NewEvent::builder()
                         .aggregate("test", uuid::Uuid::nil())
                         .topic(topic.clone())
                         .partition_key(format!("k{k}"))
@@ -641,7 +641,7 @@ async fn j_21() {
                         .build()
                         .expect("valid")
                         .into_row(chrono::Utc::now());
-                    let m = outbox_core::Message::from_event(&row);
+                    let m = txoutbox_core::Message::from_event(&row);
                     adapter.publish(&m).await.expect("publish");
                     published
                         .lock()
@@ -841,18 +841,18 @@ struct NumberSpy {
 
 #[async_trait]
 impl Subscription for NumberSpy {
-    fn capabilities(&self) -> outbox_core::inbox::subscription::SubscriptionCapabilities {
+    fn capabilities(&self) -> txoutbox_core::inbox::subscription::SubscriptionCapabilities {
         self.inner.capabilities()
     }
     async fn next(
         &self,
         max: usize,
         wait: Duration,
-    ) -> Result<Vec<outbox_core::inbox::InboxDelivery>, outbox_core::inbox::SubscriptionError> {
+    ) -> Result<Vec<txoutbox_core::inbox::InboxDelivery>, txoutbox_core::inbox::SubscriptionError> {
         let v = self.inner.next(max, wait).await?;
         for d in &v {
             let id = match &d.message {
-                outbox_core::inbox::BrokerMessage::Kafka { headers, .. } => headers
+                txoutbox_core::inbox::BrokerMessage::Kafka { headers, .. } => headers
                     .iter()
                     .find(|(k, _)| k == "event_id")
                     .and_then(|(_, v)| String::from_utf8(v.clone()?).ok())

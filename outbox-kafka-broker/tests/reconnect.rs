@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use outbox_conformance::net::Forwarder;
-use outbox_core::broker::Probe;
+use txoutbox_conformance::net::Forwarder;
+use txoutbox_core::broker::Probe;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnects_moves_and_the_probe_answers_once_the_broker_is_reachable() {

@@ -14,8 +14,8 @@ mod common;
 use std::collections::{BTreeMap, HashSet};
 
 use common::*;
-use outbox_core::broker::{Probe, ReconnectWatch};
-use outbox_core::{
+use txoutbox_core::broker::{Probe, ReconnectWatch};
+use txoutbox_core::{
     Ack, Backoff, BrokerError, CancellationToken, InMemoryRepository, Message, NewEvent, Relay,
     RunOptions, Status, SystemClock,
 };
@@ -116,7 +116,7 @@ async fn k_19() {
         std::env::var_os("KAFKA_BROKERS").is_none(),
         "K-19 restarts a broker it starts itself (Tansu); it cannot run against KAFKA_BROKERS"
     );
-    let port = outbox_conformance::broker::closed_port().await;
+    let port = txoutbox_conformance::broker::closed_port().await;
     let bootstrap = port.to_string();
     let mut tansu = start_tansu(port, port).await;
     let topic = format!("ob.restart-{}", fresh_suffix());
@@ -132,7 +132,7 @@ async fn k_19() {
     let idempotence = match broker.check().await {
         Ok(()) => Idempotence::On,
         Err(e) => {
-            outbox_conformance::kafka::report(&format!(
+            txoutbox_conformance::kafka::report(&format!(
                 "K-19 runs with idempotence off: this broker grants no idempotent producer ({e})"
             ));
             Idempotence::Off
@@ -279,7 +279,7 @@ async fn k_19() {
             "key k{k}: first deliveries on the new broker, in write order, gap-free"
         );
     }
-    outbox_conformance::kafka::report(&format!(
+    txoutbox_conformance::kafka::report(&format!(
         "K-19: idempotence {idempotence:?}; {done_at_kill} of {total} events acknowledged before the kill; \
          the new broker holds {} records ({} duplicates), every key in order",
         records.len(),

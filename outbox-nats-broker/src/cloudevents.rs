@@ -1,10 +1,10 @@
 //! The NATS binding of the CloudEvents binary mode (R91, working draft 1.0.3 of the binding):
-//! the attributes of [`outbox_core::cloudevents::attributes`] as `ce-` headers with
+//! the attributes of [`txoutbox_core::cloudevents::attributes`] as `ce-` headers with
 //! percent-encoded values, plus `ce-datacontenttype`. Checked by scenario K-18.
 
 use async_nats::HeaderMap;
-use outbox_core::Message;
-use outbox_core::cloudevents;
+use txoutbox_core::Message;
+use txoutbox_core::cloudevents;
 
 /// The prefix of the CloudEvents attribute headers in the NATS binding.
 pub const CLOUDEVENTS_HEADER_PREFIX: &str = "ce-";

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use outbox_core::cloudevents::{self, MessageFormat};
+use txoutbox_core::cloudevents::{self, MessageFormat};
 
 use crate::error::NatsBrokerError;
 use crate::subject::{subject_problem, token_problem};
@@ -144,7 +144,7 @@ pub struct NatsTls {
 impl std::fmt::Debug for NatsBrokerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsBrokerConfig")
-            .field("url", &outbox_core::redact::secrets(&self.url))
+            .field("url", &txoutbox_core::redact::secrets(&self.url))
             .field("subject_prefix", &self.subject_prefix)
             .field("key_token", &self.key_token)
             .field("body", &self.body)
@@ -282,7 +282,7 @@ impl NatsBrokerConfig {
     }
 
     /// The server URL(s), as given (with any password: print
-    /// [`outbox_core::redact::secrets`] of it, never the URL itself).
+    /// [`txoutbox_core::redact::secrets`] of it, never the URL itself).
     pub fn url(&self) -> &str {
         &self.url
     }

@@ -16,12 +16,12 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use async_trait::async_trait;
-use outbox_core::broker::{ReconnectSignal, ReconnectWatch};
-use outbox_core::{Ack, Broker, BrokerError, Message};
+use txoutbox_core::broker::{ReconnectSignal, ReconnectWatch};
+use txoutbox_core::{Ack, Broker, BrokerError, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-/// The async-nats this crate is built with: name its types as `outbox_nats_broker::async_nats::…`
+/// The async-nats this crate is built with: name its types as `txoutbox_nats_broker::async_nats::…`
 /// (a client to read the stream back, a header map), whatever async-nats you depend on.
 pub use async_nats;
 pub use cloudevents::{CLOUDEVENTS_HEADER_PREFIX, percent_encode};
@@ -30,7 +30,7 @@ pub use config::{
     NatsBrokerConfig, NatsTls, StreamSpec, StreamStorage,
 };
 pub use error::NatsBrokerError;
-pub use outbox_core::cloudevents::MessageFormat;
+pub use txoutbox_core::cloudevents::MessageFormat;
 pub use subscription::{
     DEFAULT_ACK_WAIT, DEFAULT_DEAD_LETTER_PREFIX, NatsSubscription, NatsSubscriptionConfig,
     consumer_name_for,
@@ -51,7 +51,7 @@ pub struct NatsBroker {
 impl std::fmt::Debug for NatsBroker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("NatsBroker")
-            .field("url", &outbox_core::redact::secrets(&self.config.url))
+            .field("url", &txoutbox_core::redact::secrets(&self.config.url))
             .field("subject_prefix", &self.config.subject_prefix)
             .field("state", &self.client.connection_state())
             .finish_non_exhaustive()
@@ -73,8 +73,8 @@ impl NatsBroker {
             .connect(config.url.as_str())
             .await
             .map_err(|e| NatsBrokerError::Connect {
-                url: outbox_core::redact::secrets(&config.url),
-                message: outbox_core::redact::secrets(&e.to_string()),
+                url: txoutbox_core::redact::secrets(&config.url),
+                message: txoutbox_core::redact::secrets(&e.to_string()),
             })?;
         let broker = Self::assemble(client, config, notify, signal);
         broker.ensure_stream().await?;
@@ -104,8 +104,8 @@ impl NatsBroker {
             .connect(config.url.as_str())
             .await
             .map_err(|e| NatsBrokerError::Connect {
-                url: outbox_core::redact::secrets(&config.url),
-                message: outbox_core::redact::secrets(&e.to_string()),
+                url: txoutbox_core::redact::secrets(&config.url),
+                message: txoutbox_core::redact::secrets(&e.to_string()),
             })?;
         Ok(Self::assemble(client, config, notify, signal))
     }
@@ -490,8 +490,8 @@ impl Broker for NatsBroker {
     /// (`$JS.API.INFO`), asked only while the client is connected. It answers only when the
     /// server and JetStream do, so a black-holed connection (accepted, silent, never dropped)
     /// probes `Down` until bytes flow again, when the relay loop starts its next cycle at once.
-    async fn probe(&self) -> outbox_core::broker::Probe {
-        use outbox_core::broker::Probe;
+    async fn probe(&self) -> txoutbox_core::broker::Probe {
+        use txoutbox_core::broker::Probe;
         if self.client.connection_state() != State::Connected {
             return Probe::Down;
         }
@@ -521,7 +521,7 @@ impl Broker for NatsBroker {
         if state != State::Connected {
             return Err(BrokerError::transient(format!(
                 "NATS: not connected to {} (connection {state}); the message for {subject:?} was not sent",
-                outbox_core::redact::secrets(&self.config.url)
+                txoutbox_core::redact::secrets(&self.config.url)
             )));
         }
         let deadline = Instant::now() + self.config.timeout;

@@ -32,8 +32,8 @@ use async_nats::jetstream::{self};
 use async_nats::{HeaderMap, HeaderValue};
 use async_trait::async_trait;
 use futures::StreamExt;
-use outbox_core::inbox::decode::BrokerMessage;
-use outbox_core::inbox::subscription::{
+use txoutbox_core::inbox::decode::BrokerMessage;
+use txoutbox_core::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
 

@@ -6,7 +6,7 @@
 mod common;
 
 use common::*;
-use outbox_nats_broker::{NatsBrokerError, StreamSpec};
+use txoutbox_nats_broker::{NatsBrokerError, StreamSpec};
 
 fn config(prefix: &str) -> NatsBrokerConfig {
     NatsBrokerConfig::new(url())
@@ -73,7 +73,7 @@ async fn connect_accepts_a_covering_stream() {
     let ensured_prefix = format!("outboxcheck.ens.{suffix}.");
     let ensured = format!("OUTBOX_CHECK_ENS_{suffix}");
     NatsBroker::connect(config(&ensured_prefix).ensure_stream(
-        StreamSpec::new(&ensured).storage(outbox_nats_broker::StreamStorage::Memory),
+        StreamSpec::new(&ensured).storage(txoutbox_nats_broker::StreamStorage::Memory),
     ))
     .await
     .expect("ensure_stream makes the covering stream before the check");

@@ -7,11 +7,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_nats::jetstream;
-use outbox_conformance::broker::fresh_suffix;
-use outbox_core::{
+use txoutbox_conformance::broker::fresh_suffix;
+use txoutbox_core::{
     Broker, CancellationToken, InMemoryRepository, ManualClock, NewEvent, OutboxEvent, Relay,
 };
-use outbox_nats_broker::{MessageFormat, NatsBroker, NatsBrokerConfig, NatsBrokerError};
+use txoutbox_nats_broker::{MessageFormat, NatsBroker, NatsBrokerConfig, NatsBrokerError};
 use serde_json::json;
 
 const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
@@ -114,7 +114,7 @@ async fn k_18_cloudevents_binary_mode_on_nats() {
     let id = row.id.hyphenated().to_string();
     let time = row
         .created_at
-        .to_rfc3339_opts(outbox_core::broker::CREATED_AT_FORMAT, true);
+        .to_rfc3339_opts(txoutbox_core::broker::CREATED_AT_FORMAT, true);
     let get = |k: &str| h.get(k).map(String::as_str);
     // Everything of the plain message.
     assert_eq!(get("Nats-Msg-Id"), Some(id.as_str()));

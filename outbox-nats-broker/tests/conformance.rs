@@ -5,15 +5,15 @@
 mod common;
 
 use common::*;
-use outbox_nats_broker::StreamSpec;
+use txoutbox_nats_broker::StreamSpec;
 
-outbox_conformance::broker_suite!(Nats);
+txoutbox_conformance::broker_suite!(Nats);
 
 /// ensure_stream creates the stream at start-up; an uncovered subject is a rejection that
 /// says so; an invalid topic is a rejection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ensure_stream_and_rejections() {
-    use outbox_core::{BrokerError, Message};
+    use txoutbox_core::{BrokerError, Message};
     let suffix = fresh_suffix();
     let name = format!("OUTBOX_ENSURE_{suffix}");
     let prefix = format!("outboxensure.{suffix}.");
@@ -30,7 +30,7 @@ async fn ensure_stream_and_rejections() {
     assert_eq!(info.config.subjects, vec![format!("{prefix}>")]);
     assert_eq!(info.config.duplicate_window, Duration::from_secs(600));
 
-    let row = outbox_core::NewEvent::builder()
+    let row = txoutbox_core::NewEvent::builder()
         .event_type("t")
         .aggregate("a", uuid::Uuid::nil())
         .topic("orders")

@@ -11,15 +11,15 @@ use std::time::Duration;
 use async_nats::jetstream;
 use async_trait::async_trait;
 use futures::StreamExt;
-use outbox_conformance::broker::{BrokerKind, fresh_suffix};
-use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
-use outbox_conformance::inbox::ctx::g;
-use outbox_conformance::inbox::end_to_end::{EndToEndTrial, EndToEndUnderTest};
-use outbox_conformance::inbox::harness::InboxHarness;
-use outbox_conformance::inbox::memory::MemInboxHarness;
-use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::{DeliveryOutcome, OnFailure, Runner, Subscription};
-use outbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
+use txoutbox_conformance::broker::{BrokerKind, fresh_suffix};
+use txoutbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
+use txoutbox_conformance::inbox::ctx::g;
+use txoutbox_conformance::inbox::end_to_end::{EndToEndTrial, EndToEndUnderTest};
+use txoutbox_conformance::inbox::harness::InboxHarness;
+use txoutbox_conformance::inbox::memory::MemInboxHarness;
+use txoutbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::inbox::{DeliveryOutcome, OnFailure, Runner, Subscription};
+use txoutbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
 
 fn url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
@@ -128,12 +128,12 @@ impl SubscriptionUnderTest for Nats {
     }
 }
 
-outbox_conformance::inbox_broker_suite!(Nats);
+txoutbox_conformance::inbox_broker_suite!(Nats);
 
 fn runner(
     h: &MemInboxHarness,
     sub: NatsSubscription,
-) -> outbox_core::inbox::RunnerBuilder<outbox_core::inbox::InMemoryInbox> {
+) -> txoutbox_core::inbox::RunnerBuilder<txoutbox_core::inbox::InMemoryInbox> {
     Runner::builder(h.backend(), Arc::new(sub), "g")
         .worker_id("w1")
         .process_stored(false)
@@ -174,13 +174,13 @@ async fn j_01() {
 struct Noop;
 
 #[async_trait]
-impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Noop {
+impl txoutbox_core::inbox::Handler<txoutbox_core::inbox::MemInboxTx> for Noop {
     async fn handle(
         &self,
-        _row: &outbox_core::inbox::InboxEvent,
-        _tx: &mut outbox_core::inbox::MemInboxTx,
-    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
-        Ok(outbox_core::inbox::HandlerOutcome::completed())
+        _row: &txoutbox_core::inbox::InboxEvent,
+        _tx: &mut txoutbox_core::inbox::MemInboxTx,
+    ) -> Result<txoutbox_core::inbox::HandlerOutcome, txoutbox_core::inbox::HandlerError> {
+        Ok(txoutbox_core::inbox::HandlerOutcome::completed())
     }
 }
 
@@ -325,7 +325,7 @@ async fn j_06() {
         .handler(Arc::new(AlwaysTransient))
         .on_failure(OnFailure::Rewind)
         .max_attempts(6)
-        .backoff(outbox_core::backoff::Backoff::new(1.0, 8.0).unwrap())
+        .backoff(txoutbox_core::backoff::Backoff::new(1.0, 8.0).unwrap())
         .build()
         .unwrap();
     let mut outcomes = Vec::new();
@@ -349,7 +349,7 @@ async fn j_06() {
         .await
         .unwrap()
         .unwrap();
-    assert_eq!(row.status, outbox_core::event::Status::Failed);
+    assert_eq!(row.status, txoutbox_core::event::Status::Failed);
 
     let created = NatsSubscription::bind(
         t.client.clone(),
@@ -382,13 +382,13 @@ fn version_at_least(v: &str, min: (u64, u64, u64)) -> bool {
 struct AlwaysTransient;
 
 #[async_trait]
-impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for AlwaysTransient {
+impl txoutbox_core::inbox::Handler<txoutbox_core::inbox::MemInboxTx> for AlwaysTransient {
     async fn handle(
         &self,
-        _row: &outbox_core::inbox::InboxEvent,
-        _tx: &mut outbox_core::inbox::MemInboxTx,
-    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
-        Err(outbox_core::inbox::HandlerError::transient("down"))
+        _row: &txoutbox_core::inbox::InboxEvent,
+        _tx: &mut txoutbox_core::inbox::MemInboxTx,
+    ) -> Result<txoutbox_core::inbox::HandlerOutcome, txoutbox_core::inbox::HandlerError> {
+        Err(txoutbox_core::inbox::HandlerError::transient("down"))
     }
 }
 
@@ -427,14 +427,14 @@ async fn j_07() {
 /// 2, then completed (R127, R134).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_02() {
-    outbox_conformance::inbox::broker_subs::rewind_is_redelivered_later(&Nats).await;
+    txoutbox_conformance::inbox::broker_subs::rewind_is_redelivered_later(&Nats).await;
 }
 
 /// J-04: a killed runner's message comes back to runner B with delivery count 2 within 3 s
 /// (ack_wait 2 s) and is completed once (R119, R134).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_04() {
-    outbox_conformance::inbox::broker_subs::killed_runner_message_comes_back(
+    txoutbox_conformance::inbox::broker_subs::killed_runner_message_comes_back(
         &Nats,
         Duration::from_secs(2),
         Duration::from_secs(3),
@@ -446,7 +446,7 @@ async fn j_04() {
 /// run, completed (R134).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_05() {
-    outbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Nats).await;
+    txoutbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Nats).await;
 }
 
 /// A handler that takes 1.5 s and counts its runs per message.
@@ -456,12 +456,12 @@ struct Slow {
 }
 
 #[async_trait]
-impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Slow {
+impl txoutbox_core::inbox::Handler<txoutbox_core::inbox::MemInboxTx> for Slow {
     async fn handle(
         &self,
-        row: &outbox_core::inbox::InboxEvent,
-        _tx: &mut outbox_core::inbox::MemInboxTx,
-    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
+        row: &txoutbox_core::inbox::InboxEvent,
+        _tx: &mut txoutbox_core::inbox::MemInboxTx,
+    ) -> Result<txoutbox_core::inbox::HandlerOutcome, txoutbox_core::inbox::HandlerError> {
         *self
             .runs
             .lock()
@@ -469,7 +469,7 @@ impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Slow {
             .entry(row.message_id.clone())
             .or_default() += 1;
         tokio::time::sleep(Duration::from_millis(1500)).await;
-        Ok(outbox_core::inbox::HandlerOutcome::completed())
+        Ok(txoutbox_core::inbox::HandlerOutcome::completed())
     }
 }
 
@@ -535,7 +535,7 @@ async fn j_31() {
             .await
             .unwrap()
             .unwrap();
-        assert_eq!(row.status, outbox_core::event::Status::Completed);
+        assert_eq!(row.status, txoutbox_core::event::Status::Completed);
     }
     t.cleanup().await;
 }
@@ -547,19 +547,19 @@ struct NatsEndToEnd;
 
 struct EndToEnd {
     trial: Trial,
-    adapter: outbox_nats_broker::NatsBroker,
-    adapter_config: outbox_nats_broker::NatsBrokerConfig,
+    adapter: txoutbox_nats_broker::NatsBroker,
+    adapter_config: txoutbox_nats_broker::NatsBrokerConfig,
 }
 
 #[async_trait]
 impl EndToEndTrial for EndToEnd {
-    fn adapter(&self) -> Arc<dyn outbox_core::Broker> {
+    fn adapter(&self) -> Arc<dyn txoutbox_core::Broker> {
         Arc::new(self.adapter.clone())
     }
 
-    async fn another_adapter(&self) -> Arc<dyn outbox_core::Broker> {
+    async fn another_adapter(&self) -> Arc<dyn txoutbox_core::Broker> {
         Arc::new(
-            outbox_nats_broker::NatsBroker::connect(self.adapter_config.clone())
+            txoutbox_nats_broker::NatsBroker::connect(self.adapter_config.clone())
                 .await
                 .expect("connect another adapter"),
         )
@@ -597,10 +597,10 @@ impl EndToEndUnderTest for NatsEndToEnd {
 
     async fn trial(&self) -> Box<dyn EndToEndTrial> {
         let trial = Trial::new(false).await;
-        let adapter_config = outbox_nats_broker::NatsBrokerConfig::new(url())
+        let adapter_config = txoutbox_nats_broker::NatsBrokerConfig::new(url())
             .subject_prefix(&trial.prefix)
             .timeout(Duration::from_secs(5));
-        let adapter = outbox_nats_broker::NatsBroker::connect(adapter_config.clone())
+        let adapter = txoutbox_nats_broker::NatsBroker::connect(adapter_config.clone())
             .await
             .expect("connect the adapter");
         Box::new(EndToEnd {
@@ -611,4 +611,4 @@ impl EndToEndUnderTest for NatsEndToEnd {
     }
 }
 
-outbox_conformance::inbox_end_to_end_suite!(NatsEndToEnd);
+txoutbox_conformance::inbox_end_to_end_suite!(NatsEndToEnd);

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use outbox_conformance::net::Forwarder;
+use txoutbox_conformance::net::Forwarder;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnects_moves_when_the_server_becomes_reachable() {
@@ -34,8 +34,8 @@ async fn reconnects_moves_when_the_server_becomes_reachable() {
 /// open, so no disconnect is ever reported) it answers `Down`, and `Up` again once bytes flow.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_probe_is_a_round_trip_and_fails_while_the_network_is_black_holed() {
-    use outbox_conformance::broker::LoopbackProxy;
-    use outbox_core::broker::Probe;
+    use txoutbox_conformance::broker::LoopbackProxy;
+    use txoutbox_core::broker::Probe;
 
     let proxy = LoopbackProxy::start(Nats.server_addr()).await;
     let cfg = NatsBrokerConfig::new(format!("nats://{}", proxy.addr()))

@@ -7,17 +7,17 @@
 //! in a transaction that is rolled back, so the shape stays as built (the rolled-back lease
 //! stamps leave dead index entries behind, so later runs read a little more than a fresh table).
 //!
-//! `cargo run --release -p outbox-postgres --features testing --example fetch_bench [runs]`
+//! `cargo run --release -p txoutbox-postgres --features testing --example fetch_bench [runs]`
 //! (`DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
 
 use std::time::Instant;
 
-use outbox_core::event::WorkerId;
-use outbox_core::repository::FetchRequest;
-use outbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
-use outbox_postgres::sql::{FetchParams, HeadRows, WalkCursor};
-use outbox_postgres::testing::shapes::{self, Shape};
-use outbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_core::event::WorkerId;
+use txoutbox_core::repository::FetchRequest;
+use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
+use txoutbox_postgres::sql::{FetchParams, HeadRows, WalkCursor};
+use txoutbox_postgres::testing::shapes::{self, Shape};
+use txoutbox_postgres::testing::{PgHarness, database_url};
 use sqlx::{AssertSqlSafe, Row};
 
 fn median(mut v: Vec<f64>) -> f64 {

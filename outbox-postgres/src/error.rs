@@ -3,7 +3,7 @@
 use thiserror::Error;
 
 /// A configuration or schema problem of this crate. Repository operations report
-/// [`outbox_core::RepositoryError`] instead; see [`crate::sql::classify`] for how database errors
+/// [`txoutbox_core::RepositoryError`] instead; see [`crate::sql::classify`] for how database errors
 /// map onto it.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]

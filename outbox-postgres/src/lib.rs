@@ -29,7 +29,7 @@ pub use repository::{PgOutboxRepository, PgOutboxWriter};
 #[cfg(feature = "sqlx")]
 pub use schema::{TableKind, create_schema, create_schema_with, ensure_partitions, table_kind};
 pub use sql::{Layout, TableName};
-/// The sqlx this crate is built with: name its types as `outbox_postgres::sqlx::…`, so your pool
+/// The sqlx this crate is built with: name its types as `txoutbox_postgres::sqlx::…`, so your pool
 /// and transactions are the ones the writer and the repository take, whatever sqlx you depend on.
 #[cfg(feature = "sqlx")]
 pub use sqlx;

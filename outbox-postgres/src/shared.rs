@@ -6,9 +6,9 @@
 use std::collections::HashMap;
 
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
-use outbox_core::event::{NewEvent, OutboxEvent, normalize_error};
-use outbox_core::repository::{
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::{NewEvent, OutboxEvent, normalize_error};
+use txoutbox_core::repository::{
     Fetched, Outcome, OutcomeKind, OutcomeResult, Retry, WriteResult, WrittenOutcome,
 };
 use uuid::Uuid;

@@ -56,8 +56,8 @@ use std::fmt;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::event::{NewEvent, OutboxEvent, Status};
-use outbox_core::repository::{FetchRequest, UndecodableRow};
+use txoutbox_core::event::{NewEvent, OutboxEvent, Status};
+use txoutbox_core::repository::{FetchRequest, UndecodableRow};
 use uuid::Uuid;
 
 use crate::error::Error;

@@ -2,9 +2,9 @@
 //! exactly as the ancestor library created it (R78), without the additions: the library needs
 //! nothing beyond it to be correct (the additions make its plans independent of statistics).
 
-use outbox_postgres::testing::PgFactory;
+use txoutbox_postgres::testing::PgFactory;
 
-outbox_conformance::suite!(@tests PgFactory::new().ancestor_ddl();
+txoutbox_conformance::suite!(@tests PgFactory::new().ancestor_ddl();
     order::o_01, order::o_02, order::o_03, order::o_04, order::o_05, order::o_06, order::o_07,
     order::o_08, order::o_09, order::o_10, order::o_11, order::o_12, order::o_13, order::o_14,
     order::o_16, order::o_19,

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use outbox_core::WorkerId;
-use outbox_core::repository::{FetchRequest, MAX_BACKEND_BATCH_SIZE};
-use outbox_postgres::sql::FetchParams;
-use outbox_postgres::{PgConfig, TableName};
+use txoutbox_core::WorkerId;
+use txoutbox_core::repository::{FetchRequest, MAX_BACKEND_BATCH_SIZE};
+use txoutbox_postgres::sql::FetchParams;
+use txoutbox_postgres::{PgConfig, TableName};
 use proptest::prelude::*;
 
 proptest! {

@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_postgres::testing::{
+use txoutbox_postgres::testing::{
     CONNECT_PATIENCE, DEFAULT_TEST_CONNECTIONS, connect_patiently, reserve_connections,
 };
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use outbox_postgres::testing::database_faults_drain;
+use txoutbox_postgres::testing::database_faults_drain;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_connections_terminated_during_a_drain() {
@@ -20,8 +20,8 @@ async fn a_pinned_snapshot_during_a_drain() {
     println!("faults db pinned snapshot: {f:?}");
 }
 
-async fn mid_fetch(delivery: outbox_core::repository::DeliveryMode) {
-    let f = outbox_postgres::testing::fetch_terminated_mid_statement(delivery).await;
+async fn mid_fetch(delivery: txoutbox_core::repository::DeliveryMode) {
+    let f = txoutbox_postgres::testing::fetch_terminated_mid_statement(delivery).await;
     println!("faults db terminated mid-fetch: {f:?}");
     // The target is 1 s (printed above); the relay waits 250 ms after a failed fetch.
     assert!(
@@ -32,10 +32,10 @@ async fn mid_fetch(delivery: outbox_core::repository::DeliveryMode) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_connection_terminated_mid_fetch() {
-    mid_fetch(outbox_core::repository::DeliveryMode::Lease).await;
+    mid_fetch(txoutbox_core::repository::DeliveryMode::Lease).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_connection_terminated_mid_fetch_transaction_delivery() {
-    mid_fetch(outbox_core::repository::DeliveryMode::Transaction).await;
+    mid_fetch(txoutbox_core::repository::DeliveryMode::Transaction).await;
 }

@@ -4,13 +4,13 @@
 
 use std::time::Duration;
 
-use outbox_core::event::{NewEvent, WorkerId};
-use outbox_core::repository::{DeliveryBound, FetchRequest, OutboxRepository};
-use outbox_postgres::PgOutboxWriter;
-use outbox_postgres::driver::sqlx::fetch_rows;
-use outbox_postgres::sql::WalkCursor;
-use outbox_postgres::testing::shapes::{self, Shape};
-use outbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_core::event::{NewEvent, WorkerId};
+use txoutbox_core::repository::{DeliveryBound, FetchRequest, OutboxRepository};
+use txoutbox_postgres::PgOutboxWriter;
+use txoutbox_postgres::driver::sqlx::fetch_rows;
+use txoutbox_postgres::sql::WalkCursor;
+use txoutbox_postgres::testing::shapes::{self, Shape};
+use txoutbox_postgres::testing::{PgHarness, database_url};
 use uuid::Uuid;
 
 async fn write_one(h: &PgHarness, key: &str) -> Uuid {
@@ -105,7 +105,7 @@ async fn two_open_fetches_take_disjoint_full_batches() {
     .await
     .expect("never waits")
     .unwrap();
-    let id = |r: &outbox_core::repository::Fetched| -> Uuid { r.id() };
+    let id = |r: &txoutbox_core::repository::Fetched| -> Uuid { r.id() };
     let (got1, got2): (Vec<Uuid>, Vec<Uuid>) =
         (got1.iter().map(id).collect(), got2.iter().map(id).collect());
     d1.rollback().await;
@@ -138,7 +138,7 @@ async fn a_fetch_holds_no_lock_per_visited_key() {
     let repo = h.sqlx_repository();
     let stmts = repo.statements().clone();
     let req = FetchRequest::new(WorkerId::new("w1").unwrap(), 100).max_per_key(16);
-    let p = outbox_postgres::sql::FetchParams::new(&req);
+    let p = txoutbox_postgres::sql::FetchParams::new(&req);
     let mut tx = h.pool().begin().await.unwrap();
     let rows = fetch_rows(&mut tx, &stmts, "w1", &p, &WalkCursor::default())
         .await

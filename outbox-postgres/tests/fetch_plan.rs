@@ -5,12 +5,12 @@
 //! heads of the plain head rule on random tables, in head order, through both paths (the
 //! oldest heads exactly when path A answers alone; R20 lets the key walk take others).
 
-use outbox_core::event::WorkerId;
-use outbox_core::repository::FetchRequest;
-use outbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
-use outbox_postgres::sql::{FetchParams, HeadRows, TableName, WalkCursor};
-use outbox_postgres::testing::PgHarness;
-use outbox_postgres::testing::shapes::{self, Shape};
+use txoutbox_core::event::WorkerId;
+use txoutbox_core::repository::FetchRequest;
+use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
+use txoutbox_postgres::sql::{FetchParams, HeadRows, TableName, WalkCursor};
+use txoutbox_postgres::testing::PgHarness;
+use txoutbox_postgres::testing::shapes::{self, Shape};
 use sqlx::{AssertSqlSafe, Row};
 
 fn seq_scans(plan: &serde_json::Value, table: &str, out: &mut Vec<String>) {
@@ -31,7 +31,7 @@ fn seq_scans(plan: &serde_json::Value, table: &str, out: &mut Vec<String>) {
 }
 
 async fn check(shape: Shape) {
-    let h = PgHarness::create(&outbox_postgres::testing::database_url(), "outbox_events").await;
+    let h = PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
     shapes::build(h.pool(), h.table(), shape)
         .await
         .expect("build shape");
@@ -167,7 +167,7 @@ fn naive_heads(t: &TableName) -> String {
 /// (`walked` counts the fetches where the key walk ran).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fetched_heads_follow_the_head_rule_on_random_tables() {
-    let h = PgHarness::create(&outbox_postgres::testing::database_url(), "outbox_events").await;
+    let h = PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
     let stmts = h.sqlx_repository().statements().clone();
     let t = h.table().clone();
     let (mut compared, mut walked) = (0, 0);
@@ -242,7 +242,7 @@ mod plan_stability {
     //! blocked key (a head waiting for its retry with 20,000 due rows behind it, then one-row keys:
     //! the window is full of rows that cannot go, so the key walk, path B, answers).
     //!
-    //! The plans are checked by `outbox_postgres::testing::plan` (shared with the inbox's
+    //! The plans are checked by `txoutbox_postgres::testing::plan` (shared with the inbox's
     //! `tests/inbox_fetch_plan.rs`).
     //!
     //! The statements run as the relay runs them, in one transaction per state: the heads, the
@@ -250,12 +250,12 @@ mod plan_stability {
     //! oldest due age, the stale-lock release and the cleanup; each `EXPLAIN ANALYZE` of a write is rolled back
     //! to a savepoint, so the next statement sees the rows the relay would see.
 
-    use outbox_core::event::WorkerId;
-    use outbox_core::repository::FetchRequest;
-    use outbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take};
-    use outbox_postgres::sql::{FetchParams, HeadRows, Statements, TableName};
-    use outbox_postgres::testing::PgHarness;
-    use outbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
+    use txoutbox_core::event::WorkerId;
+    use txoutbox_core::repository::FetchRequest;
+    use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take};
+    use txoutbox_postgres::sql::{FetchParams, HeadRows, Statements, TableName};
+    use txoutbox_postgres::testing::PgHarness;
+    use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
     use sqlx::{AssertSqlSafe, PgConnection, Row};
     use uuid::Uuid;
 
@@ -306,7 +306,7 @@ mod plan_stability {
 
     /// A fresh table holding `backlog` with statistics `stats`.
     async fn table_in(stats: Stats, backlog: Backlog) -> PgHarness {
-        let h = PgHarness::create(&outbox_postgres::testing::database_url(), "outbox_events").await;
+        let h = PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
         let t = h.table().clone();
         let q = t.qualified();
         let mut script = vec![format!(

@@ -10,7 +10,7 @@
 //! `idx_<p>_pending_key_order`, the oldest due age through `idx_<p>_pending_group`, the locks
 //! and the lease stamp through the primary key, the key walk through `idx_<p>_pending_key_order`
 //! (and the window index for the rows without partition_key). The plans are checked by
-//! `outbox_postgres::testing::plan`, shared with the outbox's `tests/fetch_plan.rs`.
+//! `txoutbox_postgres::testing::plan`, shared with the outbox's `tests/fetch_plan.rs`.
 //!
 //! The statistics states (the table's autovacuum is off, so they stay as made):
 //!
@@ -34,11 +34,11 @@
 //! `lock_row_run`, `write_at`) carry each row's created_at and are checked on both layouts by
 //! `tests/inbox_row_plan.rs`.
 
-use outbox_conformance::inbox::InboxHarness;
-use outbox_postgres::inbox::sql::{InboxStatements, prefix, window_index};
-use outbox_postgres::inbox::testing::PgInboxHarness;
-use outbox_postgres::sql::{Layout, TableName};
-use outbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
+use txoutbox_conformance::inbox::InboxHarness;
+use txoutbox_postgres::inbox::sql::{InboxStatements, prefix, window_index};
+use txoutbox_postgres::inbox::testing::PgInboxHarness;
+use txoutbox_postgres::sql::{Layout, TableName};
+use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use uuid::Uuid;
 
@@ -56,13 +56,13 @@ enum Backlog {
 /// was measured with 50).
 const BATCH: i64 = 50;
 
-/// The fetch window for [`BATCH`] (`outbox_postgres::sql::fetch_window`).
+/// The fetch window for [`BATCH`] (`txoutbox_postgres::sql::fetch_window`).
 const WINDOW: i64 = 100;
 
 /// The lease TTL, microseconds (300 s).
 const LEASE_US: i64 = 300_000_000;
 
-/// The key walk's bound for [`BATCH`] (`outbox_postgres::sql::fetch_walk_limit`): keys visited,
+/// The key walk's bound for [`BATCH`] (`txoutbox_postgres::sql::fetch_walk_limit`): keys visited,
 /// and rows without partition_key passed over.
 const WALK: i64 = 200;
 

@@ -1,26 +1,26 @@
 //! The `[peer]` scenarios (scenarios.md section 28): omni-box 0.3.1 itself on the same inbox
-//! table as this library, through `outbox_conformance::inbox::peer::OmniBoxPeer` (a Python
+//! table as this library, through `txoutbox_conformance::inbox::peer::OmniBoxPeer` (a Python
 //! process running omni-box's own runner, processor and repository). `scripts/omnibox install`
 //! sets the peer up; without it these trials fail with the command to run, they never skip.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_conformance::inbox::ctx::Ictx;
-use outbox_conformance::inbox::peer::{OmniBoxPeer, PeerTable};
-use outbox_conformance::inbox::script::{Act, Gate};
-use outbox_core::event::Status;
-use outbox_core::inbox::{DeliveryOutcome, InboxBackend, InboxTransaction, NewInboxEvent};
-use outbox_postgres::Layout;
-use outbox_postgres::inbox::testing::{PgInboxFactory, PgInboxHarness, trial_table};
-use outbox_postgres::sqlx::{self, AssertSqlSafe};
+use txoutbox_conformance::inbox::ctx::Ictx;
+use txoutbox_conformance::inbox::peer::{OmniBoxPeer, PeerTable};
+use txoutbox_conformance::inbox::script::{Act, Gate};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::{DeliveryOutcome, InboxBackend, InboxTransaction, NewInboxEvent};
+use txoutbox_postgres::Layout;
+use txoutbox_postgres::inbox::testing::{PgInboxFactory, PgInboxHarness, trial_table};
+use txoutbox_postgres::sqlx::{self, AssertSqlSafe};
 use serde_json::{Value, json};
 
 async fn peer_on(ctx: &Ictx<PgInboxHarness>, layout: Layout) -> OmniBoxPeer {
     let schema = ctx.h.schema().to_owned();
     let table = trial_table(&schema, layout);
     OmniBoxPeer::start(&PeerTable {
-        database_url: outbox_postgres::testing::database_url(),
+        database_url: txoutbox_postgres::testing::database_url(),
         schema: schema.clone(),
         table: table.table().to_owned(),
         partitioned: layout == Layout::Partitioned,
@@ -129,7 +129,7 @@ async fn z_05() {
     let cycle = tokio::spawn({
         let p6 = p6.clone();
         async move {
-            p6.cycle(&outbox_core::CancellationToken::new())
+            p6.cycle(&txoutbox_core::CancellationToken::new())
                 .await
                 .expect("cycle")
         }

@@ -1,13 +1,13 @@
-//! The relays' wake-up listener (`outbox_postgres::WakeListener`): a committed notifying write
+//! The relays' wake-up listener (`txoutbox_postgres::WakeListener`): a committed notifying write
 //! wakes it; a terminated listening connection is replaced, and the relays are woken once when
 //! it is back (notifications sent meanwhile were lost).
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::event::NewEvent;
-use outbox_postgres::testing::{PgHarness, database_url};
-use outbox_postgres::{PgOutboxWriter, WakeListener};
+use txoutbox_core::event::NewEvent;
+use txoutbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_postgres::{PgOutboxWriter, WakeListener};
 use tokio::sync::Notify;
 use uuid::Uuid;
 

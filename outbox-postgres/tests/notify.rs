@@ -1,9 +1,9 @@
 //! The writer's wake-up notification: sent in the caller's transaction, delivered at commit,
 //! never for a rollback, never when nothing was inserted, and only when asked for.
 
-use outbox_core::event::NewEvent;
-use outbox_postgres::PgOutboxWriter;
-use outbox_postgres::testing::{PgHarness, WakeProbe, database_url};
+use txoutbox_core::event::NewEvent;
+use txoutbox_postgres::PgOutboxWriter;
+use txoutbox_postgres::testing::{PgHarness, WakeProbe, database_url};
 use uuid::Uuid;
 
 fn event(key: &str, idem: Option<&str>) -> NewEvent {

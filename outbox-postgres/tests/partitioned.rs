@@ -7,12 +7,12 @@
 use std::time::{Duration, Instant};
 
 use chrono::{Datelike, Months, TimeZone, Utc};
-use outbox_core::event::NewEvent;
-use outbox_core::repository::WriteResult;
-use outbox_core::{OutboxRepository, RepositoryError};
-use outbox_postgres::sql::partitioned::{self, MONTHS_AHEAD_MAX};
-use outbox_postgres::testing::{PgHarness, database_url};
-use outbox_postgres::{Error, Layout, PgOutboxWriter, TableName, create_schema_with};
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::WriteResult;
+use txoutbox_core::{OutboxRepository, RepositoryError};
+use txoutbox_postgres::sql::partitioned::{self, MONTHS_AHEAD_MAX};
+use txoutbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_postgres::{Error, Layout, PgOutboxWriter, TableName, create_schema_with};
 use serde_json::json;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use uuid::Uuid;
@@ -111,8 +111,8 @@ async fn partitioned_table_matches_appendix_a_but_for_the_keys() {
     let s = h.schema().to_owned();
     let anc = "anc_events";
     for ddl in [
-        outbox_conformance::scenarios::pg::ancestor_ddl(&s, anc),
-        outbox_conformance::scenarios::pg::additions_ddl(&s, anc),
+        txoutbox_conformance::scenarios::pg::ancestor_ddl(&s, anc),
+        txoutbox_conformance::scenarios::pg::additions_ddl(&s, anc),
     ] {
         sqlx::raw_sql(AssertSqlSafe(ddl))
             .execute(pool)
@@ -205,7 +205,7 @@ async fn schema_creation_is_idempotent_and_refuses_a_plain_table() {
 
     let anc = "anc_events";
     sqlx::raw_sql(AssertSqlSafe(
-        outbox_conformance::scenarios::pg::ancestor_ddl(&s, anc),
+        txoutbox_conformance::scenarios::pg::ancestor_ddl(&s, anc),
     ))
     .execute(pool)
     .await
@@ -332,7 +332,7 @@ async fn serializable_writers_of_one_key_end_with_one_row() {
             let r = w.write(&mut t2, vec![ev("k", Some("ik"), 2)]).await?;
             t2.commit()
                 .await
-                .map_err(|e| outbox_postgres::driver::sqlx::map_err(&TableName::default(), e))?;
+                .map_err(|e| txoutbox_postgres::driver::sqlx::map_err(&TableName::default(), e))?;
             Ok::<_, RepositoryError>(r)
         })
     };

@@ -1,9 +1,9 @@
 //! The sqlx writer takes the caller's transaction and refuses a connection in autocommit (R12).
 
-use outbox_core::event::NewEvent;
-use outbox_core::repository::OutboxRepository;
-use outbox_postgres::PgOutboxWriter;
-use outbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::OutboxRepository;
+use txoutbox_postgres::PgOutboxWriter;
+use txoutbox_postgres::testing::{PgHarness, database_url};
 use uuid::Uuid;
 
 fn event(key: &str) -> NewEvent {

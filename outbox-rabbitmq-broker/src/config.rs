@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use outbox_core::cloudevents::{self, MessageFormat};
+use txoutbox_core::cloudevents::{self, MessageFormat};
 
 use crate::error::RabbitMqBrokerError;
 
@@ -61,7 +61,7 @@ pub struct RabbitMqBrokerConfig {
 impl std::fmt::Debug for RabbitMqBrokerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RabbitMqBrokerConfig")
-            .field("uri", &outbox_core::redact::secrets(&self.uri))
+            .field("uri", &txoutbox_core::redact::secrets(&self.uri))
             .field("exchange", &self.exchange)
             .field("routing_key_prefix", &self.routing_key_prefix)
             .field("declare_exchange", &self.declare_exchange)
@@ -181,13 +181,13 @@ impl RabbitMqBrokerConfig {
         if !(self.uri.starts_with("amqp://") || self.uri.starts_with("amqps://")) {
             return bad(format!(
                 "uri {:?} is no AMQP URI; use amqp://user:password@host:5672/%2f (amqps:// for TLS)",
-                outbox_core::redact::secrets(&self.uri)
+                txoutbox_core::redact::secrets(&self.uri)
             ));
         }
         if self.uri.parse::<lapin::uri::AMQPUri>().is_err() {
             return bad(format!(
                 "uri {:?} cannot be parsed; use amqp://user:password@host:5672/%2f (percent-encode the virtual host)",
-                outbox_core::redact::secrets(&self.uri)
+                txoutbox_core::redact::secrets(&self.uri)
             ));
         }
         if self.confirm_timeout.is_zero() || self.connect_timeout.is_zero() {

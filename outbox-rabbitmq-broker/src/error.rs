@@ -1,7 +1,7 @@
 //! The error type of this crate: configuration and start-up failures.
 //!
 //! Publish failures are not reported through this type: [`crate::RabbitMqBroker`] implements
-//! [`outbox_core::Broker`], whose errors are [`outbox_core::BrokerError`] (transient or
+//! [`txoutbox_core::Broker`], whose errors are [`txoutbox_core::BrokerError`] (transient or
 //! rejected; the mapping is in the crate documentation, R90).
 
 use thiserror::Error;

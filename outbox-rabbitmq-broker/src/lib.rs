@@ -14,8 +14,8 @@ use async_trait::async_trait;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
-use outbox_core::broker::{Probe, ReconnectSignal, ReconnectWatch};
-use outbox_core::{Ack, Broker, BrokerError, Message};
+use txoutbox_core::broker::{Probe, ReconnectSignal, ReconnectWatch};
+use txoutbox_core::{Ack, Broker, BrokerError, Message};
 use tokio::time::Instant;
 
 pub use config::{
@@ -25,7 +25,7 @@ pub use config::{
 pub use error::RabbitMqBrokerError;
 /// The AMQP client this adapter is built on, for applications that name its types.
 pub use lapin;
-pub use outbox_core::cloudevents::MessageFormat;
+pub use txoutbox_core::cloudevents::MessageFormat;
 pub use subscription::{
     DEAD_LETTER_SUFFIX, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_HOLD_MAX, DeadLetterMode, QueueType,
     RabbitSubscription, RabbitSubscriptionConfig, amqp_value,
@@ -101,20 +101,20 @@ impl RabbitMqBroker {
             .connection()
             .await
             .map_err(|message| RabbitMqBrokerError::Connect {
-                uri: outbox_core::redact::secrets(&cfg.uri),
+                uri: txoutbox_core::redact::secrets(&cfg.uri),
                 message,
             })?;
         if cfg.exchange.is_empty() {
             return Ok(());
         }
         let connect_err = |e: lapin::Error| RabbitMqBrokerError::Connect {
-            uri: outbox_core::redact::secrets(&cfg.uri),
-            message: outbox_core::redact::secrets(&e.to_string()),
+            uri: txoutbox_core::redact::secrets(&cfg.uri),
+            message: txoutbox_core::redact::secrets(&e.to_string()),
         };
         let ch = tokio::time::timeout(cfg.connect_timeout, conn.create_channel())
             .await
             .map_err(|_| RabbitMqBrokerError::Connect {
-                uri: outbox_core::redact::secrets(&cfg.uri),
+                uri: txoutbox_core::redact::secrets(&cfg.uri),
                 message: "no channel opened within the connect timeout".into(),
             })?
             .map_err(connect_err)?;
@@ -192,7 +192,7 @@ impl RabbitMqBroker {
         watch_blocked(&conn, self.inner.blocked.clone());
         *slot = Some(conn.clone());
         drop(slot);
-        tracing::info!(uri = %outbox_core::redact::secrets(&cfg.uri), "RabbitMQ connected");
+        tracing::info!(uri = %txoutbox_core::redact::secrets(&cfg.uri), "RabbitMQ connected");
         self.inner.reconnected.connected();
         Ok(conn)
     }
@@ -211,10 +211,10 @@ impl RabbitMqBroker {
         let ch = conn
             .create_channel()
             .await
-            .map_err(|e| outbox_core::redact::secrets(&e.to_string()))?;
+            .map_err(|e| txoutbox_core::redact::secrets(&e.to_string()))?;
         ch.confirm_select(ConfirmSelectOptions::default())
             .await
-            .map_err(|e| outbox_core::redact::secrets(&e.to_string()))?;
+            .map_err(|e| txoutbox_core::redact::secrets(&e.to_string()))?;
         Ok(ch)
     }
 
@@ -314,7 +314,7 @@ fn map_error(e: &lapin::Error) -> BrokerError {
     }
     BrokerError::transient(format!(
         "RabbitMQ broker unreachable: {}",
-        outbox_core::redact::secrets(&e.to_string())
+        txoutbox_core::redact::secrets(&e.to_string())
     ))
 }
 
@@ -332,7 +332,7 @@ pub(crate) async fn open(cfg: &RabbitMqBrokerConfig) -> Result<Connection, Strin
     if let Some(name) = &cfg.connection_name {
         props = props.with_connection_name(name.as_str().into());
     }
-    let redact = |e: lapin::Error| outbox_core::redact::secrets(&e.to_string());
+    let redact = |e: lapin::Error| txoutbox_core::redact::secrets(&e.to_string());
     let tls = &cfg.tls;
     if tls.root_certificates.is_none() && tls.client_certificate.is_none() {
         return Connection::connect(&cfg.uri, props).await.map_err(redact);

@@ -2,8 +2,8 @@
 
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use outbox_core::cloudevents::{self, MessageFormat};
-use outbox_core::{BrokerError, Message};
+use txoutbox_core::cloudevents::{self, MessageFormat};
+use txoutbox_core::{BrokerError, Message};
 
 use crate::config::{MAX_ROUTING_KEY_BYTES, RabbitMqBrokerConfig};
 

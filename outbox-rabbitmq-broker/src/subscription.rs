@@ -43,8 +43,8 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
-use outbox_core::inbox::decode::{AmqpValue, BrokerMessage};
-use outbox_core::inbox::subscription::{
+use txoutbox_core::inbox::decode::{AmqpValue, BrokerMessage};
+use txoutbox_core::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
 use tokio::sync::mpsc;
@@ -304,7 +304,7 @@ impl std::fmt::Debug for RabbitSubscription {
 fn transient(what: &str, e: impl std::fmt::Display) -> SubscriptionError {
     SubscriptionError::transient(format!(
         "RabbitMQ: {what} failed: {}",
-        outbox_core::redact::secrets(&e.to_string())
+        txoutbox_core::redact::secrets(&e.to_string())
     ))
 }
 
@@ -345,7 +345,7 @@ impl RabbitSubscription {
     async fn consume(&self) -> Result<(), RabbitMqBrokerError> {
         let shared = &self.inner.shared;
         let cfg = &shared.config;
-        let uri = outbox_core::redact::secrets(&cfg.connection.uri);
+        let uri = txoutbox_core::redact::secrets(&cfg.connection.uri);
         let connect_err = |message: String| RabbitMqBrokerError::Connect {
             uri: uri.clone(),
             message,
@@ -357,7 +357,7 @@ impl RabbitSubscription {
                 .map_err(connect_err)?;
         let conn = Arc::new(conn);
         let channel_err =
-            |e: lapin::Error| connect_err(outbox_core::redact::secrets(&e.to_string()));
+            |e: lapin::Error| connect_err(txoutbox_core::redact::secrets(&e.to_string()));
         let mut consumers = Vec::new();
         for q in &cfg.queues {
             let ch = conn.create_channel().await.map_err(channel_err)?;

@@ -6,17 +6,17 @@ mod common;
 
 use common::*;
 
-outbox_conformance::broker_suite!(Rabbit);
+txoutbox_conformance::broker_suite!(Rabbit);
 
 mod rabbitmq_trials {
     use super::common::*;
-    outbox_conformance::rabbitmq_suite!(Rabbit);
+    txoutbox_conformance::rabbitmq_suite!(Rabbit);
 }
 
 /// The start check: a missing exchange fails it with the fix; a declared one passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_start_check_finds_a_missing_exchange_and_can_declare_one() {
-    use outbox_rabbitmq_broker::{ExchangeType, RabbitMqBrokerError};
+    use txoutbox_rabbitmq_broker::{ExchangeType, RabbitMqBrokerError};
     let name = format!("outbox-test-x-{}", fresh_suffix());
     let e = RabbitMqBroker::connect(RabbitMqBrokerConfig::new(url()).exchange(&name))
         .await
@@ -43,8 +43,8 @@ async fn the_start_check_finds_a_missing_exchange_and_can_declare_one() {
 /// closed port).
 #[tokio::test]
 async fn a_routing_key_over_255_bytes_is_a_rejection_without_a_broker_call() {
-    use outbox_core::{BrokerError, Message, NewEvent};
-    let port = outbox_conformance::broker::closed_port().await;
+    use txoutbox_core::{BrokerError, Message, NewEvent};
+    let port = txoutbox_conformance::broker::closed_port().await;
     let b = RabbitMqBroker::connect_lazy(
         RabbitMqBrokerConfig::new(url_at(port)).routing_key_prefix("p".repeat(10)),
     )
@@ -69,7 +69,7 @@ async fn a_routing_key_over_255_bytes_is_a_rejection_without_a_broker_call() {
 /// A connect error never shows the password of the URI.
 #[tokio::test]
 async fn a_connect_error_never_shows_the_password() {
-    let port = outbox_conformance::broker::closed_port().await;
+    let port = txoutbox_conformance::broker::closed_port().await;
     let e = RabbitMqBroker::connect(
         RabbitMqBrokerConfig::new(format!("amqp://app:s3cret-pw@{port}/%2f"))
             .connect_timeout(Duration::from_secs(1)),

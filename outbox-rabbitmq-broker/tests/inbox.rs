@@ -16,22 +16,22 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
-use outbox_conformance::amqp_proxy::{AmqpProxy, Mode};
-use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
-use outbox_conformance::inbox::ctx::{Recorder, g};
-use outbox_conformance::inbox::harness::InboxHarness;
-use outbox_conformance::inbox::memory::MemInboxHarness;
-use outbox_conformance::inbox::script::{Act, Gate, ScriptedHandler};
-use outbox_core::backoff::{Backoff, SeededRng};
-use outbox_core::event::Status;
-use outbox_core::inbox::decode::{AmqpValue, BrokerMessage};
-use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::subscription::SubscriptionCapabilities;
-use outbox_core::inbox::{
+use txoutbox_conformance::amqp_proxy::{AmqpProxy, Mode};
+use txoutbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
+use txoutbox_conformance::inbox::ctx::{Recorder, g};
+use txoutbox_conformance::inbox::harness::InboxHarness;
+use txoutbox_conformance::inbox::memory::MemInboxHarness;
+use txoutbox_conformance::inbox::script::{Act, Gate, ScriptedHandler};
+use txoutbox_core::backoff::{Backoff, SeededRng};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::decode::{AmqpValue, BrokerMessage};
+use txoutbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::inbox::subscription::SubscriptionCapabilities;
+use txoutbox_core::inbox::{
     AckHandle, DeliveryOutcome as O, InMemoryInbox, InboxDelivery, OnFailure, Runner,
     RunnerBuilder, Subscription, SubscriptionError,
 };
-use outbox_rabbitmq_broker::{
+use txoutbox_rabbitmq_broker::{
     DeadLetterMode, QueueType, RabbitMqBrokerConfig, RabbitSubscription, RabbitSubscriptionConfig,
 };
 use serde_json::json;
@@ -237,7 +237,7 @@ impl SubscriptionUnderTest for RabbitInbox {
     }
 }
 
-outbox_conformance::inbox_broker_suite!(RabbitInbox);
+txoutbox_conformance::inbox_broker_suite!(RabbitInbox);
 
 // ---- The J scenarios ----
 
@@ -475,7 +475,7 @@ impl Bed {
         Running { runner, task, spy }
     }
 
-    fn results_of(&self, id: &str) -> Vec<outbox_core::inbox::DeliveryResult> {
+    fn results_of(&self, id: &str) -> Vec<txoutbox_core::inbox::DeliveryResult> {
         self.rec
             .results()
             .into_iter()
@@ -484,7 +484,7 @@ impl Bed {
     }
 
     /// Results of invalid deliveries (they carry no message id).
-    fn invalid(&self) -> Vec<outbox_core::inbox::DeliveryResult> {
+    fn invalid(&self) -> Vec<txoutbox_core::inbox::DeliveryResult> {
         self.rec
             .results()
             .into_iter()
@@ -1025,7 +1025,7 @@ async fn j_27_b() {
         "\"reason\"): LongString(LongString({:?}))",
         b"rejected".to_vec()
     );
-    let outbox_conformance::rabbitmq::HeaderValue::Other(death) = death else {
+    let txoutbox_conformance::rabbitmq::HeaderValue::Other(death) = death else {
         panic!("x-death is an array: {death:?}");
     };
     assert!(death.contains(&reason), "{death}");

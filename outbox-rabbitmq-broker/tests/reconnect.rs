@@ -4,9 +4,9 @@
 mod common;
 
 use common::*;
-use outbox_conformance::broker::LoopbackProxy;
-use outbox_conformance::net::Forwarder;
-use outbox_core::broker::Probe;
+use txoutbox_conformance::broker::LoopbackProxy;
+use txoutbox_conformance::net::Forwarder;
+use txoutbox_core::broker::Probe;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconnects_moves_when_the_broker_becomes_reachable() {

@@ -11,14 +11,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{Ack, Broker, BrokerError, Message};
+use txoutbox_core::{Ack, Broker, BrokerError, Message};
 
-pub use outbox_core::cloudevents::MessageFormat;
+pub use txoutbox_core::cloudevents::MessageFormat;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 use thiserror::Error;
 
-/// The redis client this crate is built with: name its types as `outbox_redis_broker::redis::…`,
+/// The redis client this crate is built with: name its types as `txoutbox_redis_broker::redis::…`,
 /// whatever redis you depend on.
 pub use redis;
 
@@ -46,8 +46,8 @@ pub const ATTRIBUTE_FIELDS: [&str; 11] = [
 ];
 
 /// The field that carries the W3C trace context the event was written with
-/// (`outbox_core::trace`); it is not repeated in the `headers` field.
-pub const TRACEPARENT_FIELD: &str = outbox_core::trace::TRACEPARENT;
+/// (`txoutbox_core::trace`); it is not repeated in the `headers` field.
+pub const TRACEPARENT_FIELD: &str = txoutbox_core::trace::TRACEPARENT;
 
 /// A Redis broker could not be configured or started.
 #[derive(Debug, Error)]
@@ -83,7 +83,7 @@ pub struct RedisBrokerConfig {
 impl std::fmt::Debug for RedisBrokerConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisBrokerConfig")
-            .field("url", &outbox_core::redact::secrets(&self.url))
+            .field("url", &txoutbox_core::redact::secrets(&self.url))
             .field("key_pattern", &self.key_pattern)
             .field("max_len", &self.max_len)
             .field("timeout", &self.timeout)
@@ -221,12 +221,12 @@ impl RedisBroker {
         )
         .await
         .map_err(|_| RedisBrokerError::Connect {
-            url: outbox_core::redact::secrets(&config.url),
+            url: txoutbox_core::redact::secrets(&config.url),
             message: format!("no connection within {:?}", config.connect_timeout),
         })?
         .map_err(|e| RedisBrokerError::Connect {
-            url: outbox_core::redact::secrets(&config.url),
-            message: outbox_core::redact::secrets(&e.to_string()),
+            url: txoutbox_core::redact::secrets(&config.url),
+            message: txoutbox_core::redact::secrets(&e.to_string()),
         })?;
         Ok(Self { conn, config })
     }
@@ -238,8 +238,8 @@ impl RedisBroker {
         let client = client(&config)?;
         let conn = ConnectionManager::new_lazy_with_config(client, manager_config(&config))
             .map_err(|e| RedisBrokerError::Connect {
-                url: outbox_core::redact::secrets(&config.url),
-                message: outbox_core::redact::secrets(&e.to_string()),
+                url: txoutbox_core::redact::secrets(&config.url),
+                message: txoutbox_core::redact::secrets(&e.to_string()),
             })?;
         Ok(Self { conn, config })
     }
@@ -321,8 +321,8 @@ impl RedisBroker {
 
 fn client(config: &RedisBrokerConfig) -> Result<redis::Client, RedisBrokerError> {
     redis::Client::open(config.url.as_str()).map_err(|e| RedisBrokerError::Connect {
-        url: outbox_core::redact::secrets(&config.url),
-        message: outbox_core::redact::secrets(&e.to_string()),
+        url: txoutbox_core::redact::secrets(&config.url),
+        message: txoutbox_core::redact::secrets(&e.to_string()),
     })
 }
 
@@ -383,10 +383,10 @@ impl Broker for RedisBroker {
 
     /// PING within the timeout (the connection manager has no reconnection events, so a relay
     /// waiting out an outage probes).
-    async fn probe(&self) -> outbox_core::broker::Probe {
+    async fn probe(&self) -> txoutbox_core::broker::Probe {
         match self.ping().await {
-            Ok(()) => outbox_core::broker::Probe::Up,
-            Err(_) => outbox_core::broker::Probe::Down,
+            Ok(()) => txoutbox_core::broker::Probe::Up,
+            Err(_) => txoutbox_core::broker::Probe::Down,
         }
     }
 

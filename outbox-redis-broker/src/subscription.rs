@@ -25,8 +25,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::inbox::decode::BrokerMessage;
-use outbox_core::inbox::subscription::{
+use txoutbox_core::inbox::decode::BrokerMessage;
+use txoutbox_core::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
 use redis::Value;
@@ -59,7 +59,7 @@ pub struct RedisSubscriptionConfig {
 impl std::fmt::Debug for RedisSubscriptionConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisSubscriptionConfig")
-            .field("url", &outbox_core::redact::secrets(&self.url))
+            .field("url", &txoutbox_core::redact::secrets(&self.url))
             .field("group", &self.group)
             .field("consumer", &self.consumer)
             .field("key_prefix", &self.key_prefix)
@@ -89,7 +89,7 @@ impl RedisSubscriptionConfig {
             create_group: true,
             dead_letter_suffix: DEFAULT_DEAD_LETTER_SUFFIX.into(),
             timeout: crate::DEFAULT_TIMEOUT,
-            max_waiting_rewinds: outbox_core::inbox::runner::DEFAULT_RUNNER_CONCURRENCY,
+            max_waiting_rewinds: txoutbox_core::inbox::runner::DEFAULT_RUNNER_CONCURRENCY,
         }
     }
 
@@ -239,8 +239,8 @@ impl std::fmt::Debug for RedisSubscription {
 
 fn connect_error(config: &RedisSubscriptionConfig, e: impl std::fmt::Display) -> RedisBrokerError {
     RedisBrokerError::Connect {
-        url: outbox_core::redact::secrets(&config.url),
-        message: outbox_core::redact::secrets(&e.to_string()),
+        url: txoutbox_core::redact::secrets(&config.url),
+        message: txoutbox_core::redact::secrets(&e.to_string()),
     }
 }
 

@@ -5,9 +5,9 @@
 mod common;
 
 use common::*;
-use outbox_core::{BrokerError, Message, NewEvent};
+use txoutbox_core::{BrokerError, Message, NewEvent};
 
-outbox_conformance::broker_suite!(Redis);
+txoutbox_conformance::broker_suite!(Redis);
 
 fn message(topic: &str, key: &str) -> Message {
     message_with(topic, key, true)
@@ -127,7 +127,7 @@ async fn key_pattern_with_partition_key() {
 /// lazy adapter there is transient.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closed_port_errors() {
-    let addr = outbox_conformance::broker::closed_port().await;
+    let addr = txoutbox_conformance::broker::closed_port().await;
     let cfg = RedisBrokerConfig::new(format!("redis://{addr}")).timeout(Duration::from_secs(1));
     let err = RedisBroker::connect(cfg.clone())
         .await

@@ -7,13 +7,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_conformance::broker::{BrokerKind, fresh_suffix};
-use outbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
-use outbox_conformance::inbox::end_to_end::{EndToEndTrial, EndToEndUnderTest};
-use outbox_conformance::inbox::harness::InboxHarness;
-use outbox_conformance::inbox::memory::MemInboxHarness;
-use outbox_core::inbox::{DeliveryOutcome, Runner, Subscription};
-use outbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
+use txoutbox_conformance::broker::{BrokerKind, fresh_suffix};
+use txoutbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
+use txoutbox_conformance::inbox::end_to_end::{EndToEndTrial, EndToEndUnderTest};
+use txoutbox_conformance::inbox::harness::InboxHarness;
+use txoutbox_conformance::inbox::memory::MemInboxHarness;
+use txoutbox_core::inbox::{DeliveryOutcome, Runner, Subscription};
+use txoutbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
 use redis::aio::MultiplexedConnection;
 
 fn url() -> String {
@@ -122,18 +122,18 @@ impl SubscriptionUnderTest for Redis {
     }
 }
 
-outbox_conformance::inbox_broker_suite!(Redis);
+txoutbox_conformance::inbox_broker_suite!(Redis);
 
 struct Noop;
 
 #[async_trait]
-impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Noop {
+impl txoutbox_core::inbox::Handler<txoutbox_core::inbox::MemInboxTx> for Noop {
     async fn handle(
         &self,
-        _row: &outbox_core::inbox::InboxEvent,
-        _tx: &mut outbox_core::inbox::MemInboxTx,
-    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
-        Ok(outbox_core::inbox::HandlerOutcome::completed())
+        _row: &txoutbox_core::inbox::InboxEvent,
+        _tx: &mut txoutbox_core::inbox::MemInboxTx,
+    ) -> Result<txoutbox_core::inbox::HandlerOutcome, txoutbox_core::inbox::HandlerError> {
+        Ok(txoutbox_core::inbox::HandlerOutcome::completed())
     }
 }
 
@@ -141,7 +141,7 @@ fn runner(
     h: &MemInboxHarness,
     sub: RedisSubscription,
     worker: &str,
-) -> Runner<outbox_core::inbox::InMemoryInbox> {
+) -> Runner<txoutbox_core::inbox::InMemoryInbox> {
     Runner::builder(h.backend(), Arc::new(sub), "g")
         .worker_id(worker)
         .process_stored(false)
@@ -281,7 +281,7 @@ async fn j_32_clean_stop() {
 /// with delivery count 2, then XACKed (R127, R136).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_09() {
-    outbox_conformance::inbox::broker_subs::rewind_is_redelivered_later(&Redis).await;
+    txoutbox_conformance::inbox::broker_subs::rewind_is_redelivered_later(&Redis).await;
 }
 
 /// J-10: a dead consumer's entry is claimed by w2 no sooner than claim_idle (2 s) after w1's
@@ -289,7 +289,7 @@ async fn j_09() {
 /// claim_idle plus one claim period (claim_idle / 2) plus a second of slack (R119, R136).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_10() {
-    outbox_conformance::inbox::broker_subs::killed_runner_message_comes_back(
+    txoutbox_conformance::inbox::broker_subs::killed_runner_message_comes_back(
         &Redis,
         Duration::from_secs(2),
         Duration::from_secs(4),
@@ -301,7 +301,7 @@ async fn j_10() {
 /// completed (R136).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn j_11() {
-    outbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Redis).await;
+    txoutbox_conformance::inbox::broker_subs::renewal_keeps_slow_run(&Redis).await;
 }
 
 /// J-09 (XPENDING at once): right after a rewind the entry is still pending under consumer
@@ -365,7 +365,7 @@ async fn r136_rewinds_beyond_the_bound_wait_for_autoclaim() {
         );
         for x in sub.next(2, Duration::from_millis(100)).await.unwrap() {
             let id = match &x.message {
-                outbox_core::inbox::BrokerMessage::Redis { fields, .. } => fields
+                txoutbox_core::inbox::BrokerMessage::Redis { fields, .. } => fields
                     .iter()
                     .find(|(k, _)| k == "event_id")
                     .map(|(_, v)| v.clone())
@@ -393,13 +393,13 @@ async fn r136_rewinds_beyond_the_bound_wait_for_autoclaim() {
 struct Fails;
 
 #[async_trait]
-impl outbox_core::inbox::Handler<outbox_core::inbox::MemInboxTx> for Fails {
+impl txoutbox_core::inbox::Handler<txoutbox_core::inbox::MemInboxTx> for Fails {
     async fn handle(
         &self,
-        _row: &outbox_core::inbox::InboxEvent,
-        _tx: &mut outbox_core::inbox::MemInboxTx,
-    ) -> Result<outbox_core::inbox::HandlerOutcome, outbox_core::inbox::HandlerError> {
-        Err(outbox_core::inbox::HandlerError::new("boom"))
+        _row: &txoutbox_core::inbox::InboxEvent,
+        _tx: &mut txoutbox_core::inbox::MemInboxTx,
+    ) -> Result<txoutbox_core::inbox::HandlerOutcome, txoutbox_core::inbox::HandlerError> {
+        Err(txoutbox_core::inbox::HandlerError::new("boom"))
     }
 }
 
@@ -425,7 +425,7 @@ async fn r136_a_failure_without_room_is_recorded() {
         .process_stored(false)
         .sources(["src"])
         .concurrency(1)
-        .on_failure(outbox_core::inbox::OnFailure::Rewind)
+        .on_failure(txoutbox_core::inbox::OnFailure::Rewind)
         .handler(Arc::new(Fails))
         .build()
         .expect("runner");
@@ -448,19 +448,19 @@ struct RedisEndToEnd;
 
 struct EndToEnd {
     prefix: String,
-    adapter: outbox_redis_broker::RedisBroker,
-    adapter_config: outbox_redis_broker::RedisBrokerConfig,
+    adapter: txoutbox_redis_broker::RedisBroker,
+    adapter_config: txoutbox_redis_broker::RedisBrokerConfig,
 }
 
 #[async_trait]
 impl EndToEndTrial for EndToEnd {
-    fn adapter(&self) -> Arc<dyn outbox_core::Broker> {
+    fn adapter(&self) -> Arc<dyn txoutbox_core::Broker> {
         Arc::new(self.adapter.clone())
     }
 
-    async fn another_adapter(&self) -> Arc<dyn outbox_core::Broker> {
+    async fn another_adapter(&self) -> Arc<dyn txoutbox_core::Broker> {
         Arc::new(
-            outbox_redis_broker::RedisBroker::connect(self.adapter_config.clone())
+            txoutbox_redis_broker::RedisBroker::connect(self.adapter_config.clone())
                 .await
                 .expect("connect another adapter"),
         )
@@ -504,10 +504,10 @@ impl EndToEndUnderTest for RedisEndToEnd {
 
     async fn trial(&self) -> Box<dyn EndToEndTrial> {
         let prefix = format!("inboxe2e:{}:", fresh_suffix());
-        let adapter_config = outbox_redis_broker::RedisBrokerConfig::new(url())
+        let adapter_config = txoutbox_redis_broker::RedisBrokerConfig::new(url())
             .key_prefix(&prefix)
             .timeout(Duration::from_secs(5));
-        let adapter = outbox_redis_broker::RedisBroker::connect(adapter_config.clone())
+        let adapter = txoutbox_redis_broker::RedisBroker::connect(adapter_config.clone())
             .await
             .unwrap_or_else(|e| panic!("Redis at {} is unreachable: {e}", url()));
         Box::new(EndToEnd {
@@ -518,4 +518,4 @@ impl EndToEndUnderTest for RedisEndToEnd {
     }
 }
 
-outbox_conformance::inbox_end_to_end_suite!(RedisEndToEnd);
+txoutbox_conformance::inbox_end_to_end_suite!(RedisEndToEnd);

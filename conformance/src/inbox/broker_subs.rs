@@ -12,18 +12,18 @@
 //! A broker crate implements [`SubscriptionUnderTest`] in its tests and invokes
 //! [`crate::inbox_broker_suite!`], as [`crate::broker`] serves the outbox adapters. Each trial
 //! gets a fresh stream or key prefix ([`SubscriptionUnderTest::trial`]); the runners run their
-//! real loops ([`outbox_core::inbox::Runner::run`]) on tokio's real clock, since the broker
+//! real loops ([`txoutbox_core::inbox::Runner::run`]) on tokio's real clock, since the broker
 //! redelivers on its own.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::backoff::{Backoff, SeededRng};
-use outbox_core::event::Status;
-use outbox_core::inbox::memory::InMemoryInbox;
-use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::{DeliveryOutcome as O, OnFailure, Runner, RunnerBuilder, Subscription};
+use txoutbox_core::backoff::{Backoff, SeededRng};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::memory::InMemoryInbox;
+use txoutbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::inbox::{DeliveryOutcome as O, OnFailure, Runner, RunnerBuilder, Subscription};
 use serde_json::json;
 use tokio::task::JoinHandle;
 
@@ -439,7 +439,7 @@ struct Spy {
 }
 
 struct SpyAck {
-    inner: Arc<dyn outbox_core::inbox::AckHandle>,
+    inner: Arc<dyn txoutbox_core::inbox::AckHandle>,
     seen: Arc<Seen>,
 }
 
@@ -454,8 +454,8 @@ impl SpyAck {
 }
 
 #[async_trait]
-impl outbox_core::inbox::AckHandle for SpyAck {
-    async fn commit(&self) -> Result<(), outbox_core::inbox::SubscriptionError> {
+impl txoutbox_core::inbox::AckHandle for SpyAck {
+    async fn commit(&self) -> Result<(), txoutbox_core::inbox::SubscriptionError> {
         use std::sync::atomic::Ordering::SeqCst;
         let lose = self
             .seen
@@ -464,7 +464,7 @@ impl outbox_core::inbox::AckHandle for SpyAck {
             .is_ok();
         if lose {
             self.note("lost commit");
-            return Err(outbox_core::inbox::SubscriptionError::transient(
+            return Err(txoutbox_core::inbox::SubscriptionError::transient(
                 "the acknowledgement was lost (the trial's fail_commit)",
             ));
         }
@@ -472,17 +472,17 @@ impl outbox_core::inbox::AckHandle for SpyAck {
         self.note("commit");
         r
     }
-    async fn rewind(&self, delay: Duration) -> Result<(), outbox_core::inbox::SubscriptionError> {
+    async fn rewind(&self, delay: Duration) -> Result<(), txoutbox_core::inbox::SubscriptionError> {
         let r = self.inner.rewind(delay).await;
         self.note("rewind");
         r
     }
-    async fn term(&self, reason: &str) -> Result<(), outbox_core::inbox::SubscriptionError> {
+    async fn term(&self, reason: &str) -> Result<(), txoutbox_core::inbox::SubscriptionError> {
         let r = self.inner.term(reason).await;
         self.note("term");
         r
     }
-    async fn renew(&self) -> Result<(), outbox_core::inbox::SubscriptionError> {
+    async fn renew(&self) -> Result<(), txoutbox_core::inbox::SubscriptionError> {
         let r = self.inner.renew().await;
         self.note("renew");
         r
@@ -491,21 +491,21 @@ impl outbox_core::inbox::AckHandle for SpyAck {
         &self,
         reason: &str,
         group: &str,
-    ) -> Result<(), outbox_core::inbox::SubscriptionError> {
+    ) -> Result<(), txoutbox_core::inbox::SubscriptionError> {
         self.inner.dead_letter(reason, group).await
     }
 }
 
 #[async_trait]
 impl Subscription for Spy {
-    fn capabilities(&self) -> outbox_core::inbox::subscription::SubscriptionCapabilities {
+    fn capabilities(&self) -> txoutbox_core::inbox::subscription::SubscriptionCapabilities {
         self.inner.capabilities()
     }
     async fn next(
         &self,
         max: usize,
         wait: Duration,
-    ) -> Result<Vec<outbox_core::inbox::InboxDelivery>, outbox_core::inbox::SubscriptionError> {
+    ) -> Result<Vec<txoutbox_core::inbox::InboxDelivery>, txoutbox_core::inbox::SubscriptionError> {
         let mut v = self.inner.next(max, wait).await?;
         let now = tokio::time::Instant::now();
         for d in &mut v {

@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::CancellationToken;
-use outbox_core::backoff::{Backoff, SeededRng};
-use outbox_core::inbox::decode::BrokerMessage;
-use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
-use outbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
-use outbox_core::inbox::{
+use txoutbox_core::CancellationToken;
+use txoutbox_core::backoff::{Backoff, SeededRng};
+use txoutbox_core::inbox::decode::BrokerMessage;
+use txoutbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
+use txoutbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
+use txoutbox_core::inbox::{
     ConsumerGroup, DeliveryResult, InboxCycleReport, InboxEvent, NewInboxEvent, Processor,
     ProcessorBuilder, Runner, RunnerBuilder,
 };
@@ -44,7 +44,7 @@ pub struct Recorder {
     /// When each delivery result and each processor fetch was reported (tokio's clock).
     pub times: Mutex<Vec<(String, tokio::time::Instant)>>,
     /// Terminal failures: (message_id, status of the row as before, error).
-    pub terminal: Mutex<Vec<(String, outbox_core::event::Status, i32, String)>>,
+    pub terminal: Mutex<Vec<(String, txoutbox_core::event::Status, i32, String)>>,
     changed: tokio::sync::Notify,
 }
 
@@ -77,7 +77,7 @@ impl Recorder {
     }
 }
 
-impl outbox_core::inbox::InboxHooks for Recorder {
+impl txoutbox_core::inbox::InboxHooks for Recorder {
     fn on_fetch(&self, _rows: usize) {
         self.times
             .lock()

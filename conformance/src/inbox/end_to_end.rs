@@ -13,11 +13,11 @@
 //! ```text
 //! struct MyBroker;
 //! #[async_trait::async_trait]
-//! impl outbox_conformance::inbox::end_to_end::EndToEndUnderTest for MyBroker {
-//!     fn kind(&self) -> outbox_conformance::broker::BrokerKind { BrokerKind::Kafka }
+//! impl txoutbox_conformance::inbox::end_to_end::EndToEndUnderTest for MyBroker {
+//!     fn kind(&self) -> txoutbox_conformance::broker::BrokerKind { BrokerKind::Kafka }
 //!     async fn trial(&self) -> Box<dyn EndToEndTrial> { /* fresh topics, adapter, … */ }
 //! }
-//! outbox_conformance::inbox_end_to_end_suite!(MyBroker);
+//! txoutbox_conformance::inbox_end_to_end_suite!(MyBroker);
 //! ```
 //!
 //! which generates `j_14`, `j_15`, `si_03_a` and `si_03_b`. [`BrokerKind`] decides what J-15
@@ -30,19 +30,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::backoff::{Backoff, RandomSource, SeededRng};
-use outbox_core::broker::{Ack, Broker, Message};
-use outbox_core::clock::SystemClock;
-use outbox_core::error::BrokerError;
-use outbox_core::event::{NewEvent, Status};
-use outbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
-use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::{
+use txoutbox_core::backoff::{Backoff, RandomSource, SeededRng};
+use txoutbox_core::broker::{Ack, Broker, Message};
+use txoutbox_core::clock::SystemClock;
+use txoutbox_core::error::BrokerError;
+use txoutbox_core::event::{NewEvent, Status};
+use txoutbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
+use txoutbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::inbox::{
     DeliveryOutcome as O, Handler, HandlerError, HandlerOutcome, InboxEvent, OnFailure, Runner,
     Subscription,
 };
-use outbox_core::relay::Relay;
-use outbox_core::{CancellationToken, InMemoryRepository};
+use txoutbox_core::relay::Relay;
+use txoutbox_core::{CancellationToken, InMemoryRepository};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
@@ -235,7 +235,7 @@ impl Running {
     }
 }
 
-fn event(topic: &str, key: &str, seq: usize) -> outbox_core::EventBuilder {
+fn event(topic: &str, key: &str, seq: usize) -> txoutbox_core::EventBuilder {
     NewEvent::builder()
         .event_type("acct.changed")
         .aggregate("acct", Uuid::nil())

@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::clock::Clock;
-use outbox_core::inbox::HandlerError;
-use outbox_core::inbox::repository::{HandlerTx, InboxBackend};
+use txoutbox_core::clock::Clock;
+use txoutbox_core::inbox::HandlerError;
+use txoutbox_core::inbox::repository::{HandlerTx, InboxBackend};
 use uuid::Uuid;
 
 use crate::harness::BackendKind;

@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::clock::{Clock, ManualClock};
-use outbox_core::inbox::HandlerError;
-use outbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
-use outbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::clock::{Clock, ManualClock};
+use txoutbox_core::inbox::HandlerError;
+use txoutbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
+use txoutbox_core::inbox::repository::InboxRepository;
 use serde_json::json;
 use uuid::Uuid;
 

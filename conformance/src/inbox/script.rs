@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::inbox::repository::HandlerTx;
-use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
+use txoutbox_core::inbox::repository::HandlerTx;
+use txoutbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
 use tokio::sync::watch;
 use uuid::Uuid;
 

@@ -5,12 +5,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::backoff::{Backoff, Fixed, SeededRng};
-use outbox_core::error::StepError;
-use outbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId};
-use outbox_core::repository::{Outcome, OutcomeKind, Retry};
-use outbox_core::scripted::Action;
-use outbox_core::step::{PipelineStep, StepDecision};
+use txoutbox_core::backoff::{Backoff, Fixed, SeededRng};
+use txoutbox_core::error::StepError;
+use txoutbox_core::event::{NewEvent, OutboxEvent, Status, WorkerId};
+use txoutbox_core::repository::{Outcome, OutcomeKind, Retry};
+use txoutbox_core::scripted::Action;
+use txoutbox_core::step::{PipelineStep, StepDecision};
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx, Cycle};

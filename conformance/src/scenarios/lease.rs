@@ -3,11 +3,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::CancellationToken;
-use outbox_core::event::{Status, WorkerId};
-use outbox_core::relay::{CycleReport, Relay};
-use outbox_core::repository::{FetchRequest, Fetched, Outcome, OutcomeKind, OutcomeResult, Retry};
-use outbox_core::scripted::{Action, Gate};
+use txoutbox_core::CancellationToken;
+use txoutbox_core::event::{Status, WorkerId};
+use txoutbox_core::relay::{CycleReport, Relay};
+use txoutbox_core::repository::{FetchRequest, Fetched, Outcome, OutcomeKind, OutcomeResult, Retry};
+use txoutbox_core::scripted::{Action, Gate};
 
 use crate::ctx::{Cfg, Ctx};
 use crate::harness::{Factory, RowPatch};
@@ -375,7 +375,7 @@ pub async fn l_12(f: &dyn Factory) {
         assert!(
             matches!(
                 err,
-                outbox_core::RepositoryError::ReleaseMismatch { expected: 2, .. }
+                txoutbox_core::RepositoryError::ReleaseMismatch { expected: 2, .. }
             ),
             "{what}: {err}"
         );

@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::scripted::Action;
+use txoutbox_core::event::Status;
+use txoutbox_core::scripted::Action;
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use uuid::Uuid;

@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use outbox_core::event::{NewEvent, Status};
-use outbox_core::repository::FetchFilter;
-use outbox_core::scripted::Action;
+use txoutbox_core::event::{NewEvent, Status};
+use txoutbox_core::repository::FetchFilter;
+use txoutbox_core::scripted::Action;
 use serde_json::json;
 use uuid::Uuid;
 
@@ -163,21 +163,21 @@ pub async fn o_08(f: &dyn Factory) {
     assert_eq!(c3.sent, vec![a]);
     assert_eq!(c.cycle(&w2).await.sent, vec![b]);
     let before = c.get(a).await;
-    let w1 = outbox_core::WorkerId::new("w1").unwrap();
+    let w1 = txoutbox_core::WorkerId::new("w1").unwrap();
     let res = c
         .repo()
         .write_outcomes(
             &w1,
-            &[outbox_core::repository::Outcome {
+            &[txoutbox_core::repository::Outcome {
                 id: a,
-                kind: outbox_core::repository::OutcomeKind::Completed,
+                kind: txoutbox_core::repository::OutcomeKind::Completed,
             }],
         )
         .await
         .unwrap();
     assert_eq!(
         res[0].result,
-        outbox_core::repository::OutcomeResult::LeaseLost
+        txoutbox_core::repository::OutcomeResult::LeaseLost
     );
     assert_eq!(c.get(a).await, before);
 }

@@ -4,12 +4,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::CancellationToken;
-use outbox_core::backoff::Backoff;
-use outbox_core::event::Status;
-use outbox_core::relay::Relay;
-use outbox_core::scripted::Action;
-use outbox_core::step::PipelineStep;
+use txoutbox_core::CancellationToken;
+use txoutbox_core::backoff::Backoff;
+use txoutbox_core::event::Status;
+use txoutbox_core::relay::Relay;
+use txoutbox_core::scripted::Action;
+use txoutbox_core::step::PipelineStep;
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx};

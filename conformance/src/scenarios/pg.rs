@@ -9,10 +9,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::clock::ManualClock;
-use outbox_core::event::{BuildSettings, NewEvent, Status, WorkerId};
-use outbox_core::repository::{Outcome, OutcomeKind, OutcomeResult};
-use outbox_core::scripted::{Action, Gate};
+use txoutbox_core::clock::ManualClock;
+use txoutbox_core::event::{BuildSettings, NewEvent, Status, WorkerId};
+use txoutbox_core::repository::{Outcome, OutcomeKind, OutcomeResult};
+use txoutbox_core::scripted::{Action, Gate};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -412,17 +412,17 @@ pub async fn pg_06(f: &dyn Factory) {
     let late = c
         .repo()
         .write_outcomes(
-            &outbox_core::WorkerId::new("w1").unwrap(),
-            &[outbox_core::repository::Outcome {
+            &txoutbox_core::WorkerId::new("w1").unwrap(),
+            &[txoutbox_core::repository::Outcome {
                 id: e[0],
-                kind: outbox_core::repository::OutcomeKind::Completed,
+                kind: txoutbox_core::repository::OutcomeKind::Completed,
             }],
         )
         .await
         .unwrap();
     assert_eq!(
         late[0].result,
-        outbox_core::repository::OutcomeResult::LeaseLost
+        txoutbox_core::repository::OutcomeResult::LeaseLost
     );
     assert_eq!(c.cycle1().await.sent, vec![e[1]]);
     // O-02 across backends: a counted failure by W1 holds its key for W2.

@@ -5,12 +5,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::error::StepError;
-use outbox_core::event::{OutboxEvent, Status};
-use outbox_core::relay::{BreakerConfig, RowOutcome};
-use outbox_core::repository::OutboxRepository;
-use outbox_core::scripted::Action;
-use outbox_core::step::{ObservedOutcome, PipelineStep, StepDecision};
+use txoutbox_core::error::StepError;
+use txoutbox_core::event::{OutboxEvent, Status};
+use txoutbox_core::relay::{BreakerConfig, RowOutcome};
+use txoutbox_core::repository::OutboxRepository;
+use txoutbox_core::scripted::Action;
+use txoutbox_core::step::{ObservedOutcome, PipelineStep, StepDecision};
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx};
@@ -498,13 +498,13 @@ pub async fn m_04(f: &dyn Factory) {
     assert_eq!(bk[0].locked_at, c.get(a[0]).await.locked_at);
     assert!(bk[0].locked_at.is_some());
     assert_eq!(bk[0].waiting, 1);
-    let w1 = outbox_core::WorkerId::new("w1").unwrap();
+    let w1 = txoutbox_core::WorkerId::new("w1").unwrap();
     c.repo()
         .write_outcomes(
             &w1,
-            &[outbox_core::repository::Outcome {
+            &[txoutbox_core::repository::Outcome {
                 id: a[0],
-                kind: outbox_core::repository::OutcomeKind::Completed,
+                kind: txoutbox_core::repository::OutcomeKind::Completed,
             }],
         )
         .await

@@ -5,14 +5,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::WorkerId;
-use outbox_core::error::RepositoryError;
-use outbox_core::event::{NewEvent, OutboxEvent, Status};
-use outbox_core::repository::{
+use txoutbox_core::WorkerId;
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::{NewEvent, OutboxEvent, Status};
+use txoutbox_core::repository::{
     BlockedKey, Capabilities, Delivery, DeliveryBound, FetchRequest, Fetched, OutboxRepository,
     Outcome, OutcomeKind, StatusCount, WrittenOutcome,
 };
-use outbox_core::scripted::{Action, Gate};
+use txoutbox_core::scripted::{Action, Gate};
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx};
@@ -249,7 +249,7 @@ pub async fn q_08(f: &dyn Factory) {
 pub async fn q_09(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let e = c.puts(&["k"; 5]).await;
-    let r = outbox_core::Relay::builder(c.repo(), std::sync::Arc::new(c.broker.clone()))
+    let r = txoutbox_core::Relay::builder(c.repo(), std::sync::Arc::new(c.broker.clone()))
         .worker_id("w1")
         .max_per_key(0)
         .build();
@@ -385,7 +385,7 @@ pub async fn x_04(f: &dyn Factory) {
 
 /// Keys interleaved round-robin, each key's rows reversed.
 fn interleave(rows: Vec<Fetched>) -> Vec<Fetched> {
-    let mut keys: Vec<(outbox_core::ordering::Key, Vec<Fetched>)> = Vec::new();
+    let mut keys: Vec<(txoutbox_core::ordering::Key, Vec<Fetched>)> = Vec::new();
     for r in rows {
         let k = r.key();
         match keys.iter_mut().find(|(kk, _)| *kk == k) {

@@ -6,12 +6,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::CancellationToken;
-use outbox_core::backoff::{RandomSource, SeededRng};
-use outbox_core::broker::{Ack, Broker, Message};
-use outbox_core::error::BrokerError;
-use outbox_core::event::{NewEvent, Status};
-use outbox_core::relay::Relay;
+use txoutbox_core::CancellationToken;
+use txoutbox_core::backoff::{RandomSource, SeededRng};
+use txoutbox_core::broker::{Ack, Broker, Message};
+use txoutbox_core::error::BrokerError;
+use txoutbox_core::event::{NewEvent, Status};
+use txoutbox_core::relay::Relay;
 use rand::seq::SliceRandom;
 use rand::{RngExt, SeedableRng};
 use serde_json::json;

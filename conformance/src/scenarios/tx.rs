@@ -6,10 +6,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox_core::DeliveryMode;
-use outbox_core::event::{Status, WorkerId};
-use outbox_core::repository::FetchRequest;
-use outbox_core::scripted::{Action, Gate};
+use txoutbox_core::DeliveryMode;
+use txoutbox_core::event::{Status, WorkerId};
+use txoutbox_core::repository::FetchRequest;
+use txoutbox_core::scripted::{Action, Gate};
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx};
@@ -135,7 +135,7 @@ pub async fn tx_02_commit(f: &dyn Factory) {
 /// its rows at once (R84): another worker's fetch gets the same rows, in the same order, each as
 /// it was before the first fetch; then a relay publishes them.
 ///
-/// [`Delivery::rollback`]: outbox_core::repository::Delivery::rollback
+/// [`Delivery::rollback`]: txoutbox_core::repository::Delivery::rollback
 pub async fn tx_02_rollback(f: &dyn Factory) {
     let c = tx_ctx(f).await;
     let e = c.puts(&["k1", "k1", "k2"]).await;

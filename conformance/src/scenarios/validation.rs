@@ -3,10 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::clock::ManualClock;
-use outbox_core::error::ValidationError;
-use outbox_core::event::{BuildSettings, EventBuilder, NewEvent, WorkerId, normalize_error};
-use outbox_core::repository::FetchRequest;
+use txoutbox_core::clock::ManualClock;
+use txoutbox_core::error::ValidationError;
+use txoutbox_core::event::{BuildSettings, EventBuilder, NewEvent, WorkerId, normalize_error};
+use txoutbox_core::repository::FetchRequest;
 use serde::Serialize;
 use serde_json::{Value, json};
 use uuid::Uuid;
@@ -25,7 +25,7 @@ fn base() -> EventBuilder {
 
 /// Builds, and for accepted events writes them, so a backend sees every accepted case;
 /// rejected ones must leave the table as it was.
-async fn check(c: &Ctx, b: EventBuilder, ok: bool, what: &str) -> Option<outbox_core::OutboxEvent> {
+async fn check(c: &Ctx, b: EventBuilder, ok: bool, what: &str) -> Option<txoutbox_core::OutboxEvent> {
     let before = c.total_rows().await;
     match b.build() {
         Ok(e) => {
@@ -214,7 +214,7 @@ pub async fn v_13(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let e = WorkerId::new("worker_1").unwrap_err();
     assert_eq!(e.to_string(), "Invalid worker_id format: 'worker_1'");
-    let relay = outbox_core::Relay::builder(c.repo(), Arc::new(c.broker.clone()))
+    let relay = txoutbox_core::Relay::builder(c.repo(), Arc::new(c.broker.clone()))
         .worker_id("worker_1")
         .build()
         .unwrap_err();
@@ -251,7 +251,7 @@ pub async fn v_14_stored(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
     c.broker
-        .script(a, [outbox_core::scripted::Action::Reject("x".repeat(3000))]);
+        .script(a, [txoutbox_core::scripted::Action::Reject("x".repeat(3000))]);
     c.cycle1().await;
     let r = c.get(a).await;
     assert_eq!(
@@ -260,7 +260,7 @@ pub async fn v_14_stored(f: &dyn Factory) {
     );
     let b = c.put(c.ev("k2")).await;
     c.broker
-        .script(b, [outbox_core::scripted::Action::Reject("   ".into())]);
+        .script(b, [txoutbox_core::scripted::Action::Reject("   ".into())]);
     c.cycle1().await;
     assert_eq!(c.get(b).await.last_error.as_deref(), Some("Unknown error"));
 }

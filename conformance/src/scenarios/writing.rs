@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outbox_core::event::Status;
+use txoutbox_core::event::Status;
 use serde_json::json;
 
 use crate::ctx::Ctx;
@@ -65,7 +65,7 @@ pub async fn w_03(f: &dyn Factory) {
 ///
 /// The clock moves 1 s between T2's first statement and T1's write, so a created_at taken from
 /// T2's start would be a full second before a's (on a database the transaction's `now()`; in
-/// memory [`MemTransaction::started_at`](outbox_core::memory::MemTransaction::started_at)).
+/// memory [`MemTransaction::started_at`](txoutbox_core::memory::MemTransaction::started_at)).
 pub async fn w_04(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let mut t2 = c.begin().await;
@@ -255,9 +255,9 @@ pub async fn i_04(f: &dyn Factory) {
 pub async fn w_06(f: &dyn Factory) {
     use std::sync::Arc;
 
-    use outbox_core::clock::ManualClock;
-    use outbox_core::error::{RepositoryError, ValidationError};
-    use outbox_core::event::BuildSettings;
+    use txoutbox_core::clock::ManualClock;
+    use txoutbox_core::error::{RepositoryError, ValidationError};
+    use txoutbox_core::event::BuildSettings;
 
     let c = Ctx::new(f).await;
     let now = c.now().await;

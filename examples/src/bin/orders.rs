@@ -5,7 +5,7 @@
 //! consumes them through the inbox.
 //!
 //! ```sh
-//! cargo run -p outbox-examples --features redis --bin orders -- --broker nats
+//! cargo run -p txoutbox-examples --features redis --bin orders -- --broker nats
 //! ```
 //!
 //! One customer's orders are written one after the other, numbered 1, 2, … in the payload
@@ -17,9 +17,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use outbox_core::{Broker, CancellationToken, NewEvent, Relay};
-use outbox_postgres::sqlx::{self, PgPool};
-use outbox_postgres::{PgConfig, PgOutboxRepository, WakeListener, create_schema};
+use txoutbox_core::{Broker, CancellationToken, NewEvent, Relay};
+use txoutbox_postgres::sqlx::{self, PgPool};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, WakeListener, create_schema};
 use serde_json::json;
 use uuid::Uuid;
 
@@ -110,7 +110,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     create_schema(&pool, cfg.table_ref()).await?;
     // The service's own table beside the outbox's, its name validated like the outbox table's.
     let orders_table =
-        outbox_postgres::TableName::new(&format!("{}.orders", args.schema))?.qualified();
+        txoutbox_postgres::TableName::new(&format!("{}.orders", args.schema))?.qualified();
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS {orders_table} (
              id uuid PRIMARY KEY, customer text NOT NULL, seq integer NOT NULL,
@@ -209,9 +209,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 struct PrintPublished;
 
 #[async_trait::async_trait]
-impl outbox_core::PipelineStep for PrintPublished {
-    async fn on_outcome(&self, o: &outbox_core::ObservedOutcome<'_>) {
-        if matches!(o.outcome, outbox_core::RowOutcome::Completed { .. }) {
+impl txoutbox_core::PipelineStep for PrintPublished {
+    async fn on_outcome(&self, o: &txoutbox_core::ObservedOutcome<'_>) {
+        if matches!(o.outcome, txoutbox_core::RowOutcome::Completed { .. }) {
             println!(
                 "orders relay: published {} {} for {}",
                 o.event.event_type, o.event.id, o.event.partition_key
@@ -229,7 +229,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Places one order: its row and its event in one transaction.
 async fn place(
     pool: &PgPool,
-    writer: &outbox_postgres::PgOutboxWriter,
+    writer: &txoutbox_postgres::PgOutboxWriter,
     table: &str,
     customer: &str,
     seq: u32,
@@ -273,7 +273,7 @@ async fn broker(
     Ok(match kind {
         RelayBroker::None => unreachable!("no relay"),
         RelayBroker::Nats => {
-            use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
+            use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
             Arc::new(
                 NatsBroker::connect(
                     NatsBrokerConfig::new(args.nats_url.clone())
@@ -285,7 +285,7 @@ async fn broker(
         }
         #[cfg(feature = "redis")]
         RelayBroker::Redis => {
-            use outbox_redis_broker::{RedisBroker, RedisBrokerConfig};
+            use txoutbox_redis_broker::{RedisBroker, RedisBrokerConfig};
             Arc::new(
                 RedisBroker::connect(
                     RedisBrokerConfig::new(args.redis_url.clone())
@@ -302,7 +302,7 @@ async fn wait_drained(
     repo: &PgOutboxRepository,
     patience: Duration,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    use outbox_core::{OutboxRepository, Status};
+    use txoutbox_core::{OutboxRepository, Status};
     let deadline = tokio::time::Instant::now() + patience;
     loop {
         let pending: i64 = repo

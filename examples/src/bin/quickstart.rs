@@ -1,6 +1,6 @@
 //! The quick start: a relay over the in-memory backend and a broker that fails some publishes.
 //!
-//! Run it with `cargo run -p outbox-examples --bin quickstart` (no service needed). Time is
+//! Run it with `cargo run -p txoutbox-examples --bin quickstart` (no service needed). Time is
 //! simulated: the backend clock is a manual clock that the demo advances by one second whenever a
 //! cycle finds nothing due, so the backoff of a failed head (5 to 10 s) shows without waiting.
 
@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::scripted::{Action, ScriptedBroker};
-use outbox_core::{
+use txoutbox_core::scripted::{Action, ScriptedBroker};
+use txoutbox_core::{
     CancellationToken, InMemoryRepository, ManualClock, NewEvent, Relay, RowOutcome,
 };
 use serde_json::json;
@@ -18,7 +18,7 @@ use uuid::Uuid;
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let clock = ManualClock::starting_now();
-    let start = outbox_core::Clock::now(&clock);
+    let start = txoutbox_core::Clock::now(&clock);
     let repo = InMemoryRepository::new(Arc::new(clock.clone()));
     let broker = ScriptedBroker::new();
 
@@ -73,7 +73,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build()?;
     let shutdown = CancellationToken::new();
     let secs =
-        |c: &ManualClock| (outbox_core::Clock::now(c) - start).num_milliseconds() as f64 / 1000.0;
+        |c: &ManualClock| (txoutbox_core::Clock::now(c) - start).num_milliseconds() as f64 / 1000.0;
 
     println!("{:>7}  {:<8}  {:<16}  outcome", "time", "key", "event");
     let mut sent_per_key: BTreeMap<String, Vec<(f64, &str)>> = BTreeMap::new();
@@ -107,7 +107,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         if repo
             .rows()
             .iter()
-            .all(|r| r.status != outbox_core::Status::Pending)
+            .all(|r| r.status != txoutbox_core::Status::Pending)
         {
             break;
         }

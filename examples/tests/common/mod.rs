@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::Duration;
 
-use outbox_core::NewEvent;
-use outbox_postgres::{PgOutboxWriter, TableName};
+use txoutbox_core::NewEvent;
+use txoutbox_postgres::{PgOutboxWriter, TableName};
 use rand::RngExt;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -264,7 +264,7 @@ impl Stream {
 /// Checks that every written event arrived and that, per key, the order of first arrival is the
 /// write order. Returns the number of messages that were repeats of an earlier one.
 pub fn check_order(written: &HashMap<String, Vec<Uuid>>, got: &[(Uuid, String)]) -> usize {
-    let first = outbox_conformance::broker::FirstDeliveries::of(
+    let first = txoutbox_conformance::broker::FirstDeliveries::of(
         got.iter().map(|(id, key)| (key.clone(), *id)),
     );
     for (key, ids) in written {

@@ -20,7 +20,7 @@
 //! * [`hooks`], [`spans`] and (feature `metrics`) `metrics`: observability (R168 to R171);
 //! * `scripted` (feature `testing`): the suite's scripted subscription.
 //!
-//! The conformance suite's inbox scenarios (`outbox_conformance::inbox`) check these rules on
+//! The conformance suite's inbox scenarios (`txoutbox_conformance::inbox`) check these rules on
 //! every backend; each trait method names the scenarios that check it.
 
 pub mod decode;

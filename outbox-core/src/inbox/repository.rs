@@ -2,7 +2,7 @@
 //! processor and the operator, [`InboxTransaction`] for the runner's T and the processor's
 //! T_row, and [`InboxBackend`], which ties a backend to its transaction type (and so to the type
 //! its handlers get, R181). The scenario IDs after each method name the conformance scenarios
-//! that check it (`outbox_conformance::inbox`).
+//! that check it (`txoutbox_conformance::inbox`).
 //!
 //! Times are on the backend clock (R72, R105). The rules of a fetch are the outbox's (R149,
 //! R150: [`crate::ordering`]) with the inbox key in place of (topic, partition_key).

@@ -8,7 +8,7 @@
 //! first. What an adapter can do is data ([`SubscriptionCapabilities`]), so that a runner can
 //! refuse a setting the broker cannot carry (Kafka refuses `rewind`, R175) when it is built.
 //!
-//! The suite's scripted subscription (`outbox_core::inbox::scripted`, feature `testing`) records
+//! The suite's scripted subscription (`txoutbox_core::inbox::scripted`, feature `testing`) records
 //! every operation; the NATS, Redis, Kafka and RabbitMQ adapters live in their own crates.
 
 use std::time::Duration;

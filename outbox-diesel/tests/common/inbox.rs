@@ -1,7 +1,7 @@
 //! The inbox conformance harness of the diesel-async store: a fresh schema per trial with the
 //! inbox table (plain, or partitioned with a DEFAULT partition) and the effects table, created
 //! through diesel; the fixtures (`set`, `advance`, effects) share their SQL with the sqlx
-//! harness (`outbox_postgres::inbox::testing`).
+//! harness (`txoutbox_postgres::inbox::testing`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,20 +10,20 @@ use async_trait::async_trait;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
-use outbox_conformance::harness::BackendKind;
-use outbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
-use outbox_core::clock::{Clock, ManualClock};
-use outbox_core::inbox::HandlerError;
-use outbox_diesel::driver::Diesel;
-use outbox_diesel::inbox::{DieselInbox, create_inbox_schema, diesel_inbox};
-use outbox_diesel::{Layout, PgPool};
-use outbox_postgres::driver::{Bind, Connection};
-use outbox_postgres::inbox::sql::InboxStatements;
-use outbox_postgres::inbox::testing::{
+use txoutbox_conformance::harness::BackendKind;
+use txoutbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
+use txoutbox_core::clock::{Clock, ManualClock};
+use txoutbox_core::inbox::HandlerError;
+use txoutbox_diesel::driver::Diesel;
+use txoutbox_diesel::inbox::{DieselInbox, create_inbox_schema, diesel_inbox};
+use txoutbox_diesel::{Layout, PgPool};
+use txoutbox_postgres::driver::{Bind, Connection};
+use txoutbox_postgres::inbox::sql::InboxStatements;
+use txoutbox_postgres::inbox::testing::{
     effects, json_rows, patch, plain_sql, trial_setup, trial_table,
 };
-use outbox_postgres::sql::{fixtures, micros};
-use outbox_postgres::testing::{
+use txoutbox_postgres::sql::{fixtures, micros};
+use txoutbox_postgres::testing::{
     ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, connect_patiently, database_url,
     fresh_schema_name, reserve_connections,
 };

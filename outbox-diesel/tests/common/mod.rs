@@ -13,17 +13,17 @@ use diesel_async::{
     AnsiTransactionManager, AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection,
     TransactionManager,
 };
-use outbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
-use outbox_core::error::RepositoryError;
-use outbox_core::event::NewEvent;
-use outbox_core::repository::{OutboxRepository, WriteResult};
-use outbox_diesel::error::map_diesel;
-use outbox_diesel::{
+use txoutbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::{OutboxRepository, WriteResult};
+use txoutbox_diesel::error::map_diesel;
+use txoutbox_diesel::{
     DieselConfig, DieselOutboxRepository, DieselOutboxWriter, Layout, PgPool, PooledConnection,
     TableName, run_migrations_with,
 };
-use outbox_postgres::sql::{self, Statements};
-use outbox_postgres::testing::{
+use txoutbox_postgres::sql::{self, Statements};
+use txoutbox_postgres::testing::{
     CONNECT_PATIENCE, ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, PgHarness,
     connect_patiently, database_url, fresh_schema_name, reserve_connections,
 };
@@ -36,7 +36,7 @@ pub fn url_in_new_york(url: &str) -> String {
     format!("{url}{sep}options=-c%20TimeZone%3DAmerica%2FNew_York")
 }
 
-/// A deadpool of at most `max` diesel-async connections like `outbox_diesel::build_pool`'s, except that a
+/// A deadpool of at most `max` diesel-async connections like `txoutbox_diesel::build_pool`'s, except that a
 /// new connection is opened patiently ([`connect_patiently`]): a database with no free slot
 /// ("too many clients") makes a trial wait instead of fail.
 pub fn patient_pool(url: &str, max: usize) -> PgPool {

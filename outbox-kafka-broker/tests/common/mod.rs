@@ -11,12 +11,12 @@ pub use async_trait::async_trait;
 use krafka::Kafka;
 use krafka::admin::{CreateTopicsOptions, NewTopic};
 use krafka::consumer::{AutoOffsetReset, IsolationLevel};
-pub use outbox_conformance::broker::fresh_suffix;
-use outbox_conformance::kafka::{
+pub use txoutbox_conformance::broker::fresh_suffix;
+use txoutbox_conformance::kafka::{
     KafkaAdapter, KafkaCapability, KafkaRecord, KafkaUnderTest, PrivateBroker,
 };
-pub use outbox_core::Broker;
-pub use outbox_kafka_broker::{Idempotence, KafkaBroker, KafkaBrokerConfig, MessageFormat};
+pub use txoutbox_core::Broker;
+pub use txoutbox_kafka_broker::{Idempotence, KafkaBroker, KafkaBrokerConfig, MessageFormat};
 use tokio::sync::OnceCell;
 
 /// The bootstrap brokers.
@@ -203,7 +203,7 @@ pub async fn capabilities() -> Vec<KafkaCapability> {
                 delete_topic(&absent).await;
             }
             let _ = p.close().await;
-            outbox_conformance::kafka::report(&format!(
+            txoutbox_conformance::kafka::report(&format!(
                 "Kafka broker at {} declares: {:?}",
                 brokers(),
                 caps.iter().map(|c| c.name()).collect::<Vec<_>>()
@@ -249,7 +249,7 @@ impl KafkaUnderTest for TestKafka {
     async fn adapter(&self, o: &KafkaAdapter) -> (Arc<dyn Broker>, Result<(), String>) {
         let target = o.bootstrap.map_or_else(brokers, |a| a.to_string());
         let mut cfg = KafkaBrokerConfig::new(target)
-            .topic_prefix(outbox_conformance::kafka::PREFIX)
+            .topic_prefix(txoutbox_conformance::kafka::PREFIX)
             .idempotence(if o.idempotence {
                 Idempotence::On
             } else {
@@ -271,7 +271,7 @@ impl KafkaUnderTest for TestKafka {
         if std::env::var_os("KAFKA_BROKERS").is_some() {
             return None;
         }
-        let listen = outbox_conformance::broker::closed_port().await;
+        let listen = txoutbox_conformance::broker::closed_port().await;
         let child = start_tansu(listen, advertised).await;
         Some(PrivateBroker {
             listen,

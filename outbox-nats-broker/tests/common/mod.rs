@@ -8,11 +8,11 @@ pub use std::time::Duration;
 
 pub use async_nats::jetstream;
 pub use async_trait::async_trait;
-pub use outbox_conformance::broker::{
+pub use txoutbox_conformance::broker::{
     BrokerKind, BrokerTrial, BrokerUnderTest, Received, TrialOptions, fresh_suffix,
 };
-pub use outbox_core::Broker;
-pub use outbox_nats_broker::{NatsBroker, NatsBrokerConfig};
+pub use txoutbox_core::Broker;
+pub use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig};
 
 pub fn url() -> String {
     std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())

@@ -17,8 +17,8 @@ use std::fmt::Display;
 
 use async_trait::async_trait;
 use chrono::{DateTime, NaiveDate, Utc};
-use outbox_core::event::Status;
-use outbox_core::inbox::{InboxEvent, UndecodableInboxRow};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::{InboxEvent, UndecodableInboxRow};
 use uuid::Uuid;
 
 use super::{Bind, Connection};

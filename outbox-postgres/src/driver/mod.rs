@@ -4,7 +4,7 @@
 //!
 //! **This module serves backend implementers, not users, and is exempt from semver**: its
 //! traits and types may change in any release. Users name the repositories and writers at the
-//! crate roots (`outbox_postgres::PgOutboxRepository`, `outbox_diesel::DieselOutboxRepository`).
+//! crate roots (`txoutbox_postgres::PgOutboxRepository`, `txoutbox_diesel::DieselOutboxRepository`).
 //!
 //! # The pieces
 //!
@@ -54,7 +54,7 @@ use std::ops::DerefMut;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
+use txoutbox_core::error::RepositoryError;
 use uuid::Uuid;
 
 use crate::sql::TableName;

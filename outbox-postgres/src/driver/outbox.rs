@@ -3,7 +3,7 @@
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::repository::{BlockedKey, Fetched};
+use txoutbox_core::repository::{BlockedKey, Fetched};
 use uuid::Uuid;
 
 use super::{Bind, Connection};

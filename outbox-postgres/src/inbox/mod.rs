@@ -1,5 +1,5 @@
 //! The Postgres inbox (contract Part II): the inbox table of Appendix D, plain or partitioned,
-//! and the inbox store for the runner and the processor of `outbox_core::inbox`.
+//! and the inbox store for the runner and the processor of `txoutbox_core::inbox`.
 //!
 //! * [`sql`]: the DDL and the statement texts (files under `src/sql/inbox/`);
 //! * [`store`]: the store, written once over the driver layer ([`crate::driver::inbox`]); its

@@ -5,7 +5,7 @@
 //! every table with its fixed prefixes): each index is first built on an empty LIKE copy of the
 //! table, and the catalog compares the two definitions.
 
-use outbox_core::error::RepositoryError;
+use txoutbox_core::error::RepositoryError;
 
 use crate::driver::inbox::InboxRows;
 use crate::driver::{Bind, Driver};

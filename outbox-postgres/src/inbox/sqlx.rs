@@ -1,7 +1,7 @@
 //! The sqlx inbox: [`PgInbox`] over [`SqlxDriver`]; a handler gets a sqlx [`Transaction`]
 //! (R181): write through `&mut **tx`.
 
-use outbox_core::error::RepositoryError;
+use txoutbox_core::error::RepositoryError;
 use sqlx::postgres::PgPool;
 use sqlx::{Postgres, Transaction};
 

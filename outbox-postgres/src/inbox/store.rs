@@ -6,8 +6,8 @@
 //!
 //! The fetch (R149, R150, R85) reads the heads of a window of the group's oldest fetchable rows
 //! and the lines after them up to what the batch can take (statements `fetch_heads` and
-//! `fetch_runs`), chooses heads and runs by the outbox's own rules ([`outbox_core::ordering`]
-//! over the inbox view, [`outbox_core::inbox::ordering`]), row-locks the chosen run rows without
+//! `fetch_runs`), chooses heads and runs by the outbox's own rules ([`txoutbox_core::ordering`]
+//! over the inbox view, [`txoutbox_core::inbox::ordering`]), row-locks the chosen run rows without
 //! waiting (a row locked elsewhere cuts its run) and stamps the lease, in one short transaction:
 //! its work is bounded by the batch, whatever the backlog. When the window hands out fewer heads
 //! than the batch while the group has more fetchable rows than the window (a window full of rows
@@ -24,16 +24,16 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
-use outbox_core::event::{Status, WorkerId, force_unlock_text};
-use outbox_core::inbox::ordering as inbox_order;
-use outbox_core::inbox::repository::{
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::{Status, WorkerId, force_unlock_text};
+use txoutbox_core::inbox::ordering as inbox_order;
+use txoutbox_core::inbox::repository::{
     InboxBackend, InboxBlockedKey, InboxCapabilities, InboxFetchRequest, InboxFetched,
     InboxRepository, InboxStatusCount,
 };
-use outbox_core::inbox::{ConsumerGroup, InboxEvent};
-use outbox_core::ordering;
-use outbox_core::repository::{BLOCKED_WAITING_CAP, args};
+use txoutbox_core::inbox::{ConsumerGroup, InboxEvent};
+use txoutbox_core::ordering;
+use txoutbox_core::repository::{BLOCKED_WAITING_CAP, args};
 use uuid::Uuid;
 
 use crate::driver::inbox::{InboxDriver, InboxRawRow, InboxRows};

@@ -7,10 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_conformance::harness::BackendKind;
-use outbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
-use outbox_core::clock::{Clock, ManualClock};
-use outbox_core::inbox::HandlerError;
+use txoutbox_conformance::harness::BackendKind;
+use txoutbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
+use txoutbox_core::clock::{Clock, ManualClock};
+use txoutbox_core::inbox::HandlerError;
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use uuid::Uuid;

@@ -1,6 +1,6 @@
 //! The settings of a repository, the same for every driver.
 
-use outbox_core::repository::{DEFAULT_BACKEND_BATCH_SIZE, check_backend_batch_size};
+use txoutbox_core::repository::{DEFAULT_BACKEND_BATCH_SIZE, check_backend_batch_size};
 
 use crate::error::Error;
 use crate::sql::{Layout, TableName};
@@ -20,7 +20,7 @@ impl Default for PgConfig {
             table: TableName::default(),
             layout: Layout::Plain,
             batch_size: DEFAULT_BACKEND_BATCH_SIZE,
-            error_max_length: outbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
+            error_max_length: txoutbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
         }
     }
 }
@@ -51,15 +51,15 @@ impl PgConfig {
     }
 
     /// Maintenance batch size (R63): 1 to 10,000, default 1000.
-    pub fn batch_size(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
+    pub fn batch_size(mut self, n: usize) -> Result<Self, txoutbox_core::ConfigError> {
         self.batch_size = check_backend_batch_size(n)?;
         Ok(self)
     }
 
     /// last_error limit in bytes (R9): 16 to 2,000 (the size of the `last_error` column), default
     /// 2,000; a larger value is a configuration error.
-    pub fn error_max_length(mut self, n: usize) -> Result<Self, outbox_core::ConfigError> {
-        self.error_max_length = outbox_core::event::check_error_max_length(n)?;
+    pub fn error_max_length(mut self, n: usize) -> Result<Self, txoutbox_core::ConfigError> {
+        self.error_max_length = txoutbox_core::event::check_error_max_length(n)?;
         Ok(self)
     }
 

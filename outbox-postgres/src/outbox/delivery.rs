@@ -4,9 +4,9 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
 use async_trait::async_trait;
-use outbox_core::error::RepositoryError;
-use outbox_core::event::WorkerId;
-use outbox_core::repository::{Delivery, Outcome, OutcomeResult, WrittenOutcome};
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::WorkerId;
+use txoutbox_core::repository::{Delivery, Outcome, OutcomeResult, WrittenOutcome};
 use uuid::Uuid;
 
 use super::Repository;

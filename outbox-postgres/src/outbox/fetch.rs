@@ -1,7 +1,7 @@
 //! The fetch (R76, R84): the heads statement from the walk cursor, then the take, a bounded
 //! number of times.
 
-use outbox_core::repository::Fetched;
+use txoutbox_core::repository::Fetched;
 use uuid::Uuid;
 
 use crate::driver::Bind;

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
-use outbox_core::event::{OutboxEvent, Status, WorkerId, force_unlock_text};
-use outbox_core::repository::{
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::{OutboxEvent, Status, WorkerId, force_unlock_text};
+use txoutbox_core::repository::{
     BlockedKey, Capabilities, Delivery, DeliveryBound, EmptyDelivery, FetchRequest, Fetched,
     OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount, WrittenOutcome,
     args,

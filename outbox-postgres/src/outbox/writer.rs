@@ -4,9 +4,9 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use outbox_core::error::RepositoryError;
-use outbox_core::event::{NewEvent, OutboxEvent};
-use outbox_core::repository::WriteResult;
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::{NewEvent, OutboxEvent};
+use txoutbox_core::repository::WriteResult;
 use uuid::Uuid;
 
 use crate::driver::outbox::OutboxRows;

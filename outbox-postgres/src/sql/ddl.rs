@@ -203,7 +203,7 @@ pub fn create_key_order_index_concurrently(table: &TableName) -> String {
 #[cfg(test)]
 /// The ancestor's DDL exactly as the ancestor library created it (R78) (no `IF NOT EXISTS`), with the
 /// table name replaced; for this module's unit test (the suite has its own copy in
-/// `outbox_conformance::scenarios::pg::ancestor_ddl`).
+/// `txoutbox_conformance::scenarios::pg::ancestor_ddl`).
 pub fn ancestor_ddl(table: &TableName) -> Vec<String> {
     let mut v = vec![create_table(table, false, Layout::Plain)];
     for ix in indexes(table) {

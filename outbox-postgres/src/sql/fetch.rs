@@ -135,7 +135,7 @@ pub struct BlockedKeysParams {
     pub limit: i64,
     /// `$3` rows read from each candidate source: 4 × limit + 64, at most 100,000.
     pub candidates: i64,
-    /// `$4` the waiting count stops here ([`outbox_core::repository::BLOCKED_WAITING_CAP`]).
+    /// `$4` the waiting count stops here ([`txoutbox_core::repository::BLOCKED_WAITING_CAP`]).
     pub waiting_cap: i64,
 }
 
@@ -147,7 +147,7 @@ impl BlockedKeysParams {
             lease_us: micros(lease_ttl),
             limit,
             candidates: limit.saturating_mul(4).saturating_add(64).min(100_000),
-            waiting_cap: outbox_core::repository::BLOCKED_WAITING_CAP,
+            waiting_cap: txoutbox_core::repository::BLOCKED_WAITING_CAP,
         }
     }
 }

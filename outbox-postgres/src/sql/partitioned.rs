@@ -56,7 +56,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use outbox_core::event::NewEvent;
+use txoutbox_core::event::NewEvent;
 
 use super::{
     IndexDef, TableName, WritePlan, additions, column_list, create_index, create_table, indexes,

@@ -15,8 +15,8 @@ pub const SCHEDULE_REFUSED: &str = "outbox-schedule-refused";
 /// RAISE); [`schedule_refusal`] turns that error into
 /// [`ValidationError::ScheduleOutsideInsertWindow`].
 pub(super) fn insert_statement(t: &str, cols: &str, guard: &str) -> String {
-    let skew = outbox_core::event::limits::DEFAULT_SCHEDULE_SKEW_SECS;
-    let ahead = outbox_core::event::limits::SCHEDULE_MAX_AHEAD_SECS;
+    let skew = txoutbox_core::event::limits::DEFAULT_SCHEDULE_SKEW_SECS;
+    let ahead = txoutbox_core::event::limits::SCHEDULE_MAX_AHEAD_SECS;
     format!(
         "WITH c AS MATERIALIZED (SELECT clock_timestamp() AS ts)
 INSERT INTO {t} ({cols})
@@ -49,7 +49,7 @@ RETURNING {cols}"
 /// The refusal of an absolute schedule by the insert ([`SCHEDULE_REFUSED`]), read back from a
 /// database error message; `None` for any other error. Both Postgres backends map their insert
 /// errors through this first.
-pub fn schedule_refusal(message: &str) -> Option<outbox_core::ValidationError> {
+pub fn schedule_refusal(message: &str) -> Option<txoutbox_core::ValidationError> {
     let rest = &message[message.find(SCHEDULE_REFUSED)? + SCHEDULE_REFUSED.len()..];
     let mut parts = rest
         .split(|c: char| c.is_whitespace() || c == '"')
@@ -64,7 +64,7 @@ pub fn schedule_refusal(message: &str) -> Option<outbox_core::ValidationError> {
     };
     let at = micros()?;
     let created_at = micros()?;
-    Some(outbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
+    Some(txoutbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
 }
 
 #[cfg(test)]
@@ -81,7 +81,7 @@ mod schedule_refusal_tests {
         let created_at = DateTime::<Utc>::from_timestamp_micros(1_700_000_090_000_001).unwrap();
         assert_eq!(
             schedule_refusal(&msg),
-            Some(outbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
+            Some(txoutbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
         );
         assert_eq!(
             schedule_refusal("invalid input syntax for type timestamp"),

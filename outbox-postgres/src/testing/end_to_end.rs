@@ -6,8 +6,8 @@ use super::harness::*;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::event::NewEvent;
-use outbox_core::repository::OutboxRepository;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::OutboxRepository;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPool;
 use uuid::Uuid;
@@ -19,9 +19,9 @@ use crate::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
 /// [`PgOutboxWriter`] in its own committed transaction, plus one rolled-back write that must
 /// never arrive, drained by the relay on [`PgOutboxRepository`] into a fresh trial of `broker`;
 /// a consumer must read every event, in order per key, with its headers
-/// ([`outbox_conformance::broker::drain_and_consume`]). Fresh schema, dropped afterwards.
-pub async fn postgres_to_broker(broker: &dyn outbox_conformance::broker::BrokerUnderTest) {
-    use outbox_conformance::broker::{TrialOptions, drain_and_consume, e2e_event};
+/// ([`txoutbox_conformance::broker::drain_and_consume`]). Fresh schema, dropped afterwards.
+pub async fn postgres_to_broker(broker: &dyn txoutbox_conformance::broker::BrokerUnderTest) {
+    use txoutbox_conformance::broker::{TrialOptions, drain_and_consume, e2e_event};
     let _share = reserve_connections(4).await;
     let pool = trial_pool(&database_url(), 4).await;
     let schema = fresh_schema_name();
@@ -129,9 +129,9 @@ pub async fn outcome_commit_survives_termination(
     repo: Arc<dyn OutboxRepository>,
     h: &PgHarness,
 ) -> Duration {
-    use outbox_core::CancellationToken;
-    use outbox_core::relay::Relay;
-    use outbox_core::scripted::{Action, Gate, ScriptedBroker};
+    use txoutbox_core::CancellationToken;
+    use txoutbox_core::relay::Relay;
+    use txoutbox_core::scripted::{Action, Gate, ScriptedBroker};
     let events = ["k1", "k2"]
         .iter()
         .map(|k| {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::event::NewEvent;
-use outbox_core::repository::OutboxRepository;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::OutboxRepository;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use uuid::Uuid;
@@ -31,13 +31,13 @@ pub enum BrokerFault {
 /// timer).
 #[derive(Default)]
 pub(super) struct CycleLog {
-    cycles: std::sync::Mutex<Vec<(std::time::Instant, outbox_core::relay::CycleReport)>>,
+    cycles: std::sync::Mutex<Vec<(std::time::Instant, txoutbox_core::relay::CycleReport)>>,
     changed: tokio::sync::Notify,
 }
 
 #[async_trait]
-impl outbox_core::step::PipelineStep for CycleLog {
-    async fn on_cycle_end(&self, r: &outbox_core::relay::CycleReport) {
+impl txoutbox_core::step::PipelineStep for CycleLog {
+    async fn on_cycle_end(&self, r: &txoutbox_core::relay::CycleReport) {
         self.cycles
             .lock()
             .expect("log")
@@ -54,7 +54,7 @@ impl CycleLog {
     }
 
     /// Every report so far.
-    fn reports(&self) -> Vec<outbox_core::relay::CycleReport> {
+    fn reports(&self) -> Vec<txoutbox_core::relay::CycleReport> {
         let c = self.cycles.lock().expect("log");
         c.iter().map(|(_, r)| r.clone()).collect()
     }
@@ -96,7 +96,7 @@ impl FaultBacklog {
         let mut tx = pool.begin().await.expect("begin");
         for seq in 0..rounds {
             let events: Vec<NewEvent> = (0..keys)
-                .map(|k| outbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
+                .map(|k| txoutbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
                 .collect();
             for r in writer.write(&mut tx, events).await.expect("write") {
                 written
@@ -130,8 +130,8 @@ impl FaultBacklog {
 
     /// Checks the first acknowledged publish of each event: every event once, per key in write
     /// order. Returns how many publishes repeated an event already published.
-    fn check_first_publishes(&self, calls: &[outbox_core::scripted::Call]) -> usize {
-        let first = outbox_conformance::broker::FirstDeliveries::of(
+    fn check_first_publishes(&self, calls: &[txoutbox_core::scripted::Call]) -> usize {
+        let first = txoutbox_conformance::broker::FirstDeliveries::of(
             calls
                 .iter()
                 .filter(|c| c.result.as_ref().is_some_and(Result::is_ok))
@@ -163,16 +163,16 @@ impl FaultBacklog {
 /// A broker wrapper that records when each publish was acknowledged (its `publish` returned
 /// `Ok`), for the fault trials' time to the first publish.
 pub(super) struct AckTimes {
-    inner: Arc<dyn outbox_core::Broker>,
+    inner: Arc<dyn txoutbox_core::Broker>,
     acks: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
 }
 
 #[async_trait]
-impl outbox_core::Broker for AckTimes {
+impl txoutbox_core::Broker for AckTimes {
     async fn publish(
         &self,
-        m: &outbox_core::Message,
-    ) -> Result<outbox_core::Ack, outbox_core::BrokerError> {
+        m: &txoutbox_core::Message,
+    ) -> Result<txoutbox_core::Ack, txoutbox_core::BrokerError> {
         let r = self.inner.publish(m).await;
         if r.is_ok() {
             self.acks
@@ -187,15 +187,15 @@ impl outbox_core::Broker for AckTimes {
         self.inner.messaging_system()
     }
 
-    fn destination_name(&self, m: &outbox_core::Message) -> String {
+    fn destination_name(&self, m: &txoutbox_core::Message) -> String {
         self.inner.destination_name(m)
     }
 
-    fn reconnects(&self) -> Option<outbox_core::broker::ReconnectWatch> {
+    fn reconnects(&self) -> Option<txoutbox_core::broker::ReconnectWatch> {
         self.inner.reconnects()
     }
 
-    async fn probe(&self) -> outbox_core::broker::Probe {
+    async fn probe(&self) -> txoutbox_core::broker::Probe {
         self.inner.probe().await
     }
 }
@@ -203,15 +203,15 @@ impl outbox_core::Broker for AckTimes {
 /// The reference figures: omni-box 0.3.1 (the ancestor) measured during a 10 s broker outage with
 /// three relays, counted from PostgreSQL's WAL: 46,060 row updates on NATS, 55,426 on Redis.
 /// The target is at most 10 % of it.
-pub const REFERENCE_OUTAGE_ROW_UPDATES: [(outbox_conformance::broker::BrokerKind, usize); 2] = [
-    (outbox_conformance::broker::BrokerKind::Nats, 46_060),
-    (outbox_conformance::broker::BrokerKind::Redis, 55_426),
+pub const REFERENCE_OUTAGE_ROW_UPDATES: [(txoutbox_conformance::broker::BrokerKind, usize); 2] = [
+    (txoutbox_conformance::broker::BrokerKind::Nats, 46_060),
+    (txoutbox_conformance::broker::BrokerKind::Redis, 55_426),
 ];
 
 /// What a [`broker_outage_on_postgres`] trial measured.
 #[derive(Debug, Clone)]
 pub struct OutageFigures {
-    /// Relays (each a [`Relay::run_with`](outbox_core::relay::Relay::run_with) loop with its
+    /// Relays (each a [`Relay::run_with`](txoutbox_core::relay::Relay::run_with) loop with its
     /// own broker connection, as separate processes would have).
     pub relays: usize,
     /// Cycles of all relays that fetched (rows or none) while the broker was away.
@@ -255,24 +255,24 @@ impl std::fmt::Display for OutageFigures {
 }
 
 /// The fault suite, broker side, in the measured setting: three relay loops
-/// ([`outbox_core::relay::Relay::run_with`] with
-/// [`RECOMMENDED_OUTAGE_BACKOFF`](outbox_core::relay::RECOMMENDED_OUTAGE_BACKOFF), the outage
+/// ([`txoutbox_core::relay::Relay::run_with`] with
+/// [`RECOMMENDED_OUTAGE_BACKOFF`](txoutbox_core::relay::RECOMMENDED_OUTAGE_BACKOFF), the outage
 /// back-off `outbox-relay` runs with) on PostgreSQL (the sqlx backend, a fresh schema) drain
 /// 40 keys × 25 events into `b`, each relay through its own adapter connection to one
-/// [`outbox_conformance::broker::LoopbackProxy`]. After 100 rows went out the proxy takes the
+/// [`txoutbox_conformance::broker::LoopbackProxy`]. After 100 rows went out the proxy takes the
 /// broker away (`fault`) for `outage`, then brings it back. Checks that every event arrives,
 /// that per key first deliveries are in write order, and that every row ends completed and
 /// released; returns the figures of the outage. Batch 50, publish timeout 2 s (the adapter's
 /// own 1 s), poll interval 1 s, `delivery` mode.
 pub async fn broker_outage_on_postgres(
-    b: &dyn outbox_conformance::broker::BrokerUnderTest,
+    b: &dyn txoutbox_conformance::broker::BrokerUnderTest,
     fault: BrokerFault,
     outage: Duration,
-    delivery: outbox_core::repository::DeliveryMode,
+    delivery: txoutbox_core::repository::DeliveryMode,
 ) -> OutageFigures {
-    use outbox_conformance::broker::{FirstDeliveries, LoopbackProxy, TrialOptions};
-    use outbox_core::CancellationToken;
-    use outbox_core::relay::{CycleReport, RECOMMENDED_OUTAGE_BACKOFF, Relay, RunOptions};
+    use txoutbox_conformance::broker::{FirstDeliveries, LoopbackProxy, TrialOptions};
+    use txoutbox_core::CancellationToken;
+    use txoutbox_core::relay::{CycleReport, RECOMMENDED_OUTAGE_BACKOFF, Relay, RunOptions};
 
     const RELAYS: usize = 3;
 
@@ -475,9 +475,9 @@ pub const MEASURED_OUTAGE: Duration = Duration::from_secs(10);
 /// within 5 s after the broker answers again (the target is 1 s, printed; this bound only
 /// catches a relay that waits for its back-off timer, up to 30 s, instead of the broker).
 pub async fn broker_outage_recovers_within_bounds(
-    b: &dyn outbox_conformance::broker::BrokerUnderTest,
+    b: &dyn txoutbox_conformance::broker::BrokerUnderTest,
     fault: BrokerFault,
-    delivery: outbox_core::repository::DeliveryMode,
+    delivery: txoutbox_core::repository::DeliveryMode,
 ) -> OutageFigures {
     let f = broker_outage_on_postgres(b, fault, MEASURED_OUTAGE, delivery).await;
     println!("faults {:?} {fault:?} {delivery:?}: {f}", b.kind());
@@ -490,7 +490,7 @@ pub async fn broker_outage_recovers_within_bounds(
         f.cycles_during * 10 <= ancestor_cycles,
         "more than 10 % of the ancestor's {ancestor_cycles} cycles: {f}"
     );
-    if delivery == outbox_core::repository::DeliveryMode::Transaction {
+    if delivery == txoutbox_core::repository::DeliveryMode::Transaction {
         assert!(
             f.row_writes_during <= (f.relays * 50) as i64,
             "transaction delivery writes nothing during an outage: {f}"
@@ -535,9 +535,9 @@ pub struct DatabaseFaultFigures {
 /// Checks that every event is published, first publishes per key in write order, and every row
 /// ends completed and released; returns the figures.
 pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultFigures {
-    use outbox_core::CancellationToken;
-    use outbox_core::relay::Relay;
-    use outbox_core::scripted::{Action, ScriptedBroker};
+    use txoutbox_core::CancellationToken;
+    use txoutbox_core::relay::Relay;
+    use txoutbox_core::scripted::{Action, ScriptedBroker};
 
     let _share = reserve_connections(8).await;
     let url = database_url();
@@ -652,7 +652,7 @@ pub async fn database_faults_drain(fault: Duration, pin: bool) -> DatabaseFaultF
 #[derive(Debug, Clone)]
 pub struct MidFetchFigures {
     /// The delivery mode of the relay.
-    pub delivery: outbox_core::repository::DeliveryMode,
+    pub delivery: txoutbox_core::repository::DeliveryMode,
     /// The statement the relay's backend was running when it was ended (its first 60 bytes).
     pub statement: String,
     /// From the end of the fault (the backend ended and the table free again) to the end of the
@@ -671,7 +671,7 @@ pub struct MidFetchFigures {
 /// fresh connection and drains 8 keys × 10 events to a scripted broker, first publishes per
 /// key in write order, every row completed and released; returns the figures.
 pub async fn fetch_terminated_mid_statement(
-    delivery: outbox_core::repository::DeliveryMode,
+    delivery: txoutbox_core::repository::DeliveryMode,
 ) -> MidFetchFigures {
     fetch_terminated_mid_statement_with(delivery, |url, table| {
         let pool = PgPoolOptions::new()
@@ -691,12 +691,12 @@ pub async fn fetch_terminated_mid_statement(
 /// database URL that carries the trial's `application_name` (how the trial finds the relay's
 /// backends) and the table: for other backends (outbox-diesel runs it with its own).
 pub async fn fetch_terminated_mid_statement_with(
-    delivery: outbox_core::repository::DeliveryMode,
+    delivery: txoutbox_core::repository::DeliveryMode,
     make_repo: impl FnOnce(&str, &TableName) -> Arc<dyn OutboxRepository>,
 ) -> MidFetchFigures {
-    use outbox_core::CancellationToken;
-    use outbox_core::relay::Relay;
-    use outbox_core::scripted::ScriptedBroker;
+    use txoutbox_core::CancellationToken;
+    use txoutbox_core::relay::Relay;
+    use txoutbox_core::scripted::ScriptedBroker;
 
     let _share = reserve_connections(6).await;
     let url = database_url();

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
-use outbox_core::error::RepositoryError;
-use outbox_core::event::NewEvent;
-use outbox_core::repository::{OutboxRepository, WriteResult};
+use txoutbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::{OutboxRepository, WriteResult};
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use uuid::Uuid;
@@ -52,7 +52,7 @@ impl PgFactory {
     }
 
     /// Creates each trial's table with the ancestor's DDL exactly as the ancestor library created it (R78)
-    /// writes it (`outbox_conformance::scenarios::pg::ANCESTOR_DDL`) instead of this crate's
+    /// writes it (`txoutbox_conformance::scenarios::pg::ANCESTOR_DDL`) instead of this crate's
     /// schema creation.
     pub fn ancestor_ddl(mut self) -> Self {
         self.ancestor = true;
@@ -147,7 +147,7 @@ impl PgHarness {
             .execute(&pool)
             .await
             .expect("create schema");
-        let ddl = outbox_conformance::scenarios::pg::ancestor_ddl(&schema, table.table());
+        let ddl = txoutbox_conformance::scenarios::pg::ancestor_ddl(&schema, table.table());
         sqlx::raw_sql(AssertSqlSafe(ddl))
             .execute(&pool)
             .await

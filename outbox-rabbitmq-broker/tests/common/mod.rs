@@ -14,14 +14,14 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
-pub use outbox_conformance::broker::{
+pub use txoutbox_conformance::broker::{
     BrokerKind, BrokerTrial, BrokerUnderTest, Received, TrialOptions, fresh_suffix,
 };
-use outbox_conformance::rabbitmq::{
+use txoutbox_conformance::rabbitmq::{
     AmqpMessage, HeaderValue, QueueKind, RabbitAdapter, RabbitMqUnderTest,
 };
-pub use outbox_core::Broker;
-pub use outbox_rabbitmq_broker::{MessageFormat, RabbitMqBroker, RabbitMqBrokerConfig};
+pub use txoutbox_core::Broker;
+pub use txoutbox_rabbitmq_broker::{MessageFormat, RabbitMqBroker, RabbitMqBrokerConfig};
 
 pub fn url() -> String {
     std::env::var("AMQP_URL").unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
@@ -190,7 +190,7 @@ impl RabbitMqUnderTest for Rabbit {
         let target = o.connect_to.map_or_else(url, url_at);
         let mut cfg = adapter_config(target, o.confirm_timeout)
             .exchange(o.exchange.clone())
-            .routing_key_prefix(outbox_conformance::rabbitmq::PREFIX);
+            .routing_key_prefix(txoutbox_conformance::rabbitmq::PREFIX);
         if let Some(s) = &o.cloudevents_source {
             cfg = cfg
                 .message_format(MessageFormat::CloudEvents)
@@ -288,7 +288,7 @@ impl BrokerTrial for RabbitTrial {
     async fn await_reachable(&self, within: Duration) -> bool {
         let deadline = tokio::time::Instant::now() + within;
         while tokio::time::Instant::now() < deadline {
-            if self.broker.probe().await == outbox_core::broker::Probe::Up {
+            if self.broker.probe().await == txoutbox_core::broker::Probe::Up {
                 return true;
             }
             tokio::time::sleep(Duration::from_millis(100)).await;

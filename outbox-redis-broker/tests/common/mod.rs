@@ -7,11 +7,11 @@ pub use std::sync::Arc;
 pub use std::time::Duration;
 
 pub use async_trait::async_trait;
-pub use outbox_conformance::broker::{
+pub use txoutbox_conformance::broker::{
     BrokerKind, BrokerTrial, BrokerUnderTest, Received, TrialOptions, fresh_suffix,
 };
-pub use outbox_core::Broker;
-pub use outbox_redis_broker::{RedisBroker, RedisBrokerConfig};
+pub use txoutbox_core::Broker;
+pub use txoutbox_redis_broker::{RedisBroker, RedisBrokerConfig};
 pub use redis::aio::MultiplexedConnection;
 
 pub fn url() -> String {

@@ -147,8 +147,8 @@ pub async fn g_04<S: SubscriptionUnderTest + ?Sized>(s: &S) {
 
 impl Bed {
     /// m1 on k stored pending, as a runner that did not run it would have left it.
-    async fn land(&self, id: &str, key: &str) -> outbox_core::inbox::InboxEvent {
-        let e = outbox_core::inbox::NewInboxEvent::builder()
+    async fn land(&self, id: &str, key: &str) -> txoutbox_core::inbox::InboxEvent {
+        let e = txoutbox_core::inbox::NewInboxEvent::builder()
             .message_id(id)
             .consumer_group("g")
             .source("src")
@@ -166,8 +166,8 @@ impl Bed {
             .row
     }
 
-    fn processor(&self) -> outbox_core::inbox::Processor<InMemoryInbox> {
-        outbox_core::inbox::Processor::builder(self.h.backend(), "g", self.handler.clone())
+    fn processor(&self) -> txoutbox_core::inbox::Processor<InMemoryInbox> {
+        txoutbox_core::inbox::Processor::builder(self.h.backend(), "g", self.handler.clone())
             .worker_id("w2")
             .max_per_key(1)
             .handler_concurrency(1)
@@ -187,7 +187,7 @@ pub async fn g_05<S: SubscriptionUnderTest + ?Sized>(s: &S) {
     let gate = Gate::new();
     b.handler.script("m1", vec![Act::Gate(gate.clone())]);
     let p = b.processor();
-    let token = outbox_core::CancellationToken::new();
+    let token = txoutbox_core::CancellationToken::new();
     let cycle = p.cycle(&token);
     let r1 = Arc::new(Recorder::default());
     let runner = async {
@@ -219,9 +219,9 @@ pub async fn g_05<S: SubscriptionUnderTest + ?Sized>(s: &S) {
 /// lease is the store's, not the broker's); m1 comes again: w1 completes it. w2's late run is
 /// lease lost, its handler not called; effects `[m1]` (R116, R152, R156).
 pub async fn g_06<S: SubscriptionUnderTest + ?Sized>(s: &S) {
-    use outbox_core::event::WorkerId;
-    use outbox_core::inbox::RowReport;
-    use outbox_core::inbox::repository::InboxFetchRequest;
+    use txoutbox_core::event::WorkerId;
+    use txoutbox_core::inbox::RowReport;
+    use txoutbox_core::inbox::repository::InboxFetchRequest;
     let b = Bed::new(s).await;
     let row = b.land("m1", "k").await;
     let req = InboxFetchRequest::new(WorkerId::new("w2").expect("worker"), g(), 10);

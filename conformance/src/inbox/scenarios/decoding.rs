@@ -3,11 +3,11 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::inbox::decode::{AmqpValue, BrokerMessage};
-use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
-use outbox_core::inbox::scripted::AckOp;
-use outbox_core::inbox::{DeliveryOutcome as O, InboxEvent, NewInboxEvent, OnFailure};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::decode::{AmqpValue, BrokerMessage};
+use txoutbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
+use txoutbox_core::inbox::scripted::AckOp;
+use txoutbox_core::inbox::{DeliveryOutcome as O, InboxEvent, NewInboxEvent, OnFailure};
 use serde_json::json;
 
 use crate::inbox::ctx::{Ictx, g};
@@ -548,7 +548,7 @@ pub async fn e_10<F: InboxFactory>(f: &F) {
 }
 
 /// `sha256:` + the lowercase hex SHA-256 of `bytes`, computed here independently of the adapter's
-/// helper (FIPS 180-4 test vectors pin it, see the unit test of `outbox_core::inbox::decode`).
+/// helper (FIPS 180-4 test vectors pin it, see the unit test of `txoutbox_core::inbox::decode`).
 fn sha256_key(bytes: &[u8]) -> String {
     use sha2::Digest;
     let d = sha2::Sha256::digest(bytes);

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
-use outbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent};
+use txoutbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
+use txoutbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent};
 use serde_json::json;
 
 use crate::inbox::ctx::{Ictx, g};

@@ -3,10 +3,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::inbox::repository::{InboxBackend, InboxTransaction};
-use outbox_core::inbox::scripted::AckOp;
-use outbox_core::inbox::{
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::repository::{InboxBackend, InboxTransaction};
+use txoutbox_core::inbox::scripted::AckOp;
+use txoutbox_core::inbox::{
     AckStrategy, AncestorAckSettings, CommitOffsetPolicy, DeliveryOutcome as O, OnFailure,
 };
 

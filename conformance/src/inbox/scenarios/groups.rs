@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use outbox_core::event::{Status, WorkerId};
-use outbox_core::inbox::repository::{InboxFetchRequest, InboxRepository};
-use outbox_core::inbox::{DeliveryOutcome as O, OnFailure, RowReport, Runner};
+use txoutbox_core::event::{Status, WorkerId};
+use txoutbox_core::inbox::repository::{InboxFetchRequest, InboxRepository};
+use txoutbox_core::inbox::{DeliveryOutcome as O, OnFailure, RowReport, Runner};
 
 use crate::inbox::ctx::{Ictx, g};
 use crate::inbox::harness::InboxFactory;

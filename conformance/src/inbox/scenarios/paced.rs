@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use outbox_core::CancellationToken;
-use outbox_core::inbox::{DeliveryOutcome as O, OnFailure, RowReport};
+use txoutbox_core::CancellationToken;
+use txoutbox_core::inbox::{DeliveryOutcome as O, OnFailure, RowReport};
 
 use crate::inbox::ctx::Ictx;
 use crate::inbox::harness::{InboxFactory, InboxHarness};
@@ -195,7 +195,7 @@ pub async fn y_19<F: InboxFactory>(f: &F) {
 /// dead-letter copy are tried again in place every 1.0 s; a stop ends the retries and leaves
 /// the delivery unended (R132, R140, R167, R182). Run on paused time.
 pub async fn f_23<F: InboxFactory>(f: &F) {
-    use outbox_core::inbox::scripted::AckOp;
+    use txoutbox_core::inbox::scripted::AckOp;
     // (a) the database comes back 2.5 s after the first try.
     let c = Ictx::new(f).await;
     let i = c.deliver("m1", None);
@@ -271,7 +271,7 @@ pub async fn f_23<F: InboxFactory>(f: &F) {
 /// (R134, R136, R166). Run on paused time.
 pub async fn f_26<F: InboxFactory>(f: &F) {
     use crate::inbox::script::Gate;
-    use outbox_core::inbox::scripted::AckOp;
+    use txoutbox_core::inbox::scripted::AckOp;
     let c = Ictx::new(f).await;
     c.sub.renew_every(Duration::from_secs(1));
     let gate = Gate::new();

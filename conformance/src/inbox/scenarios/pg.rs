@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
-use outbox_core::inbox::scripted::AckOp;
-use outbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent, OnFailure, RowReport};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
+use txoutbox_core::inbox::scripted::AckOp;
+use txoutbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent, OnFailure, RowReport};
 use serde_json::json;
 
 use crate::inbox::ctx::{Ictx, g};
@@ -530,8 +530,8 @@ pub async fn z_04<F: InboxFactory>(f: &F) {
     c.deliver("landed", Some("l"));
     c.handle(&c.bare_runner().build().unwrap()).await;
     c.land("held", Some("h")).await;
-    let req = outbox_core::inbox::InboxFetchRequest::new(
-        outbox_core::event::WorkerId::new("w9").unwrap(),
+    let req = txoutbox_core::inbox::InboxFetchRequest::new(
+        txoutbox_core::event::WorkerId::new("w9").unwrap(),
         g(),
         10,
     );

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::inbox::scripted::AckOp;
-use outbox_core::inbox::{DeliveryOutcome as O, OnFailure};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::scripted::AckOp;
+use txoutbox_core::inbox::{DeliveryOutcome as O, OnFailure};
 
 use crate::inbox::ctx::{Ictx, assert_within};
 use crate::inbox::harness::{InboxFactory, InboxHarness as _, InboxPatch};
@@ -14,7 +14,7 @@ use crate::inbox::script::Act;
 async fn rewind_trial<F: InboxFactory>(
     f: &F,
     act: Act,
-) -> (Ictx<F::Harness>, outbox_core::inbox::DeliveryResult) {
+) -> (Ictx<F::Harness>, txoutbox_core::inbox::DeliveryResult) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
     c.script("m1", vec![act]);
@@ -111,7 +111,7 @@ async fn record_trial<F: InboxFactory>(
     policy: Option<OnFailure>,
 ) -> (
     Ictx<F::Harness>,
-    outbox_core::inbox::DeliveryResult,
+    txoutbox_core::inbox::DeliveryResult,
     chrono::DateTime<chrono::Utc>,
     chrono::DateTime<chrono::Utc>,
 ) {
@@ -294,7 +294,7 @@ pub async fn n_17<F: InboxFactory>(f: &F) {
     c.deliver("m1", Some("k"));
     let rg = c.runner().build().unwrap();
     let rg2 =
-        outbox_core::inbox::Runner::builder(c.backend(), std::sync::Arc::new(c.sub.clone()), "g2")
+        txoutbox_core::inbox::Runner::builder(c.backend(), std::sync::Arc::new(c.sub.clone()), "g2")
             .handler(c.handler.clone())
             .worker_id("w2")
             .concurrency(1)
@@ -307,8 +307,8 @@ pub async fn n_17<F: InboxFactory>(f: &F) {
     assert_eq!((a.outcome, a.committed), (O::Completed, true));
     assert_eq!((b.outcome, b.committed), (O::Completed, true));
     assert_ne!(a.row_id, b.row_id);
-    let g2 = outbox_core::inbox::ConsumerGroup::new("g2").unwrap();
-    use outbox_core::inbox::InboxRepository;
+    let g2 = txoutbox_core::inbox::ConsumerGroup::new("g2").unwrap();
+    use txoutbox_core::inbox::InboxRepository;
     assert!(
         c.backend()
             .get_by_message_id("m1", &g2)

@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::CancellationToken;
-use outbox_core::event::Status;
-use outbox_core::event::WorkerId;
-use outbox_core::inbox::repository::{InboxFetchRequest, InboxRepository};
-use outbox_core::inbox::{DeliveryOutcome as O, RowReport};
+use txoutbox_core::CancellationToken;
+use txoutbox_core::event::Status;
+use txoutbox_core::event::WorkerId;
+use txoutbox_core::inbox::repository::{InboxFetchRequest, InboxRepository};
+use txoutbox_core::inbox::{DeliveryOutcome as O, RowReport};
 
 use crate::inbox::ctx::{Ictx, assert_within, g};
 use crate::inbox::harness::{InboxFactory, InboxHarness as _, InboxPatch};
@@ -501,7 +501,7 @@ pub async fn y_13<F: InboxFactory>(f: &F) {
     let token = CancellationToken::new();
     let t2 = token.clone();
     struct Cancel(CancellationToken);
-    impl outbox_core::inbox::InboxHooks for Cancel {
+    impl txoutbox_core::inbox::InboxHooks for Cancel {
         fn on_row(&self, _: uuid::Uuid, _: Option<&str>, _: &RowReport, _: Option<Duration>) {
             self.0.cancel();
         }

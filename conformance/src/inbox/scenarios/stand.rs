@@ -5,9 +5,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::{OnFailure, Runner};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::inbox::{OnFailure, Runner};
 use rand::rngs::StdRng;
 use rand::{RngExt, SeedableRng};
 
@@ -80,7 +80,7 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
             .worker_id(format!("w{}", i + 1))
             .concurrency(4)
             .process_stored(false)
-            .random_source(Box::new(outbox_core::backoff::SeededRng::new(
+            .random_source(Box::new(txoutbox_core::backoff::SeededRng::new(
                 seed + i as u64,
             )))
             .on_failure(if rewind {
@@ -98,7 +98,7 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
         done_rounds = round;
         if rewind && round == 50 {
             // kill(w2): it dies holding a delivery it read and never ended.
-            let _held = outbox_core::inbox::Subscription::next(&c.sub.view(1), 1, Duration::ZERO)
+            let _held = txoutbox_core::inbox::Subscription::next(&c.sub.view(1), 1, Duration::ZERO)
                 .await
                 .unwrap();
             runners[1] = None;
@@ -130,10 +130,10 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
                     break;
                 };
                 active = true;
-                if res.outcome == outbox_core::inbox::DeliveryOutcome::Recorded {
+                if res.outcome == txoutbox_core::inbox::DeliveryOutcome::Recorded {
                     recorded += 1;
                 }
-                if res.outcome == outbox_core::inbox::DeliveryOutcome::Duplicate {
+                if res.outcome == txoutbox_core::inbox::DeliveryOutcome::Duplicate {
                     dups += 1;
                 }
                 if res.commit_failed {
@@ -171,7 +171,7 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
                     .outcomes
                     .iter()
                     .filter(|(_, o)| {
-                        matches!(o, outbox_core::inbox::RowReport::CommitFailed { .. })
+                        matches!(o, txoutbox_core::inbox::RowReport::CommitFailed { .. })
                     })
                     .count();
             }

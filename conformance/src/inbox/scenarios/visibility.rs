@@ -1,13 +1,13 @@
 //! A: inbox visibility and observability (scenarios.md section 27; A-03's counters are
-//! checked by `outbox_core::inbox::metrics`'s tests, A-04's spans need an OpenTelemetry
+//! checked by `txoutbox_core::inbox::metrics`'s tests, A-04's spans need an OpenTelemetry
 //! exporter).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::inbox::repository::InboxRepository;
-use outbox_core::inbox::{DeliveryOutcome as O, DeliveryResult, InboxEvent, InboxHooks};
+use txoutbox_core::event::Status;
+use txoutbox_core::inbox::repository::InboxRepository;
+use txoutbox_core::inbox::{DeliveryOutcome as O, DeliveryResult, InboxEvent, InboxHooks};
 
 use crate::inbox::ctx::{Ictx, g};
 use crate::inbox::harness::{InboxFactory, InboxHarness as _, InboxPatch};

@@ -7,8 +7,8 @@
 //! billed in the order they were placed.
 //!
 //! ```sh
-//! cargo run -p outbox-examples --features redis --bin billing -- --broker nats
-//! cargo run -p outbox-examples --features diesel --bin billing -- --store diesel
+//! cargo run -p txoutbox-examples --features redis --bin billing -- --broker nats
+//! cargo run -p txoutbox-examples --features diesel --bin billing -- --store diesel
 //! ```
 //!
 //! The store that runs the inbox is `--store sqlx` (outbox-postgres's sqlx inbox, the handler
@@ -29,10 +29,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use outbox_core::inbox::repository::{HandlerTx, InboxBackend};
-use outbox_core::inbox::{Handler, HandlerError, InboxEvent, Runner};
-use outbox_core::{Backoff, inbox::Subscription};
-use outbox_postgres::TableName;
+use txoutbox_core::inbox::repository::{HandlerTx, InboxBackend};
+use txoutbox_core::inbox::{Handler, HandlerError, InboxEvent, Runner};
+use txoutbox_core::{Backoff, inbox::Subscription};
+use txoutbox_postgres::TableName;
 use rand::RngExt;
 
 /// An error of `main`.
@@ -314,7 +314,7 @@ where
     let worker = args
         .worker_id
         .clone()
-        .unwrap_or_else(outbox_examples::default_worker_id);
+        .unwrap_or_else(txoutbox_examples::default_worker_id);
     // The stream is the producer's: until it exists (orders not started yet), wait for it.
     let subscription = loop {
         match subscription(args, &worker).await {
@@ -374,8 +374,8 @@ async fn shutdown_signal() {
 async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>, BoxError> {
     Ok(match args.broker {
         BrokerKind::Nats => {
-            use outbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
-            let client = outbox_nats_broker::async_nats::connect(&args.nats_url).await?;
+            use txoutbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
+            let client = txoutbox_nats_broker::async_nats::connect(&args.nats_url).await?;
             Arc::new(
                 NatsSubscription::bind(
                     client,
@@ -389,7 +389,7 @@ async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>
         }
         #[cfg(feature = "redis")]
         BrokerKind::Redis => {
-            use outbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
+            use txoutbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
             Arc::new(
                 RedisSubscription::connect(
                     RedisSubscriptionConfig::new(
@@ -407,7 +407,7 @@ async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>
         }
         #[cfg(feature = "kafka")]
         BrokerKind::Kafka => {
-            use outbox_kafka_broker::{
+            use txoutbox_kafka_broker::{
                 KafkaBrokerConfig, KafkaSubscription, KafkaSubscriptionConfig,
             };
             Arc::new(
@@ -428,7 +428,7 @@ async fn subscription(args: &Args, worker: &str) -> Result<Arc<dyn Subscription>
         }
         #[cfg(feature = "rabbitmq")]
         BrokerKind::Rabbitmq => {
-            use outbox_rabbitmq_broker::{
+            use txoutbox_rabbitmq_broker::{
                 RabbitMqBrokerConfig, RabbitSubscription, RabbitSubscriptionConfig,
             };
             let queue = args

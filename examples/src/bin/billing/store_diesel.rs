@@ -6,9 +6,9 @@
 use async_trait::async_trait;
 use diesel::sql_types::{BigInt, Integer, Nullable, Text, Uuid};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
-use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
-use outbox_diesel::{Layout, PoolSettings, build_pool};
-use outbox_diesel::{create_inbox_schema, diesel_inbox};
+use txoutbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
+use txoutbox_diesel::{Layout, PoolSettings, build_pool};
+use txoutbox_diesel::{create_inbox_schema, diesel_inbox};
 
 use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
 
@@ -16,7 +16,7 @@ use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
 pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
     let (inbox_table, ledger) = tables(args)?;
     until_ready("the database", || async {
-        let mut conn = outbox_diesel::tls::establish(&args.database_url).await?;
+        let mut conn = txoutbox_diesel::tls::establish(&args.database_url).await?;
         create_inbox_schema(&mut conn, &inbox_table, Layout::Plain).await?;
         diesel::sql_query(ledger_ddl(&ledger))
             .execute(&mut conn)

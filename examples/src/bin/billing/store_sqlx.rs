@@ -2,10 +2,10 @@
 //! the sqlx `Transaction` of the inbox transaction.
 
 use async_trait::async_trait;
-use outbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
-use outbox_postgres::Layout;
-use outbox_postgres::sqlx::{self, AssertSqlSafe, Postgres, Transaction};
-use outbox_postgres::{SqlxInbox, create_inbox_schema};
+use txoutbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
+use txoutbox_postgres::Layout;
+use txoutbox_postgres::sqlx::{self, AssertSqlSafe, Postgres, Transaction};
+use txoutbox_postgres::{SqlxInbox, create_inbox_schema};
 
 use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
 

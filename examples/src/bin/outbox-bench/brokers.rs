@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
-use outbox_core::Broker;
-use outbox_core::broker::NoopBroker;
+use txoutbox_core::Broker;
+use txoutbox_core::broker::NoopBroker;
 
 use crate::{BenchError, BrokerKind, Conn};
 
@@ -21,9 +21,9 @@ pub struct RunBroker {
 enum Cleanup {
     None,
     #[cfg(feature = "nats")]
-    Nats(outbox_nats_broker::NatsBroker, String),
+    Nats(txoutbox_nats_broker::NatsBroker, String),
     #[cfg(feature = "redis")]
-    Redis(outbox_redis_broker::RedisBroker, String),
+    Redis(txoutbox_redis_broker::RedisBroker, String),
 }
 
 /// The payload body of message `i`, the same shape as the preload's.
@@ -190,7 +190,7 @@ impl RawClient {
 
 #[cfg(feature = "nats")]
 async fn nats(conn: &Conn, tag: &str) -> Result<RunBroker, BenchError> {
-    use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
+    use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
     let stream = tag.to_uppercase();
     let cfg = NatsBrokerConfig::new(conn.nats_url.clone())
         .subject_prefix(format!("{tag}."))
@@ -213,7 +213,7 @@ async fn nats(_conn: &Conn, _tag: &str) -> Result<RunBroker, BenchError> {
 
 #[cfg(feature = "redis")]
 async fn redis(conn: &Conn, tag: &str) -> Result<RunBroker, BenchError> {
-    use outbox_redis_broker::{RedisBroker, RedisBrokerConfig};
+    use txoutbox_redis_broker::{RedisBroker, RedisBrokerConfig};
     let cfg = RedisBrokerConfig::new(conn.redis_url.clone()).key_prefix(format!("{tag}:"));
     let key = cfg.stream_key("bench", "");
     let b = RedisBroker::connect(cfg)
@@ -228,6 +228,6 @@ async fn redis(conn: &Conn, tag: &str) -> Result<RunBroker, BenchError> {
 #[cfg(not(feature = "redis"))]
 async fn redis(_conn: &Conn, _tag: &str) -> Result<RunBroker, BenchError> {
     Err(BenchError(
-        "--broker redis needs the redis feature: cargo build --release -p outbox-examples --features redis".into(),
+        "--broker redis needs the redis feature: cargo build --release -p txoutbox-examples --features redis".into(),
     ))
 }

@@ -33,8 +33,8 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use clap::Args;
-use outbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
-use outbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, WakeListener};
+use txoutbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, WakeListener};
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, Row};
 use uuid::Uuid;

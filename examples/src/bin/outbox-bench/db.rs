@@ -4,9 +4,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::OutboxRepository;
-use outbox_postgres::sql::{self, FetchParams, Statements, TableName};
-use outbox_postgres::{PgConfig, PgOutboxRepository};
+use txoutbox_core::OutboxRepository;
+use txoutbox_postgres::sql::{self, FetchParams, Statements, TableName};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository};
 use sqlx::postgres::{PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Connection, Row};
 
@@ -176,7 +176,7 @@ async fn create_schema(
     table: &TableName,
 ) -> Result<(), BenchError> {
     match store {
-        StoreKind::Sqlx => outbox_postgres::create_schema(pool, table)
+        StoreKind::Sqlx => txoutbox_postgres::create_schema(pool, table)
             .await
             .map_err(|e| BenchError(format!("create_schema: {e}"))),
         StoreKind::Diesel => diesel_schema(url, table).await,
@@ -189,7 +189,7 @@ async fn diesel_schema(url: &str, table: &TableName) -> Result<(), BenchError> {
     let mut conn = diesel_async::AsyncPgConnection::establish(url)
         .await
         .map_err(|e| BenchError(format!("diesel connect: {e}")))?;
-    outbox_diesel::create_schema(&mut conn, table)
+    txoutbox_diesel::create_schema(&mut conn, table)
         .await
         .map_err(|e| BenchError(format!("diesel create_schema: {e}")))
 }
@@ -197,7 +197,7 @@ async fn diesel_schema(url: &str, table: &TableName) -> Result<(), BenchError> {
 #[cfg(not(feature = "diesel"))]
 async fn diesel_schema(_url: &str, _table: &TableName) -> Result<(), BenchError> {
     Err(BenchError(
-        "--store diesel needs the diesel feature: cargo build --release -p outbox-examples --features diesel".into(),
+        "--store diesel needs the diesel feature: cargo build --release -p txoutbox-examples --features diesel".into(),
     ))
 }
 
@@ -247,14 +247,14 @@ fn diesel_repo(
     table: &TableName,
     pool_size: u32,
 ) -> Result<Arc<dyn OutboxRepository>, BenchError> {
-    let settings = outbox_diesel::PoolSettings::default()
+    let settings = txoutbox_diesel::PoolSettings::default()
         .max_size(pool_size as usize)
         .map_err(|e| BenchError(e.to_string()))?;
-    let pool = outbox_diesel::build_pool(url, &settings)
+    let pool = txoutbox_diesel::build_pool(url, &settings)
         .map_err(|e| BenchError(format!("diesel pool: {e}")))?;
-    Ok(Arc::new(outbox_diesel::DieselOutboxRepository::new(
+    Ok(Arc::new(txoutbox_diesel::DieselOutboxRepository::new(
         pool,
-        outbox_diesel::DieselConfig::default().table(table.clone()),
+        txoutbox_diesel::DieselConfig::default().table(table.clone()),
     )))
 }
 
@@ -350,8 +350,8 @@ pub async fn statement_profile(
     let stmts = Statements::new(&fresh.table);
     let pool = pool(url, 1).await?;
     let mut conn = pool.acquire().await.map_err(db("acquire"))?;
-    let req = outbox_core::FetchRequest::new(
-        outbox_core::WorkerId::new("bench-profile").expect("valid worker id"),
+    let req = txoutbox_core::FetchRequest::new(
+        txoutbox_core::WorkerId::new("bench-profile").expect("valid worker id"),
         batch,
     )
     .max_per_key(max_per_key);
@@ -363,7 +363,7 @@ pub async fn statement_profile(
         let t0 = Instant::now();
         let mut tx = conn.begin().await.map_err(db("begin"))?;
         let t1 = Instant::now();
-        let rows = outbox_postgres::driver::sqlx::fetch_rows(
+        let rows = txoutbox_postgres::driver::sqlx::fetch_rows(
             &mut tx,
             &stmts,
             "bench-profile",

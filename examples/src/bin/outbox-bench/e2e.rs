@@ -42,8 +42,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use outbox_core::NewEvent;
-use outbox_postgres::{PgOutboxWriter, TableName};
+use txoutbox_core::NewEvent;
+use txoutbox_postgres::{PgOutboxWriter, TableName};
 use serde_json::{Value, json};
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Row};
@@ -153,7 +153,7 @@ fn sibling(name: &str, given: &Option<PathBuf>) -> Result<PathBuf, BenchError> {
     let p = exe.with_file_name(name);
     if !p.exists() {
         return Err(BenchError(format!(
-            "{} not found: build it with `cargo build --release -p outbox-examples --features nats,redis,diesel --bin outbox-bench --bin outbox-relay --bin billing` (or scripts/bench e2e)",
+            "{} not found: build it with `cargo build --release -p txoutbox-examples --features nats,redis,diesel --bin outbox-bench --bin outbox-relay --bin billing` (or scripts/bench e2e)",
             p.display()
         )));
     }
@@ -629,7 +629,7 @@ impl Config<'_> {
         let bed = BrokerBed::create(self.broker, &a.conn, &tag).await;
         let res = async {
             let bed = bed.as_ref().map_err(|e| BenchError(e.0.clone()))?;
-            outbox_postgres::create_schema(&admin, &table)
+            txoutbox_postgres::create_schema(&admin, &table)
                 .await
                 .map_err(|e| BenchError(format!("create_schema: {e}")))?;
             let mut procs: Vec<Proc> = Vec::new();

@@ -5,11 +5,11 @@
 //! brokers) removed at the end, and prints one JSON line per shape and run, then a table of
 //! medians and ratios against the targets:
 //!
-//! * `land`: the runner (`outbox_core::inbox::Runner`, the sqlx store) handling deliveries of
+//! * `land`: the runner (`txoutbox_core::inbox::Runner`, the sqlx store) handling deliveries of
 //!   the scripted subscription, a handler writing one row of its own, against plain SQL doing
 //!   `INSERT … ON CONFLICT DO NOTHING`, the handler's insert and the completion in one
 //!   transaction per message on as many connections as the runner's concurrency (target 0.7 ×);
-//! * `drain`: the processor (`outbox_core::inbox::Processor`) draining stored rows with
+//! * `drain`: the processor (`txoutbox_core::inbox::Processor`) draining stored rows with
 //!   handler_concurrency C, against plain SQL doing per row on C connections what R152 does:
 //!   fetch and lock one due row (`FOR UPDATE SKIP LOCKED`), the handler's insert, the
 //!   completion, one commit (target 0.7 ×);
@@ -30,14 +30,14 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use clap::{Args, ValueEnum};
-use outbox_core::SystemClock;
-use outbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
-use outbox_core::inbox::{
+use txoutbox_core::SystemClock;
+use txoutbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
+use txoutbox_core::inbox::{
     BrokerMessage, DeliveryOutcome, DeliveryResult, Handler, HandlerError, HandlerOutcome,
     InboxEvent, InboxHooks, Processor, RowReport, Runner, Subscription,
 };
-use outbox_postgres::inbox::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
-use outbox_postgres::{Layout, TableName};
+use txoutbox_postgres::inbox::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
+use txoutbox_postgres::{Layout, TableName};
 use serde_json::{Value, json};
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Connection};
@@ -719,7 +719,7 @@ async fn drain_library(bed: &Bed, a: &InboxArgs) -> Result<(f64, Value), BenchEr
         .build()
         .map_err(|e| BenchError(format!("processor: {e}")))?;
     let p = Arc::new(p);
-    let stop = outbox_core::CancellationToken::new();
+    let stop = txoutbox_core::CancellationToken::new();
     let started = Instant::now();
     let task = {
         let (p, stop) = (p.clone(), stop.clone());

@@ -46,7 +46,7 @@ pub async fn measure(
 async fn library(
     bed: &Bed,
     a: &InboxArgs,
-    sub: Arc<dyn outbox_core::inbox::Subscription>,
+    sub: Arc<dyn txoutbox_core::inbox::Subscription>,
 ) -> Result<f64, BenchError> {
     let (store, pool) = bed
         .store(&a.conn, (a.concurrency + 4) as u32, a.pool_ping)
@@ -97,7 +97,7 @@ mod nats {
     use std::time::Duration;
 
     use async_nats::jetstream::{self, consumer};
-    use outbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
+    use txoutbox_nats_broker::{NatsSubscription, NatsSubscriptionConfig};
 
     use super::*;
 
@@ -236,7 +236,7 @@ mod redis_shape {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use futures::SinkExt;
-    use outbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
+    use txoutbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
     use redis::aio::MultiplexedConnection;
     use redis::streams::StreamReadReply;
 

@@ -3,7 +3,7 @@
 //! `outbox-bench run …` prepares a fresh table in its own schema, preloads pending events in
 //! bulk and drains them one way, then prints one JSON line:
 //!
-//! * `--mode relay`: R `outbox_core::Relay` loops (sqlx or diesel store; no-op, NATS JetStream
+//! * `--mode relay`: R `txoutbox_core::Relay` loops (sqlx or diesel store; no-op, NATS JetStream
 //!   or Redis Streams broker) in this process;
 //! * `--mode reference`: the same preload drained with plain SQL and no ordering, 2 statements
 //!   per cycle on R connections (the ceiling of a Postgres queue on this machine);
@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use outbox_core::{Broker, CancellationToken, OutboxRepository, Relay};
+use txoutbox_core::{Broker, CancellationToken, OutboxRepository, Relay};
 use serde_json::{Value, json};
 
 use crate::timed::{OrderCheck, Phases, Timed, TimedBroker};
@@ -83,7 +83,7 @@ enum Cmd {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Mode {
-    /// Relay loops (outbox_core::Relay).
+    /// Relay loops (txoutbox_core::Relay).
     Relay,
     /// Plain SQL, unordered, 2 statements per cycle: the ceiling.
     Reference,
@@ -112,7 +112,7 @@ pub enum StoreKind {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BrokerKind {
-    /// outbox_core::broker::NoopBroker.
+    /// txoutbox_core::broker::NoopBroker.
     Noop,
     /// NATS JetStream (outbox-nats-broker), a fresh stream per run.
     Nats,
@@ -187,7 +187,7 @@ pub struct RunArgs {
     pub publish_concurrency: usize,
     /// Delivery mode of the relay (relay mode): lease or transaction.
     #[arg(long, default_value = "lease", value_parser = parse_delivery)]
-    pub delivery: outbox_core::DeliveryMode,
+    pub delivery: txoutbox_core::DeliveryMode,
     /// Check every key's publishes arrive in write order (relay mode).
     #[arg(long)]
     pub check_order: bool,
@@ -204,9 +204,9 @@ pub struct RunArgs {
     pub conn: Conn,
 }
 
-fn parse_delivery(s: &str) -> Result<outbox_core::DeliveryMode, String> {
+fn parse_delivery(s: &str) -> Result<txoutbox_core::DeliveryMode, String> {
     s.parse()
-        .map_err(|e: outbox_core::ConfigError| e.to_string())
+        .map_err(|e: txoutbox_core::ConfigError| e.to_string())
 }
 
 /// VmHWM (peak resident set) of this process in MiB, from /proc/self/status.
@@ -262,12 +262,12 @@ async fn run(a: RunArgs) -> Result<Value, BenchError> {
         Mode::Preload => {
             let fresh =
                 db::prepare(&a.conn.database_url, &tag, &shape, a.store, 2, a.stats).await?;
-            let stmts = outbox_postgres::sql::Statements::new(&fresh.table);
+            let stmts = txoutbox_postgres::sql::Statements::new(&fresh.table);
             eprintln!(
                 "kept table {}; fetch statements (parameters in outbox-postgres/src/sql/statements/; window {}, walk limit {}):\n{}\n\n{}",
                 fresh.table,
-                outbox_postgres::sql::fetch_window(a.batch),
-                outbox_postgres::sql::fetch_walk_limit(a.batch),
+                txoutbox_postgres::sql::fetch_window(a.batch),
+                txoutbox_postgres::sql::fetch_walk_limit(a.batch),
                 stmts.fetch_heads,
                 stmts.fetch_take
             );
@@ -355,12 +355,12 @@ async fn relay_drain(
     // Before the clock starts, open every connection of the pool and prepare the fetch on it,
     // as in a relay that is already running: R + 1 concurrent fetches with a topic filter that
     // matches no row (they lock nothing).
-    let warm = outbox_core::FetchRequest::new(
-        outbox_core::WorkerId::new("bench-warm-up").expect("valid worker id"),
+    let warm = txoutbox_core::FetchRequest::new(
+        txoutbox_core::WorkerId::new("bench-warm-up").expect("valid worker id"),
         a.batch,
     )
     .max_per_key(a.max_per_key)
-    .filter(outbox_core::FetchFilter::topics([
+    .filter(txoutbox_core::FetchFilter::topics([
         "bench-warm-up-matches-nothing",
     ]));
     let warmed = futures::future::try_join_all((0..=a.relays).map(|_| repo.fetch_and_lock(&warm)))

@@ -9,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::event::{OutboxEvent, WorkerId};
-use outbox_core::repository::{
+use txoutbox_core::event::{OutboxEvent, WorkerId};
+use txoutbox_core::repository::{
     BlockedKey, Capabilities, FetchRequest, Fetched, Outcome, StatusCount, WrittenOutcome,
 };
-use outbox_core::{Ack, Broker, BrokerError, Message, OutboxRepository, RepositoryError};
+use txoutbox_core::{Ack, Broker, BrokerError, Message, OutboxRepository, RepositoryError};
 use uuid::Uuid;
 
 /// Nanosecond sums of the phases, shared by every decorator of one run.
@@ -99,8 +99,8 @@ impl OutboxRepository for Timed {
     async fn begin_delivery(
         &self,
         req: &FetchRequest,
-        bound: outbox_core::DeliveryBound,
-    ) -> Result<(Vec<Fetched>, Box<dyn outbox_core::Delivery>), RepositoryError> {
+        bound: txoutbox_core::DeliveryBound,
+    ) -> Result<(Vec<Fetched>, Box<dyn txoutbox_core::Delivery>), RepositoryError> {
         // The delivery's commit (its outcome write) is not timed separately.
         let t = Instant::now();
         let r = self.inner.begin_delivery(req, bound).await;

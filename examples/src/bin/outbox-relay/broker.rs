@@ -4,8 +4,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use outbox_core::Broker;
-use outbox_core::broker::{NoopBroker, StdoutBroker};
+use txoutbox_core::Broker;
+use txoutbox_core::broker::{NoopBroker, StdoutBroker};
 
 use crate::BrokerKind;
 use crate::error::{CliError, Result, code};
@@ -91,7 +91,7 @@ pub(crate) fn not_compiled(name: &str) -> CliError {
     CliError::new(
         code::BROKER,
         format!(
-            "--broker {name} is not compiled into this binary; rebuild with `cargo build -p outbox-examples --features {name} --bin outbox-relay`, or choose another broker (compiled in: {})",
+            "--broker {name} is not compiled into this binary; rebuild with `cargo build -p txoutbox-examples --features {name} --bin outbox-relay`, or choose another broker (compiled in: {})",
             compiled_in().join(", ")
         ),
     )
@@ -119,10 +119,10 @@ pub fn compiled_in() -> Vec<&'static str> {
 /// The URL of the chosen broker, password redacted, for log lines (`-` for stdout and noop).
 pub fn redacted_url(a: &BrokerArgs) -> String {
     match a.broker {
-        BrokerKind::Nats => outbox_core::redact::secrets(&a.nats_url),
-        BrokerKind::Redis => outbox_core::redact::secrets(&a.redis_url),
+        BrokerKind::Nats => txoutbox_core::redact::secrets(&a.nats_url),
+        BrokerKind::Redis => txoutbox_core::redact::secrets(&a.redis_url),
         BrokerKind::Kafka => a.kafka.kafka_brokers.clone(),
-        BrokerKind::Rabbitmq => outbox_core::redact::secrets(&a.rabbitmq.amqp_url),
+        BrokerKind::Rabbitmq => txoutbox_core::redact::secrets(&a.rabbitmq.amqp_url),
         BrokerKind::Stdout | BrokerKind::Noop => "-".to_owned(),
     }
 }
@@ -164,7 +164,7 @@ pub async fn build(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
 
 #[cfg(feature = "nats")]
 async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
-    use outbox_nats_broker::{NatsBroker, NatsBrokerConfig, NatsBrokerError, StreamSpec};
+    use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, NatsBrokerError, StreamSpec};
     let mut cfg = NatsBrokerConfig::new(a.nats_url.clone())
         .subject_prefix(a.nats_subject_prefix.clone())
         .timeout(a.broker_timeout)
@@ -172,7 +172,7 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
         // relay, woken by the reconnection, publishes within a second of NATS answering again.
         .reconnect_delay_max(Duration::from_millis(500))
         .client_name("outbox-relay")
-        .tls(outbox_nats_broker::NatsTls {
+        .tls(txoutbox_nats_broker::NatsTls {
             required: a.nats_tls_required,
             root_certificates: a.nats_tls_ca.clone(),
             client_certificate: a.nats_tls_cert.clone().zip(a.nats_tls_key.clone()),
@@ -190,14 +190,14 @@ async fn nats(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
         Err(e @ NatsBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
         Err(e @ NatsBrokerError::Connect { .. }) => Err(CliError::new(
             code::BROKER,
-            outbox_core::redact::secrets(&format!(
+            txoutbox_core::redact::secrets(&format!(
                 "{e}; check --nats-url (NATS_URL) and that nats-server runs"
             )),
         )
         .retryable()),
         Err(e) => Err(CliError::new(
             code::BROKER,
-            outbox_core::redact::secrets(&format!(
+            txoutbox_core::redact::secrets(&format!(
                 "{e}; check --nats-url (NATS_URL) and that nats-server runs with JetStream (-js)"
             )),
         )),
@@ -211,7 +211,7 @@ async fn nats(_a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
 
 #[cfg(feature = "redis")]
 async fn redis(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
-    use outbox_redis_broker::{RedisBroker, RedisBrokerConfig, RedisBrokerError};
+    use txoutbox_redis_broker::{RedisBroker, RedisBrokerConfig, RedisBrokerError};
     let mut cfg = RedisBrokerConfig::new(a.redis_url.clone())
         .key_pattern(a.redis_key_pattern.clone())
         .timeout(a.broker_timeout);
@@ -223,12 +223,12 @@ async fn redis(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
         Err(e @ RedisBrokerError::Config(_)) => Err(CliError::usage(e.to_string())),
         Err(e @ RedisBrokerError::Connect { .. }) => Err(CliError::new(
             code::BROKER,
-            outbox_core::redact::secrets(&e.to_string()),
+            txoutbox_core::redact::secrets(&e.to_string()),
         )
         .retryable()),
         Err(e) => Err(CliError::new(
             code::BROKER,
-            outbox_core::redact::secrets(&e.to_string()),
+            txoutbox_core::redact::secrets(&e.to_string()),
         )),
     }
 }

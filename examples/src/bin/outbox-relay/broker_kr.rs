@@ -4,7 +4,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use clap::Args;
-use outbox_core::Broker;
+use txoutbox_core::Broker;
 
 use crate::broker::BrokerArgs;
 use crate::error::{CliError, Result};
@@ -83,7 +83,7 @@ pub struct RabbitArgs {
 }
 
 #[cfg(any(feature = "kafka", feature = "rabbitmq"))]
-fn message_format(a: &BrokerArgs) -> Result<outbox_core::cloudevents::MessageFormat> {
+fn message_format(a: &BrokerArgs) -> Result<txoutbox_core::cloudevents::MessageFormat> {
     a.message_format
         .parse()
         .map_err(|e: String| CliError::usage(format!("--message-format: {e}")))
@@ -93,7 +93,7 @@ fn message_format(a: &BrokerArgs) -> Result<outbox_core::cloudevents::MessageFor
 #[cfg(feature = "kafka")]
 pub async fn kafka(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     use crate::error::code;
-    use outbox_kafka_broker::{
+    use txoutbox_kafka_broker::{
         Idempotence, KafkaBroker, KafkaBrokerConfig, KafkaBrokerError, KafkaSasl, KafkaTls,
     };
     let k = &a.kafka;
@@ -148,7 +148,7 @@ pub async fn kafka(_a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
 #[cfg(feature = "rabbitmq")]
 pub async fn rabbitmq(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     use crate::error::code;
-    use outbox_rabbitmq_broker::{
+    use txoutbox_rabbitmq_broker::{
         ExchangeType, RabbitMqBroker, RabbitMqBrokerConfig, RabbitMqBrokerError, RabbitMqTls,
     };
     let r = &a.rabbitmq;
@@ -185,16 +185,16 @@ pub async fn rabbitmq(a: &BrokerArgs) -> Result<Arc<dyn Broker>> {
     match RabbitMqBroker::connect(cfg).await {
         Ok(b) => Ok(Arc::new(b)),
         Err(e @ RabbitMqBrokerError::Config(_)) => Err(CliError::usage(
-            outbox_core::redact::secrets(&e.to_string()),
+            txoutbox_core::redact::secrets(&e.to_string()),
         )),
         Err(e @ RabbitMqBrokerError::Connect { .. }) => Err(CliError::new(
             code::BROKER,
-            outbox_core::redact::secrets(&format!("{e}; check --amqp-url (AMQP_URL)")),
+            txoutbox_core::redact::secrets(&format!("{e}; check --amqp-url (AMQP_URL)")),
         )
         .retryable()),
         Err(e) => Err(CliError::new(
             code::BROKER,
-            outbox_core::redact::secrets(&e.to_string()),
+            txoutbox_core::redact::secrets(&e.to_string()),
         )),
     }
 }

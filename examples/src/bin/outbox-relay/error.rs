@@ -1,6 +1,6 @@
 //! The binary's error type: every failure carries the exit code it ends the process with.
 
-use outbox_core::RepositoryError;
+use txoutbox_core::RepositoryError;
 
 /// Exit codes (also in `--help` and the README).
 pub mod code {
@@ -51,7 +51,7 @@ impl CliError {
     pub fn new(code: i32, message: impl Into<String>) -> Self {
         Self {
             code,
-            message: outbox_core::redact::secrets(&message.into()),
+            message: txoutbox_core::redact::secrets(&message.into()),
             retryable: false,
         }
     }

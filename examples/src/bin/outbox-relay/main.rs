@@ -2,9 +2,9 @@
 //! commands on the outbox table.
 //!
 //! ```sh
-//! cargo run -p outbox-examples --bin outbox-relay -- --help
-//! cargo run -p outbox-examples --bin outbox-relay -- migrate --database-url postgres://postgres@127.0.0.1:5432/test
-//! cargo run -p outbox-examples --bin outbox-relay -- run --broker nats --until-drained
+//! cargo run -p txoutbox-examples --bin outbox-relay -- --help
+//! cargo run -p txoutbox-examples --bin outbox-relay -- migrate --database-url postgres://postgres@127.0.0.1:5432/test
+//! cargo run -p txoutbox-examples --bin outbox-relay -- run --broker nats --until-drained
 //! ```
 //!
 //! Every flag also reads the environment variable named in `--help`; `--help` never shows the
@@ -19,7 +19,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use outbox_postgres::TableName;
+use txoutbox_postgres::TableName;
 use uuid::Uuid;
 
 mod broker;
@@ -97,7 +97,7 @@ enum Command {
         #[arg(long)]
         partitioned: bool,
         /// With --partitioned: how many months after the current one get a partition (0 to 120).
-        #[arg(long, default_value_t = outbox_postgres::sql::partitioned::DEFAULT_MONTHS_AHEAD,
+        #[arg(long, default_value_t = txoutbox_postgres::sql::partitioned::DEFAULT_MONTHS_AHEAD,
               requires = "partitioned")]
         months_ahead: u32,
         /// Prints the DDL instead of running it, and connects to nothing: the exact statements

@@ -2,11 +2,11 @@
 
 use std::time::Duration;
 
-use outbox_core::event::Status;
-use outbox_core::repository::{DEFAULT_CLEANUP_MAX_ITERATIONS, check_backend_batch_size};
+use txoutbox_core::event::Status;
+use txoutbox_core::repository::{DEFAULT_CLEANUP_MAX_ITERATIONS, check_backend_batch_size};
 use uuid::Uuid;
 
-use outbox_postgres::{Layout, TableKind};
+use txoutbox_postgres::{Layout, TableKind};
 
 use crate::DbArgs;
 use crate::error::{CliError, Result, code};
@@ -23,20 +23,20 @@ fn fmt_age(d: Option<Duration>) -> String {
     }
 }
 
-/// `migrate --print-sql`: the statements of `migrate` (from `outbox_postgres::sql::ddl` or
+/// `migrate --print-sql`: the statements of `migrate` (from `txoutbox_postgres::sql::ddl` or
 /// `sql::partitioned::ddl`, the source the library's schema creation runs), each ended by `;`,
 /// for a migrations folder. Connects to nothing.
 pub fn print_sql(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()> {
     let t = &db.table;
     let (layout, stmts) = if partitioned {
-        outbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
+        txoutbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
             .map_err(|e| CliError::usage(format!("--months-ahead: {e}")))?;
         (
             "partitioned",
-            outbox_postgres::sql::partitioned::ddl(t, months_ahead),
+            txoutbox_postgres::sql::partitioned::ddl(t, months_ahead),
         )
     } else {
-        ("plain", outbox_postgres::sql::ddl(t))
+        ("plain", txoutbox_postgres::sql::ddl(t))
     };
     println!(
         "-- The outbox table {t} ({layout} layout), as `outbox-relay migrate` creates it ({} {}).
@@ -55,12 +55,12 @@ pub fn print_sql(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()
 /// For a large existing plain table: the indexes to build first with `CREATE INDEX
 /// CONCURRENTLY` (which cannot run in a transaction), as comment lines, so the script itself
 /// still runs as one migration.
-pub fn concurrently_note(t: &outbox_postgres::TableName) -> String {
+pub fn concurrently_note(t: &txoutbox_postgres::TableName) -> String {
     let mut out = String::from(
         "-- On a large existing table, build these indexes first, each alone and outside a\n\
          -- transaction, so writers are not blocked (the statements below then find them):\n",
     );
-    for s in outbox_postgres::sql::create_indexes_concurrently(t) {
+    for s in txoutbox_postgres::sql::create_indexes_concurrently(t) {
         out.push_str(&format!("--   {s};\n"));
     }
     out
@@ -77,7 +77,7 @@ pub fn ddl_script(stmts: &[String]) -> String {
 
 pub async fn migrate(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()> {
     let layout = if partitioned {
-        outbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
+        txoutbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
             .map_err(|e| CliError::usage(format!("--months-ahead: {e}")))?;
         Layout::Partitioned
     } else {
@@ -90,11 +90,11 @@ pub async fn migrate(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Resul
     match db.store {
         StoreKind::Sqlx => {
             let pool = store::connect_pool(&db.database_url, 2).await?;
-            outbox_postgres::create_schema_with(&pool, t, layout)
+            txoutbox_postgres::create_schema_with(&pool, t, layout)
                 .await
                 .map_err(|e| CliError::new(code::OTHER, e.to_string()))?;
             if partitioned {
-                outbox_postgres::ensure_partitions(&pool, t, months_ahead)
+                txoutbox_postgres::ensure_partitions(&pool, t, months_ahead)
                     .await
                     .map_err(|e| CliError::new(code::OTHER, e.to_string()))?;
             }
@@ -114,7 +114,7 @@ pub async fn migrate(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Resul
 /// changed (the schema creation would refuse it too, as a failure).
 async fn refuse_plain_table(db: &DbArgs) -> Result<()> {
     let pool = store::connect_pool(&db.database_url, 1).await?;
-    let kind = outbox_postgres::table_kind(&pool, &db.table)
+    let kind = txoutbox_postgres::table_kind(&pool, &db.table)
         .await
         .map_err(|e| CliError::new(code::DATABASE, format!("checking table {}: {e}", db.table)))?;
     match kind {
@@ -135,15 +135,15 @@ async fn migrate_diesel(db: &DbArgs, layout: Layout, months_ahead: u32) -> Resul
     // Checks the URL and the connection first, for the same messages and exit codes as sqlx.
     store::connect_pool(&db.database_url, 1).await?;
     // Over rustls when the URL asks for TLS (sslmode=require/verify-ca/verify-full).
-    let conn = outbox_diesel::tls::establish(&db.database_url)
+    let conn = txoutbox_diesel::tls::establish(&db.database_url)
         .await
         .map_err(|e| fail(format!("could not connect: {e}")))?;
-    let mut conn = outbox_diesel::run_migrations_with(conn, &db.table, layout)
+    let mut conn = txoutbox_diesel::run_migrations_with(conn, &db.table, layout)
         .await
         .map_err(|e| fail(e.to_string()))?;
     // The migration runs once per table; the coming months are added on every run.
     if layout == Layout::Partitioned {
-        outbox_diesel::ensure_partitions(&mut conn, &db.table, months_ahead)
+        txoutbox_diesel::ensure_partitions(&mut conn, &db.table, months_ahead)
             .await
             .map_err(|e| fail(e.to_string()))?;
     }
@@ -158,7 +158,7 @@ async fn migrate_diesel(_db: &DbArgs, _layout: Layout, _months_ahead: u32) -> Re
 #[derive(serde::Serialize)]
 struct StatsOut {
     table: String,
-    counts: Vec<outbox_core::repository::StatusCount>,
+    counts: Vec<txoutbox_core::repository::StatusCount>,
     pending: i64,
     failed: i64,
     completed: i64,
@@ -299,7 +299,7 @@ pub async fn requeue_failed(
 }
 
 pub async fn release_stale_locks(db: &DbArgs, older_than: Duration) -> Result<()> {
-    outbox_core::repository::args::stale_timeout(older_than)
+    txoutbox_core::repository::args::stale_timeout(older_than)
         .map_err(|e| CliError::usage(format!("--older-than: {e}")))?;
     let s = open(db).await?;
     let t = s.table.to_string();
@@ -336,7 +336,7 @@ pub async fn cleanup(db: &DbArgs, older_than: Duration, batch_size: usize) -> Re
 
 pub async fn force_unlock(db: &DbArgs, id: Uuid, reason: &str) -> Result<()> {
     // Checked before connecting, so a bad reason never reaches the database.
-    outbox_core::event::force_unlock_text(reason)
+    txoutbox_core::event::force_unlock_text(reason)
         .map_err(|e| CliError::usage(format!("--reason: {e}")))?;
     let s = open(db).await?;
     let t = s.table.to_string();

@@ -5,11 +5,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
-use outbox_core::backoff::Backoff;
-use outbox_core::metrics::MetricsStep;
-use outbox_core::relay::{CycleReport, LoopBackoff, LoopControl, LoopHooks, RunOptions};
-use outbox_core::{CancellationToken, OutboxRepository, Relay, RunError};
-use outbox_postgres::TableName;
+use txoutbox_core::backoff::Backoff;
+use txoutbox_core::metrics::MetricsStep;
+use txoutbox_core::relay::{CycleReport, LoopBackoff, LoopControl, LoopHooks, RunOptions};
+use txoutbox_core::{CancellationToken, OutboxRepository, Relay, RunError};
+use txoutbox_postgres::TableName;
 use sqlx::PgPool;
 use tokio::sync::Notify;
 
@@ -51,7 +51,7 @@ pub struct RunArgs {
     /// transaction while publishing, write each row once, free them at once on a crash). See
     /// the README, "Choosing the delivery mode".
     #[arg(long, env = "OUTBOX_DELIVERY", default_value = "lease", value_parser = parse_delivery)]
-    pub delivery: outbox_core::DeliveryMode,
+    pub delivery: txoutbox_core::DeliveryMode,
     #[arg(long, env = "OUTBOX_LEASE", default_value = "300s", value_parser = parse_dur)]
     pub lease: Duration,
     /// How long an idle relay waits between fetches when no NOTIFY wakes it.
@@ -93,9 +93,9 @@ pub struct RunArgs {
     pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
-fn parse_delivery(s: &str) -> std::result::Result<outbox_core::DeliveryMode, String> {
+fn parse_delivery(s: &str) -> std::result::Result<txoutbox_core::DeliveryMode, String> {
     s.parse()
-        .map_err(|e: outbox_core::ConfigError| e.to_string())
+        .map_err(|e: txoutbox_core::ConfigError| e.to_string())
 }
 
 fn usage<E: std::fmt::Display>(flag: &'static str) -> impl Fn(E) -> CliError {
@@ -106,14 +106,14 @@ fn worker_ids(a: &RunArgs) -> Result<Vec<String>> {
     let base = a
         .worker_id
         .clone()
-        .unwrap_or_else(outbox_examples::default_worker_id);
+        .unwrap_or_else(txoutbox_examples::default_worker_id);
     let ids: Vec<String> = if a.loops == 1 {
         vec![base]
     } else {
         (1..=a.loops).map(|i| format!("{base}-{i}")).collect()
     };
     for id in &ids {
-        outbox_core::WorkerId::new(id.clone()).map_err(usage("--worker-id"))?;
+        txoutbox_core::WorkerId::new(id.clone()).map_err(usage("--worker-id"))?;
     }
     Ok(ids)
 }
@@ -143,7 +143,7 @@ fn install_prometheus(addr: Option<std::net::SocketAddr>) -> Result<()> {
     #[cfg(not(feature = "prometheus"))]
     {
         Err(CliError::usage(format!(
-            "--metrics-addr {addr} needs the Prometheus exporter; rebuild with `cargo build -p outbox-examples --features prometheus --bin outbox-relay`"
+            "--metrics-addr {addr} needs the Prometheus exporter; rebuild with `cargo build -p txoutbox-examples --features prometheus --bin outbox-relay`"
         )))
     }
 }
@@ -171,9 +171,9 @@ fn on_signals(token: CancellationToken) {
 
 /// The LISTEN task of the chosen store (kept alive while the relay runs).
 enum Listener {
-    Sqlx(#[allow(dead_code)] outbox_postgres::WakeListener),
+    Sqlx(#[allow(dead_code)] txoutbox_postgres::WakeListener),
     #[cfg(feature = "diesel")]
-    Diesel(#[allow(dead_code)] outbox_diesel::WakeListener),
+    Diesel(#[allow(dead_code)] txoutbox_diesel::WakeListener),
 }
 
 /// LISTENs on the table's channel with the chosen store's listener (sqlx's `PgListener`, or
@@ -194,15 +194,15 @@ async fn listen(
     };
     let l = match a.db.store {
         store::StoreKind::Sqlx => Listener::Sqlx(
-            outbox_postgres::WakeListener::spawn(pool, table, wakers)
+            txoutbox_postgres::WakeListener::spawn(pool, table, wakers)
                 .await
                 .map_err(|e| fail(e.to_string()))?,
         ),
         #[cfg(feature = "diesel")]
         store::StoreKind::Diesel => Listener::Diesel(
-            outbox_diesel::WakeListener::spawn(&a.db.database_url, table, wakers)
+            txoutbox_diesel::WakeListener::spawn(&a.db.database_url, table, wakers)
                 .await
-                .map_err(|e| fail(outbox_core::redact::secrets(&e.to_string())))?,
+                .map_err(|e| fail(txoutbox_core::redact::secrets(&e.to_string())))?,
         ),
         #[cfg(not(feature = "diesel"))]
         store::StoreKind::Diesel => return Err(store::not_compiled()),
@@ -370,7 +370,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
         Some(n) => n,
         None => a.loops * 2 + 3,
     };
-    let db_at = outbox_core::redact::secrets(&a.db.database_url);
+    let db_at = txoutbox_core::redact::secrets(&a.db.database_url);
     // The connection and the table check both wait out a server that is down or restarting
     // (a relay restarted during a PostgreSQL restart must not exit); a missing table or a
     // refused login ends the run.
@@ -506,8 +506,8 @@ pub async fn run(a: RunArgs) -> Result<()> {
 
 fn check_settings(a: &RunArgs, id: &str, backoff: Backoff) -> Result<()> {
     crate::broker_kr::check_timeouts(&a.broker, a.publish_timeout)?;
-    let repo = Arc::new(outbox_core::InMemoryRepository::default());
-    Relay::builder(repo, Arc::new(outbox_core::broker::NoopBroker))
+    let repo = Arc::new(txoutbox_core::InMemoryRepository::default());
+    Relay::builder(repo, Arc::new(txoutbox_core::broker::NoopBroker))
         .worker_id(id)
         .batch_size(a.batch_size)
         .max_per_key(a.max_per_key)

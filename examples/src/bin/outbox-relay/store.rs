@@ -5,9 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::ValueEnum;
-use outbox_core::OutboxRepository;
-use outbox_postgres::sql::Statements;
-use outbox_postgres::{PgConfig, PgOutboxRepository, TableName};
+use txoutbox_core::OutboxRepository;
+use txoutbox_postgres::sql::Statements;
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, TableName};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 use uuid::Uuid;
@@ -27,7 +27,7 @@ pub enum StoreKind {
 /// repository trait has no method for ([`Store::drained`], [`Store::failed_ids`]) on the same
 /// backend, and a sqlx pool (the same database; sqlx is always compiled in) for the first
 /// connection and table checks, so both stores fail alike, and for LISTEN with `--store sqlx`
-/// (`outbox_postgres::WakeListener`; with `--store diesel` it is `outbox_diesel::WakeListener`).
+/// (`txoutbox_postgres::WakeListener`; with `--store diesel` it is `txoutbox_diesel::WakeListener`).
 pub struct Store {
     pub repo: Arc<dyn OutboxRepository>,
     pub pool: PgPool,
@@ -39,7 +39,7 @@ pub struct Store {
 enum Direct {
     Sqlx(PgPool),
     #[cfg(feature = "diesel")]
-    Diesel(outbox_diesel::PgPool),
+    Diesel(txoutbox_diesel::PgPool),
 }
 
 #[cfg(feature = "diesel")]
@@ -94,20 +94,20 @@ impl Store {
                 .bind(key)
                 .fetch_all(pool)
                 .await
-                .map_err(|e| outbox_postgres::driver::sqlx::map_err(t, e)),
+                .map_err(|e| txoutbox_postgres::driver::sqlx::map_err(t, e)),
             #[cfg(feature = "diesel")]
             Direct::Diesel(pool) => {
                 use diesel::sql_types::{Nullable, Text};
                 use diesel_async::RunQueryDsl;
                 match pool.get().await {
-                    Err(e) => Err(outbox_diesel::error::map_pool(e)),
+                    Err(e) => Err(txoutbox_diesel::error::map_pool(e)),
                     Ok(mut conn) => diesel::sql_query(sql)
                         .bind::<Nullable<Text>, _>(topic)
                         .bind::<Nullable<Text>, _>(key)
                         .load::<diesel_rows::Id>(&mut conn)
                         .await
                         .map(|v| v.into_iter().map(|r| r.id).collect())
-                        .map_err(|e| outbox_diesel::error::map_diesel(t, e)),
+                        .map_err(|e| txoutbox_diesel::error::map_diesel(t, e)),
                 }
             }
         };
@@ -191,9 +191,9 @@ pub async fn connect_pool(url: &str, max: u32) -> Result<PgPool> {
 
 /// Whether the table exists.
 pub async fn table_exists(pool: &PgPool, table: &TableName) -> Result<bool> {
-    outbox_postgres::table_kind(pool, table)
+    txoutbox_postgres::table_kind(pool, table)
         .await
-        .map(|k| k != outbox_postgres::TableKind::Missing)
+        .map(|k| k != txoutbox_postgres::TableKind::Missing)
         .map_err(|e| {
             // A lost connection or a server shutting down or starting up is worth waiting
             // for; any other answer is not.
@@ -259,15 +259,15 @@ fn diesel_repo(
     table: &TableName,
     pool_size: u32,
 ) -> Result<(Arc<dyn OutboxRepository>, Direct)> {
-    let settings = outbox_diesel::PoolSettings::default()
+    let settings = txoutbox_diesel::PoolSettings::default()
         .max_size(pool_size as usize)
         .map_err(|e| CliError::usage(e.to_string()))?;
-    let pool = outbox_diesel::build_pool(url, &settings)
+    let pool = txoutbox_diesel::build_pool(url, &settings)
         .map_err(|e| CliError::usage(format!("diesel pool: {e}")))?;
     Ok((
-        Arc::new(outbox_diesel::DieselOutboxRepository::new(
+        Arc::new(txoutbox_diesel::DieselOutboxRepository::new(
             pool.clone(),
-            outbox_diesel::DieselConfig::default().table(table.clone()),
+            txoutbox_diesel::DieselConfig::default().table(table.clone()),
         )),
         Direct::Diesel(pool),
     ))
@@ -286,6 +286,6 @@ fn diesel_repo(
 #[cfg_attr(feature = "diesel", allow(dead_code))]
 pub fn not_compiled() -> CliError {
     CliError::usage(
-        "--store diesel is not compiled into this binary; rebuild with `cargo build -p outbox-examples --features diesel --bin outbox-relay`, or use --store sqlx (same table, same behaviour)",
+        "--store diesel is not compiled into this binary; rebuild with `cargo build -p txoutbox-examples --features diesel --bin outbox-relay`, or use --store sqlx (same table, same behaviour)",
     )
 }

@@ -1,6 +1,6 @@
 //! The sqlx driver's error mapping into the repository vocabulary.
 
-use outbox_core::error::RepositoryError;
+use txoutbox_core::error::RepositoryError;
 
 use crate::sql::{self, ErrorClass, TableName};
 

@@ -7,8 +7,8 @@ mod row;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
-use outbox_core::repository::{BlockedKey, Fetched};
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::repository::{BlockedKey, Fetched};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgPool};
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};

@@ -1,7 +1,7 @@
 //! The sqlx driver's row decoding: [`sql::COLUMNS`] column by column, timestamps range-checked.
 
 use chrono::{DateTime, Utc};
-use outbox_core::repository::{Fetched, UndecodableRow};
+use txoutbox_core::repository::{Fetched, UndecodableRow};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 

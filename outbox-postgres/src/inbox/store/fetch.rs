@@ -5,12 +5,12 @@
 use std::collections::{HashMap, HashSet};
 
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
-use outbox_core::inbox::InboxEvent;
-use outbox_core::inbox::ordering as inbox_order;
-use outbox_core::inbox::repository::InboxFetchRequest;
-use outbox_core::ordering;
-use outbox_core::repository::FetchFilter;
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::inbox::InboxEvent;
+use txoutbox_core::inbox::ordering as inbox_order;
+use txoutbox_core::inbox::repository::InboxFetchRequest;
+use txoutbox_core::ordering;
+use txoutbox_core::repository::FetchFilter;
 use uuid::Uuid;
 
 use super::{Conn, views};

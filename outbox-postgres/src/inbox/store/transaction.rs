@@ -8,14 +8,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use outbox_core::error::RepositoryError;
-use outbox_core::event::{Status, WorkerId, limits, normalize_error};
-use outbox_core::inbox::ordering as inbox_order;
-use outbox_core::inbox::repository::{
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::{Status, WorkerId, limits, normalize_error};
+use txoutbox_core::inbox::ordering as inbox_order;
+use txoutbox_core::inbox::repository::{
     Guard, InboxTransaction, Landed, RowLock, RowWrite, WrittenState,
 };
-use outbox_core::inbox::{InboxEvent, InboxKey, NewInboxEvent};
-use outbox_core::repository::Retry;
+use txoutbox_core::inbox::{InboxEvent, InboxKey, NewInboxEvent};
+use txoutbox_core::repository::Retry;
 use uuid::Uuid;
 
 use super::{Conn, InboxFaults, decoded, one};
