@@ -15,14 +15,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use serde_json::{Value, json};
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::task::JoinHandle;
 use txoutbox_core::clock::{Clock, ManualClock};
 use txoutbox_core::event::{NewEvent, OutboxEvent, Status};
 use txoutbox_core::relay::{CycleReport, Relay};
 use txoutbox_core::repository::OutboxRepository;
 use txoutbox_core::{Broker, CancellationToken, InMemoryRepository, Message};
-use serde_json::{Value, json};
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 /// Which broker: the trials expect what each one can do (K-05).

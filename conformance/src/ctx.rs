@@ -5,15 +5,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use serde_json::json;
 use txoutbox_core::CancellationToken;
 use txoutbox_core::backoff::{Backoff, SeededRng};
 use txoutbox_core::clock::ManualRelayClock;
 use txoutbox_core::event::{EventBuilder, NewEvent, OutboxEvent, Status, WorkerId};
 use txoutbox_core::relay::{BreakerConfig, CycleReport, Relay};
-use txoutbox_core::repository::{FetchFilter, FetchRequest, Fetched, OutboxRepository, WriteResult};
+use txoutbox_core::repository::{
+    FetchFilter, FetchRequest, Fetched, OutboxRepository, WriteResult,
+};
 use txoutbox_core::scripted::ScriptedBroker;
 use txoutbox_core::step::PipelineStep;
-use serde_json::json;
 use uuid::Uuid;
 
 use crate::harness::{Factory, Harness, RowPatch, WriteTx};

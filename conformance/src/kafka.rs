@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use serde_json::json;
 use txoutbox_core::clock::Clock;
 use txoutbox_core::event::Status;
 use txoutbox_core::{Broker, Message};
-use serde_json::json;
 use uuid::Uuid;
 
 use crate::broker::{cycle, event, fresh_suffix, get, relay_for, write_one};

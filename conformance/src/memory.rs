@@ -5,12 +5,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use tokio::sync::OwnedMutexGuard;
 use txoutbox_core::clock::ManualClock;
 use txoutbox_core::error::RepositoryError;
 use txoutbox_core::event::NewEvent;
 use txoutbox_core::memory::{InMemoryRepository, MemTransaction};
 use txoutbox_core::repository::{OutboxRepository, WriteResult};
-use tokio::sync::OwnedMutexGuard;
 use uuid::Uuid;
 
 use crate::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};

@@ -19,11 +19,11 @@ use std::time::Duration;
 
 use diesel::sql_types::{Text, Uuid as SqlUuid};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use serde_json::json;
 use txoutbox_core::{CancellationToken, NewEvent, OutboxRepository, Relay, Status};
 use txoutbox_diesel::{DieselConfig, DieselOutboxRepository, PoolSettings, WriteError, build_pool};
 use txoutbox_postgres::TableName;
 use txoutbox_redis_broker::{RedisBroker, RedisBrokerConfig};
-use serde_json::json;
 use uuid::Uuid;
 
 #[tokio::main]

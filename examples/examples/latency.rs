@@ -22,11 +22,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use rand::RngExt;
+use tokio::sync::mpsc;
 use txoutbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
 use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
 use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
-use rand::RngExt;
-use tokio::sync::mpsc;
 use uuid::Uuid;
 
 /// Reports each acknowledged event id with the time its ack came back.

@@ -15,12 +15,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::json;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use txoutbox_core::scripted::{Action, ScriptedBroker};
 use txoutbox_core::{
     Backoff, CancellationToken, InMemoryRepository, MetricsStep, NewEvent, OutboxRepository, Relay,
 };
-use serde_json::json;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use uuid::Uuid;
 
 #[tokio::main]

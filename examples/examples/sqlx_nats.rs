@@ -36,12 +36,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use serde_json::json;
 use txoutbox_core::{CancellationToken, NewEvent, Relay};
 use txoutbox_nats_broker::async_nats::jetstream::{self, consumer};
 use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
 use txoutbox_postgres::sqlx::{self, PgPool};
 use txoutbox_postgres::{PgConfig, PgOutboxRepository, WakeListener, create_schema};
-use serde_json::json;
 use uuid::Uuid;
 
 #[tokio::main]

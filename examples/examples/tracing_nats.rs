@@ -18,10 +18,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
+use serde_json::json;
 use txoutbox_core::{CancellationToken, NewEvent, Relay, TraceParent};
 use txoutbox_nats_broker::{NatsBroker, NatsBrokerConfig, StreamSpec};
 use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, TableName, create_schema};
-use serde_json::json;
 use uuid::Uuid;
 
 #[tokio::main]

@@ -51,12 +51,12 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{database_url, nats_url, suffix};
+use rand::RngExt;
+use tokio::process::{Child, Command};
 use txoutbox_conformance::broker::LoopbackProxy;
 use txoutbox_core::{Broker, Message, OutboxRepository};
 use txoutbox_postgres::sqlx::{self, PgPool};
 use txoutbox_postgres::{PgConfig, PgOutboxRepository};
-use rand::RngExt;
-use tokio::process::{Child, Command};
 
 const ORDERS: &str = env!("CARGO_BIN_EXE_orders");
 const RELAY: &str = env!("CARGO_BIN_EXE_outbox-relay");
@@ -829,15 +829,18 @@ async fn broker_bed(kind: Kind, s: &str, logs: &std::path::Path) -> BrokerBed {
                 .await
                 .expect("NATS with JetStream at OUTBOX_TEST_NATS_URL");
             let js = txoutbox_nats_broker::async_nats::jetstream::new(client);
-            js.create_stream(txoutbox_nats_broker::async_nats::jetstream::stream::Config {
-                name: stream.clone(),
-                subjects: vec![format!("{prefix}>")],
-                // Short, so a copy published 1.5 s later is delivered again (a relay that
-                // published twice, far apart).
-                duplicate_window: Duration::from_secs(1),
-                storage: txoutbox_nats_broker::async_nats::jetstream::stream::StorageType::Memory,
-                ..Default::default()
-            })
+            js.create_stream(
+                txoutbox_nats_broker::async_nats::jetstream::stream::Config {
+                    name: stream.clone(),
+                    subjects: vec![format!("{prefix}>")],
+                    // Short, so a copy published 1.5 s later is delivered again (a relay that
+                    // published twice, far apart).
+                    duplicate_window: Duration::from_secs(1),
+                    storage:
+                        txoutbox_nats_broker::async_nats::jetstream::stream::StorageType::Memory,
+                    ..Default::default()
+                },
+            )
             .await
             .expect("create the stream");
             let proxy = LoopbackProxy::start(host_port(&nats_url())).await;

@@ -8,8 +8,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use common::{Db, command, relay, wait};
-use txoutbox_postgres::TableName;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use txoutbox_postgres::TableName;
 
 async fn print_sql(args: &[&str]) -> common::Out {
     let mut a = vec!["migrate", "--print-sql"];

@@ -9,8 +9,8 @@ mod common;
 use std::time::Duration;
 
 use common::{Db, Stream, command, nats_url, stderr_lines, wait};
-use txoutbox_conformance::net::Forwarder;
 use tokio::sync::mpsc::UnboundedReceiver;
+use txoutbox_conformance::net::Forwarder;
 
 /// Waits (at most 60 s) for the `n`-th stderr line containing `needle`; returns it.
 async fn line_with(rx: &mut UnboundedReceiver<String>, needle: &str, n: usize) -> String {

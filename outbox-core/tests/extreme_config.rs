@@ -5,6 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::{DateTime, TimeZone, Utc};
+use proptest::prelude::*;
+use serde_json::json;
 use txoutbox_core::backoff::{Backoff, Fixed, Jitter, RandomSource};
 use txoutbox_core::clock::{ManualClock, ManualRelayClock, RelayClock};
 use txoutbox_core::event::{
@@ -15,8 +17,6 @@ use txoutbox_core::relay::{BreakerConfig, Relay};
 use txoutbox_core::repository::{FetchRequest, OutboxRepository, args, check_backend_batch_size};
 use txoutbox_core::scripted::ScriptedBroker;
 use txoutbox_core::{CancellationToken, InMemoryRepository};
-use proptest::prelude::*;
-use serde_json::json;
 use uuid::Uuid;
 
 /// f64 values that break arithmetic: huge, tiny, negative, NaN, the infinities, and any value.

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use opentelemetry::trace::{SpanId, SpanKind, Status, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+use tracing_subscriber::layer::SubscriberExt;
 use txoutbox_core::CancellationToken;
 use txoutbox_core::clock::ManualClock;
 use txoutbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
@@ -14,7 +15,6 @@ use txoutbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
 use txoutbox_core::inbox::{
     Handler, HandlerError, HandlerOutcome, InboxEvent, InboxRepository, Processor, Runner,
 };
-use tracing_subscriber::layer::SubscriberExt;
 
 const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 const ZERO: &str = "00-00000000000000000000000000000000-00f067aa0ba902b7-01";

@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use serde_json::json;
 use txoutbox_core::broker::{Ack, Broker, Message};
 use txoutbox_core::clock::ManualClock;
 use txoutbox_core::error::{BrokerError, RepositoryError, StepError};
@@ -19,7 +20,6 @@ use txoutbox_core::repository::{
 };
 use txoutbox_core::scripted::{Action, ScriptedBroker};
 use txoutbox_core::{CancellationToken, InMemoryRepository, PipelineStep, StepDecision};
-use serde_json::json;
 use uuid::Uuid;
 
 fn event(key: &str) -> NewEvent {

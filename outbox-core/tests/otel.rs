@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use opentelemetry::trace::{TraceContextExt, TraceId, TracerProvider as _};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
-use txoutbox_core::broker::NoopBroker;
-use txoutbox_core::{CancellationToken, EventBuilder, InMemoryRepository, NewEvent, Relay};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::layer::SubscriberExt;
+use txoutbox_core::broker::NoopBroker;
+use txoutbox_core::{CancellationToken, EventBuilder, InMemoryRepository, NewEvent, Relay};
 
 fn otel() -> (
     InMemorySpanExporter,

@@ -5,13 +5,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use txoutbox_core::{
-    Ack, Broker, BrokerError, CancellationToken, InMemoryRepository, Message, NewEvent, Relay,
-};
 use tracing::field::{Field, Visit};
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::registry::Registry;
+use txoutbox_core::{
+    Ack, Broker, BrokerError, CancellationToken, InMemoryRepository, Message, NewEvent, Relay,
+};
 
 const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 

@@ -14,13 +14,13 @@ use diesel::pg::Pg;
 use diesel::row::NamedRow;
 use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use serde_json::Value;
 use txoutbox_core::RepositoryError;
 use txoutbox_postgres::driver::Bind;
 use txoutbox_postgres::driver::inbox::{InboxDriver, InboxRawRow, InboxRows, Unreadable};
 use txoutbox_postgres::inbox::schema::create_inbox_schema_on;
 use txoutbox_postgres::inbox::store::PgInbox;
 use txoutbox_postgres::sql::{Layout, TableName};
-use serde_json::Value;
 use uuid::Uuid;
 
 use crate::driver::{Diesel, DieselDriver, DieselTx, query};

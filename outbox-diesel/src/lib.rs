@@ -21,9 +21,9 @@ pub use migrations::{
     OutboxMigrations, create_schema, create_schema_with, ensure_partitions, run_migrations,
     run_migrations_url, run_migrations_with,
 };
-pub use txoutbox_postgres::sql::{Layout, TableName};
 pub use pool::{MAX_POOL_SIZE, PgPool, PoolSettings, PooledConnection, build_pool};
 pub use repository::{DieselConfig, DieselOutboxRepository};
+pub use txoutbox_postgres::sql::{Layout, TableName};
 pub use writer::{DieselOutboxWriter, WriteError};
 /// The diesel and diesel-async this crate is built with: name their types through these, so
 /// your connections and transactions are the ones the writer takes.

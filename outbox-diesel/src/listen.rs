@@ -15,10 +15,10 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
 use futures::StreamExt;
+use tokio::sync::Notify;
 use txoutbox_postgres::sql::TableName;
 use txoutbox_postgres::wake::{Listening, WakeSource};
 pub use txoutbox_postgres::wake::{RECONNECT_MAX, RECONNECT_MIN};
-use tokio::sync::Notify;
 
 use crate::error::Error;
 

@@ -10,9 +10,9 @@ use diesel::pg::Pg;
 use diesel::row::NamedRow;
 use diesel::sql_types::{BigInt, Int4, Jsonb, Nullable, Text, Timestamptz};
 
+use serde_json::Value;
 use txoutbox_core::repository::{BlockedKey, Fetched, UndecodableRow};
 use txoutbox_postgres::sql::RawRow;
-use serde_json::Value;
 use uuid::Uuid;
 
 /// The columns of `txoutbox_postgres::sql::COLUMNS`, read by name.

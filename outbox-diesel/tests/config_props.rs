@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use proptest::prelude::*;
 use txoutbox_core::repository::MAX_BACKEND_BATCH_SIZE;
 use txoutbox_diesel::{DieselConfig, PoolSettings, build_pool};
-use proptest::prelude::*;
 
 fn any_duration() -> impl Strategy<Value = Duration> {
     prop_oneof![

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use serde_json::json;
 use txoutbox_conformance::inbox::InboxHarness;
 use txoutbox_core::CancellationToken;
 use txoutbox_core::clock::{Clock, ManualClock};
@@ -26,7 +27,6 @@ use txoutbox_postgres::inbox::SqlxHandlerTx;
 use txoutbox_postgres::inbox::testing::{PgInboxHarness, effects, trial_table};
 use txoutbox_postgres::sqlx;
 use txoutbox_postgres::testing::database_url;
-use serde_json::json;
 
 use common::{patient_pool, url_in_new_york};
 
@@ -101,7 +101,8 @@ async fn z_07() {
     for layout in [Layout::Plain, Layout::Partitioned] {
         let h = PgInboxHarness::create(layout).await;
         let table = trial_table(h.schema(), layout);
-        let sqlx_inbox = txoutbox_postgres::inbox::SqlxInbox::sqlx(h.pool().clone(), &table, layout);
+        let sqlx_inbox =
+            txoutbox_postgres::inbox::SqlxInbox::sqlx(h.pool().clone(), &table, layout);
         let diesel = diesel_inbox(
             patient_pool(&url_in_new_york(&database_url()), 4),
             &table,

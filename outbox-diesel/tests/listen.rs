@@ -9,10 +9,10 @@ use std::time::Duration;
 
 use diesel::sql_types::{Bool, Text};
 use diesel_async::{AsyncConnection, RunQueryDsl};
+use tokio::sync::Notify;
 use txoutbox_core::event::NewEvent;
 use txoutbox_diesel::{WakeListener, WriteError};
 use txoutbox_postgres::testing::database_url;
-use tokio::sync::Notify;
 use uuid::Uuid;
 
 fn event() -> NewEvent {

@@ -2,8 +2,8 @@
 //! to a record onto [`txoutbox_core::BrokerError`].
 
 use krafka::error::{ErrorCode, KrafkaError};
-use txoutbox_core::BrokerError;
 use thiserror::Error;
+use txoutbox_core::BrokerError;
 
 /// A Kafka broker adapter could not be configured or started.
 #[derive(Debug, Error)]

@@ -25,8 +25,8 @@ pub use error::{KafkaBrokerError, code_name, code_text};
 /// The Kafka client this adapter is built on (krafka, pure Rust), for applications that name
 /// its types.
 pub use krafka;
-pub use txoutbox_core::cloudevents::MessageFormat;
 pub use subscription::{KafkaSubscription, KafkaSubscriptionConfig, OffsetReset};
+pub use txoutbox_core::cloudevents::MessageFormat;
 
 /// A [`Broker`] sending each row as one Kafka record with acks = all and, unless turned off, an
 /// idempotent producer (R86 to R88). Cloning shares the producer.

@@ -37,11 +37,11 @@ use krafka::consumer::{
 };
 use krafka::producer::{Acks, Producer};
 use krafka::{Kafka, Record};
+use tokio::time::Instant;
 use txoutbox_core::inbox::decode::BrokerMessage;
 use txoutbox_core::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
-use tokio::time::Instant;
 
 use crate::{Idempotence, KafkaBrokerConfig, KafkaBrokerError};
 

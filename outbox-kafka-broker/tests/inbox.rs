@@ -11,6 +11,7 @@ use std::sync::Mutex;
 
 use common::*;
 use krafka::Record;
+use tokio::task::JoinHandle;
 use txoutbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
 use txoutbox_conformance::inbox::ctx::{Recorder, g};
 use txoutbox_conformance::inbox::harness::InboxHarness;
@@ -26,7 +27,6 @@ use txoutbox_core::inbox::{
     OnFailure, Runner, RunnerBuilder, Subscription,
 };
 use txoutbox_kafka_broker::{KafkaSubscription, KafkaSubscriptionConfig};
-use tokio::task::JoinHandle;
 
 /// One fresh topic `in.src-{r}` (with its dead-letter topic) and Kafka group `g-{r}`.
 struct Topic {
@@ -848,7 +848,8 @@ impl Subscription for NumberSpy {
         &self,
         max: usize,
         wait: Duration,
-    ) -> Result<Vec<txoutbox_core::inbox::InboxDelivery>, txoutbox_core::inbox::SubscriptionError> {
+    ) -> Result<Vec<txoutbox_core::inbox::InboxDelivery>, txoutbox_core::inbox::SubscriptionError>
+    {
         let v = self.inner.next(max, wait).await?;
         for d in &v {
             let id = match &d.message {

@@ -16,10 +16,10 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, ErrorCode};
 use async_nats::{HeaderMap, HeaderName, HeaderValue};
 use async_trait::async_trait;
-use txoutbox_core::broker::{ReconnectSignal, ReconnectWatch};
-use txoutbox_core::{Ack, Broker, BrokerError, Message};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+use txoutbox_core::broker::{ReconnectSignal, ReconnectWatch};
+use txoutbox_core::{Ack, Broker, BrokerError, Message};
 
 /// The async-nats this crate is built with: name its types as `txoutbox_nats_broker::async_nats::…`
 /// (a client to read the stream back, a header map), whatever async-nats you depend on.
@@ -30,11 +30,11 @@ pub use config::{
     NatsBrokerConfig, NatsTls, StreamSpec, StreamStorage,
 };
 pub use error::NatsBrokerError;
-pub use txoutbox_core::cloudevents::MessageFormat;
 pub use subscription::{
     DEFAULT_ACK_WAIT, DEFAULT_DEAD_LETTER_PREFIX, NatsSubscription, NatsSubscriptionConfig,
     consumer_name_for,
 };
+pub use txoutbox_core::cloudevents::MessageFormat;
 
 /// A [`Broker`] publishing to NATS JetStream and waiting for the acknowledgement.
 ///

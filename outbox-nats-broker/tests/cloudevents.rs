@@ -7,12 +7,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use async_nats::jetstream;
+use serde_json::json;
 use txoutbox_conformance::broker::fresh_suffix;
 use txoutbox_core::{
     Broker, CancellationToken, InMemoryRepository, ManualClock, NewEvent, OutboxEvent, Relay,
 };
 use txoutbox_nats_broker::{MessageFormat, NatsBroker, NatsBrokerConfig, NatsBrokerError};
-use serde_json::json;
 
 const TRACEPARENT: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 

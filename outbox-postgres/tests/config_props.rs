@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
+use proptest::prelude::*;
 use txoutbox_core::WorkerId;
 use txoutbox_core::repository::{FetchRequest, MAX_BACKEND_BATCH_SIZE};
 use txoutbox_postgres::sql::FetchParams;
 use txoutbox_postgres::{PgConfig, TableName};
-use proptest::prelude::*;
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]

@@ -5,13 +5,13 @@
 //! heads of the plain head rule on random tables, in head order, through both paths (the
 //! oldest heads exactly when path A answers alone; R20 lets the key walk take others).
 
+use sqlx::{AssertSqlSafe, Row};
 use txoutbox_core::event::WorkerId;
 use txoutbox_core::repository::FetchRequest;
 use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use txoutbox_postgres::sql::{FetchParams, HeadRows, TableName, WalkCursor};
 use txoutbox_postgres::testing::PgHarness;
 use txoutbox_postgres::testing::shapes::{self, Shape};
-use sqlx::{AssertSqlSafe, Row};
 
 fn seq_scans(plan: &serde_json::Value, table: &str, out: &mut Vec<String>) {
     match plan {
@@ -250,13 +250,13 @@ mod plan_stability {
     //! oldest due age, the stale-lock release and the cleanup; each `EXPLAIN ANALYZE` of a write is rolled back
     //! to a savepoint, so the next statement sees the rows the relay would see.
 
+    use sqlx::{AssertSqlSafe, PgConnection, Row};
     use txoutbox_core::event::WorkerId;
     use txoutbox_core::repository::FetchRequest;
     use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take};
     use txoutbox_postgres::sql::{FetchParams, HeadRows, Statements, TableName};
     use txoutbox_postgres::testing::PgHarness;
     use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
-    use sqlx::{AssertSqlSafe, PgConnection, Row};
     use uuid::Uuid;
 
     /// The backlog the statements run on.
@@ -306,7 +306,8 @@ mod plan_stability {
 
     /// A fresh table holding `backlog` with statistics `stats`.
     async fn table_in(stats: Stats, backlog: Backlog) -> PgHarness {
-        let h = PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
+        let h =
+            PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
         let t = h.table().clone();
         let q = t.qualified();
         let mut script = vec![format!(

@@ -34,12 +34,12 @@
 //! `lock_row_run`, `write_at`) carry each row's created_at and are checked on both layouts by
 //! `tests/inbox_row_plan.rs`.
 
+use sqlx::{AssertSqlSafe, PgConnection, Row};
 use txoutbox_conformance::inbox::InboxHarness;
 use txoutbox_postgres::inbox::sql::{InboxStatements, prefix, window_index};
 use txoutbox_postgres::inbox::testing::PgInboxHarness;
 use txoutbox_postgres::sql::{Layout, TableName};
 use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
-use sqlx::{AssertSqlSafe, PgConnection, Row};
 use uuid::Uuid;
 
 /// The backlog the statements run on.

@@ -6,6 +6,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::{Value, json};
 use txoutbox_conformance::inbox::ctx::Ictx;
 use txoutbox_conformance::inbox::peer::{OmniBoxPeer, PeerTable};
 use txoutbox_conformance::inbox::script::{Act, Gate};
@@ -14,7 +15,6 @@ use txoutbox_core::inbox::{DeliveryOutcome, InboxBackend, InboxTransaction, NewI
 use txoutbox_postgres::Layout;
 use txoutbox_postgres::inbox::testing::{PgInboxFactory, PgInboxHarness, trial_table};
 use txoutbox_postgres::sqlx::{self, AssertSqlSafe};
-use serde_json::{Value, json};
 
 async fn peer_on(ctx: &Ictx<PgInboxHarness>, layout: Layout) -> OmniBoxPeer {
     let schema = ctx.h.schema().to_owned();

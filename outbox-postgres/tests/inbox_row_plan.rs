@@ -13,12 +13,12 @@
 //! on the partitioned table they fail the same check (they read the whole primary key, about
 //! 100 buffers at 20,000 rows), which shows that the check sees the difference.
 
+use sqlx::{AssertSqlSafe, Row};
 use txoutbox_conformance::inbox::InboxHarness;
 use txoutbox_postgres::inbox::sql::prefix;
 use txoutbox_postgres::inbox::testing::PgInboxHarness;
 use txoutbox_postgres::sql::{Layout, TableName};
 use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec};
-use sqlx::{AssertSqlSafe, Row};
 use uuid::Uuid;
 
 /// No node may read more rows than this: a lookup of one row.

@@ -1,13 +1,13 @@
 //! The inbox table's schema on PostgreSQL (scenarios Z-01 to Z-03): Appendix D exactly, table
 //! names by R173, schema creation on an existing ancestor table.
 
+use sqlx::{AssertSqlSafe, PgPool, Row};
 use txoutbox_postgres::inbox::create_inbox_schema;
 use txoutbox_postgres::inbox::sql::ancestor_inbox_ddl;
 use txoutbox_postgres::sql::{Layout, TableName, fixtures};
 use txoutbox_postgres::testing::{
     HARNESS_SHARE, database_url, fresh_schema_name, reserve_connections, trial_pool,
 };
-use sqlx::{AssertSqlSafe, PgPool, Row};
 
 async fn pool() -> (PgPool, txoutbox_postgres::testing::ConnectionShare) {
     let share = reserve_connections(HARNESS_SHARE).await;

@@ -5,10 +5,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::Notify;
 use txoutbox_core::event::NewEvent;
 use txoutbox_postgres::testing::{PgHarness, database_url};
 use txoutbox_postgres::{PgOutboxWriter, WakeListener};
-use tokio::sync::Notify;
 use uuid::Uuid;
 
 fn event() -> NewEvent {

@@ -7,14 +7,14 @@
 use std::time::{Duration, Instant};
 
 use chrono::{Datelike, Months, TimeZone, Utc};
+use serde_json::json;
+use sqlx::{AssertSqlSafe, PgPool, Row};
 use txoutbox_core::event::NewEvent;
 use txoutbox_core::repository::WriteResult;
 use txoutbox_core::{OutboxRepository, RepositoryError};
 use txoutbox_postgres::sql::partitioned::{self, MONTHS_AHEAD_MAX};
 use txoutbox_postgres::testing::{PgHarness, database_url};
 use txoutbox_postgres::{Error, Layout, PgOutboxWriter, TableName, create_schema_with};
-use serde_json::json;
-use sqlx::{AssertSqlSafe, PgPool, Row};
 use uuid::Uuid;
 
 async fn harness() -> PgHarness {

@@ -14,9 +14,9 @@ use async_trait::async_trait;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions};
 use lapin::types::FieldTable;
 use lapin::{Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind};
+use tokio::time::Instant;
 use txoutbox_core::broker::{Probe, ReconnectSignal, ReconnectWatch};
 use txoutbox_core::{Ack, Broker, BrokerError, Message};
-use tokio::time::Instant;
 
 pub use config::{
     DEFAULT_CONFIRM_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, ExchangeType, MAX_ROUTING_KEY_BYTES,
@@ -25,11 +25,11 @@ pub use config::{
 pub use error::RabbitMqBrokerError;
 /// The AMQP client this adapter is built on, for applications that name its types.
 pub use lapin;
-pub use txoutbox_core::cloudevents::MessageFormat;
 pub use subscription::{
     DEAD_LETTER_SUFFIX, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_HOLD_MAX, DeadLetterMode, QueueType,
     RabbitSubscription, RabbitSubscriptionConfig, amqp_value,
 };
+pub use txoutbox_core::cloudevents::MessageFormat;
 
 /// The AMQP reply code of a channel closed for a resource error (R90: transient).
 const RESOURCE_ERROR: u16 = 506;

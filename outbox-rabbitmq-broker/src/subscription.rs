@@ -43,12 +43,12 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 use txoutbox_core::inbox::decode::{AmqpValue, BrokerMessage};
 use txoutbox_core::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
-use tokio::sync::mpsc;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::RabbitMqBrokerConfig;
 use crate::error::RabbitMqBrokerError;

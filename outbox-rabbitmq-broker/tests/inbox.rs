@@ -16,6 +16,8 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+use serde_json::json;
+use tokio::task::JoinHandle;
 use txoutbox_conformance::amqp_proxy::{AmqpProxy, Mode};
 use txoutbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
 use txoutbox_conformance::inbox::ctx::{Recorder, g};
@@ -34,8 +36,6 @@ use txoutbox_core::inbox::{
 use txoutbox_rabbitmq_broker::{
     DeadLetterMode, QueueType, RabbitMqBrokerConfig, RabbitSubscription, RabbitSubscriptionConfig,
 };
-use serde_json::json;
-use tokio::task::JoinHandle;
 
 // ---- The broker side: queues and a confirmed publisher ----
 

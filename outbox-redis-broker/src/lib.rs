@@ -13,10 +13,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use txoutbox_core::{Ack, Broker, BrokerError, Message};
 
-pub use txoutbox_core::cloudevents::MessageFormat;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 use thiserror::Error;
+pub use txoutbox_core::cloudevents::MessageFormat;
 
 /// The redis client this crate is built with: name its types as `txoutbox_redis_broker::redis::…`,
 /// whatever redis you depend on.

@@ -25,13 +25,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use redis::Value;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::time::Instant;
 use txoutbox_core::inbox::decode::BrokerMessage;
 use txoutbox_core::inbox::subscription::{
     AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
 };
-use redis::Value;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use tokio::time::Instant;
 
 use crate::RedisBrokerError;
 

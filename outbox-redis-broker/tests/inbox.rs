@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use redis::aio::MultiplexedConnection;
 use txoutbox_conformance::broker::{BrokerKind, fresh_suffix};
 use txoutbox_conformance::inbox::broker_subs::{SubscriptionTrial, SubscriptionUnderTest};
 use txoutbox_conformance::inbox::end_to_end::{EndToEndTrial, EndToEndUnderTest};
@@ -14,7 +15,6 @@ use txoutbox_conformance::inbox::harness::InboxHarness;
 use txoutbox_conformance::inbox::memory::MemInboxHarness;
 use txoutbox_core::inbox::{DeliveryOutcome, Runner, Subscription};
 use txoutbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
-use redis::aio::MultiplexedConnection;
 
 fn url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

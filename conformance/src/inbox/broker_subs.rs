@@ -19,13 +19,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use serde_json::json;
+use tokio::task::JoinHandle;
 use txoutbox_core::backoff::{Backoff, SeededRng};
 use txoutbox_core::event::Status;
 use txoutbox_core::inbox::memory::InMemoryInbox;
 use txoutbox_core::inbox::repository::InboxRepository;
 use txoutbox_core::inbox::{DeliveryOutcome as O, OnFailure, Runner, RunnerBuilder, Subscription};
-use serde_json::json;
-use tokio::task::JoinHandle;
 
 use crate::inbox::ctx::{Recorder, g};
 use crate::inbox::harness::InboxHarness;
@@ -505,7 +505,8 @@ impl Subscription for Spy {
         &self,
         max: usize,
         wait: Duration,
-    ) -> Result<Vec<txoutbox_core::inbox::InboxDelivery>, txoutbox_core::inbox::SubscriptionError> {
+    ) -> Result<Vec<txoutbox_core::inbox::InboxDelivery>, txoutbox_core::inbox::SubscriptionError>
+    {
         let mut v = self.inner.next(max, wait).await?;
         let now = tokio::time::Instant::now();
         for d in &mut v {

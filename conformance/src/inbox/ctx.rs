@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use serde_json::json;
 use txoutbox_core::CancellationToken;
 use txoutbox_core::backoff::{Backoff, SeededRng};
 use txoutbox_core::inbox::decode::BrokerMessage;
@@ -15,7 +16,6 @@ use txoutbox_core::inbox::{
     ConsumerGroup, DeliveryResult, InboxCycleReport, InboxEvent, NewInboxEvent, Processor,
     ProcessorBuilder, Runner, RunnerBuilder,
 };
-use serde_json::json;
 
 use crate::inbox::harness::{InboxFactory, InboxHarness, InboxPatch};
 use crate::inbox::script::{Act, ScriptedHandler};

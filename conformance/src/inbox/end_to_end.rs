@@ -30,6 +30,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng};
+use serde_json::json;
+use tokio::task::JoinHandle;
 use txoutbox_core::backoff::{Backoff, RandomSource, SeededRng};
 use txoutbox_core::broker::{Ack, Broker, Message};
 use txoutbox_core::clock::SystemClock;
@@ -43,11 +48,6 @@ use txoutbox_core::inbox::{
 };
 use txoutbox_core::relay::Relay;
 use txoutbox_core::{CancellationToken, InMemoryRepository};
-use rand::rngs::StdRng;
-use rand::seq::SliceRandom;
-use rand::{RngExt, SeedableRng};
-use serde_json::json;
-use tokio::task::JoinHandle;
 use uuid::Uuid;
 
 use crate::broker::BrokerKind;

@@ -4,11 +4,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use serde_json::json;
 use txoutbox_core::clock::{Clock, ManualClock};
 use txoutbox_core::inbox::HandlerError;
 use txoutbox_core::inbox::memory::{InMemoryInbox, MemInboxTx};
 use txoutbox_core::inbox::repository::InboxRepository;
-use serde_json::json;
 use uuid::Uuid;
 
 use crate::harness::BackendKind;

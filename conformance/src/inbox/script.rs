@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
+use tokio::sync::watch;
 use txoutbox_core::inbox::repository::HandlerTx;
 use txoutbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
-use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::inbox::harness::InboxHarness;

@@ -6,7 +6,9 @@ use std::time::Duration;
 use txoutbox_core::CancellationToken;
 use txoutbox_core::event::{Status, WorkerId};
 use txoutbox_core::relay::{CycleReport, Relay};
-use txoutbox_core::repository::{FetchRequest, Fetched, Outcome, OutcomeKind, OutcomeResult, Retry};
+use txoutbox_core::repository::{
+    FetchRequest, Fetched, Outcome, OutcomeKind, OutcomeResult, Retry,
+};
 use txoutbox_core::scripted::{Action, Gate};
 
 use crate::ctx::{Cfg, Ctx};

@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use txoutbox_core::event::Status;
-use txoutbox_core::scripted::Action;
 use tracing_subscriber::Layer;
 use tracing_subscriber::layer::{Context, SubscriberExt};
+use txoutbox_core::event::Status;
+use txoutbox_core::scripted::Action;
 use uuid::Uuid;
 
 use crate::ctx::Ctx;

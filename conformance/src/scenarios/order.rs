@@ -2,10 +2,10 @@
 
 use std::time::Duration;
 
+use serde_json::json;
 use txoutbox_core::event::{NewEvent, Status};
 use txoutbox_core::repository::FetchFilter;
 use txoutbox_core::scripted::Action;
-use serde_json::json;
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx};

@@ -9,11 +9,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::{Value, json};
 use txoutbox_core::clock::ManualClock;
 use txoutbox_core::event::{BuildSettings, NewEvent, Status, WorkerId};
 use txoutbox_core::repository::{Outcome, OutcomeKind, OutcomeResult};
 use txoutbox_core::scripted::{Action, Gate};
-use serde_json::{Value, json};
 use uuid::Uuid;
 
 use crate::ctx::{Cfg, Ctx};

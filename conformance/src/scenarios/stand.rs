@@ -6,15 +6,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use rand::seq::SliceRandom;
+use rand::{RngExt, SeedableRng};
+use serde_json::json;
 use txoutbox_core::CancellationToken;
 use txoutbox_core::backoff::{RandomSource, SeededRng};
 use txoutbox_core::broker::{Ack, Broker, Message};
 use txoutbox_core::error::BrokerError;
 use txoutbox_core::event::{NewEvent, Status};
 use txoutbox_core::relay::Relay;
-use rand::seq::SliceRandom;
-use rand::{RngExt, SeedableRng};
-use serde_json::json;
 use uuid::Uuid;
 
 use crate::ctx::Ctx;

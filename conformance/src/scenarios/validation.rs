@@ -3,12 +3,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde::Serialize;
+use serde_json::{Value, json};
 use txoutbox_core::clock::ManualClock;
 use txoutbox_core::error::ValidationError;
 use txoutbox_core::event::{BuildSettings, EventBuilder, NewEvent, WorkerId, normalize_error};
 use txoutbox_core::repository::FetchRequest;
-use serde::Serialize;
-use serde_json::{Value, json};
 use uuid::Uuid;
 
 use crate::ctx::Ctx;
@@ -25,7 +25,12 @@ fn base() -> EventBuilder {
 
 /// Builds, and for accepted events writes them, so a backend sees every accepted case;
 /// rejected ones must leave the table as it was.
-async fn check(c: &Ctx, b: EventBuilder, ok: bool, what: &str) -> Option<txoutbox_core::OutboxEvent> {
+async fn check(
+    c: &Ctx,
+    b: EventBuilder,
+    ok: bool,
+    what: &str,
+) -> Option<txoutbox_core::OutboxEvent> {
     let before = c.total_rows().await;
     match b.build() {
         Ok(e) => {
@@ -250,8 +255,10 @@ pub async fn v_14(f: &dyn Factory) {
 pub async fn v_14_stored(f: &dyn Factory) {
     let c = Ctx::new(f).await;
     let a = c.put(c.ev("k")).await;
-    c.broker
-        .script(a, [txoutbox_core::scripted::Action::Reject("x".repeat(3000))]);
+    c.broker.script(
+        a,
+        [txoutbox_core::scripted::Action::Reject("x".repeat(3000))],
+    );
     c.cycle1().await;
     let r = c.get(a).await;
     assert_eq!(

@@ -2,8 +2,8 @@
 
 use std::time::Duration;
 
-use txoutbox_core::event::Status;
 use serde_json::json;
+use txoutbox_core::event::Status;
 
 use crate::ctx::Ctx;
 use crate::harness::Factory;

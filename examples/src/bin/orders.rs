@@ -17,10 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use serde_json::json;
 use txoutbox_core::{Broker, CancellationToken, NewEvent, Relay};
 use txoutbox_postgres::sqlx::{self, PgPool};
 use txoutbox_postgres::{PgConfig, PgOutboxRepository, WakeListener, create_schema};
-use serde_json::json;
 use uuid::Uuid;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

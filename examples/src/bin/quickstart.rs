@@ -8,11 +8,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use serde_json::json;
 use txoutbox_core::scripted::{Action, ScriptedBroker};
 use txoutbox_core::{
     CancellationToken, InMemoryRepository, ManualClock, NewEvent, Relay, RowOutcome,
 };
-use serde_json::json;
 use uuid::Uuid;
 
 #[tokio::main]

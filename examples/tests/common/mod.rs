@@ -6,12 +6,12 @@ use std::collections::HashMap;
 use std::process::Stdio;
 use std::time::Duration;
 
-use txoutbox_core::NewEvent;
-use txoutbox_postgres::{PgOutboxWriter, TableName};
 use rand::RngExt;
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::process::{Child, Command};
+use txoutbox_core::NewEvent;
+use txoutbox_postgres::{PgOutboxWriter, TableName};
 use uuid::Uuid;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_outbox-relay");

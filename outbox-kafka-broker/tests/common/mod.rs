@@ -11,13 +11,13 @@ pub use async_trait::async_trait;
 use krafka::Kafka;
 use krafka::admin::{CreateTopicsOptions, NewTopic};
 use krafka::consumer::{AutoOffsetReset, IsolationLevel};
+use tokio::sync::OnceCell;
 pub use txoutbox_conformance::broker::fresh_suffix;
 use txoutbox_conformance::kafka::{
     KafkaAdapter, KafkaCapability, KafkaRecord, KafkaUnderTest, PrivateBroker,
 };
 pub use txoutbox_core::Broker;
 pub use txoutbox_kafka_broker::{Idempotence, KafkaBroker, KafkaBrokerConfig, MessageFormat};
-use tokio::sync::OnceCell;
 
 /// The bootstrap brokers.
 pub fn brokers() -> String {

@@ -1,9 +1,9 @@
 //! The sqlx inbox: [`PgInbox`] over [`SqlxDriver`]; a handler gets a sqlx [`Transaction`]
 //! (R181): write through `&mut **tx`.
 
-use txoutbox_core::error::RepositoryError;
 use sqlx::postgres::PgPool;
 use sqlx::{Postgres, Transaction};
+use txoutbox_core::error::RepositoryError;
 
 use crate::driver::sqlx::SqlxDriver;
 use crate::inbox::store::PgInbox;

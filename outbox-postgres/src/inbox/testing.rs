@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::postgres::PgPool;
+use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use txoutbox_conformance::harness::BackendKind;
 use txoutbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
 use txoutbox_core::clock::{Clock, ManualClock};
 use txoutbox_core::inbox::HandlerError;
-use sqlx::postgres::PgPool;
-use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use uuid::Uuid;
 
 use crate::driver::Bind;

@@ -81,7 +81,9 @@ mod schedule_refusal_tests {
         let created_at = DateTime::<Utc>::from_timestamp_micros(1_700_000_090_000_001).unwrap();
         assert_eq!(
             schedule_refusal(&msg),
-            Some(txoutbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at })
+            Some(
+                txoutbox_core::ValidationError::ScheduleOutsideInsertWindow { id, at, created_at }
+            )
         );
         assert_eq!(
             schedule_refusal("invalid input syntax for type timestamp"),

@@ -6,10 +6,10 @@ use super::harness::*;
 use std::sync::Arc;
 use std::time::Duration;
 
-use txoutbox_core::event::NewEvent;
-use txoutbox_core::repository::OutboxRepository;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPool;
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::OutboxRepository;
 use uuid::Uuid;
 
 use crate::sql::TableName;

@@ -6,10 +6,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use txoutbox_core::event::NewEvent;
-use txoutbox_core::repository::OutboxRepository;
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use txoutbox_core::event::NewEvent;
+use txoutbox_core::repository::OutboxRepository;
 use uuid::Uuid;
 
 use crate::sql::{Statements, TableName};
@@ -96,7 +96,9 @@ impl FaultBacklog {
         let mut tx = pool.begin().await.expect("begin");
         for seq in 0..rounds {
             let events: Vec<NewEvent> = (0..keys)
-                .map(|k| txoutbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq))
+                .map(|k| {
+                    txoutbox_conformance::broker::e2e_event("orders", &format!("acct-{k}"), seq)
+                })
                 .collect();
             for r in writer.write(&mut tx, events).await.expect("write") {
                 written

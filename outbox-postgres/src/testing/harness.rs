@@ -6,12 +6,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sqlx::postgres::PgPool;
+use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use txoutbox_conformance::harness::{BackendKind, Factory, Harness, RowPatch, WriteTx};
 use txoutbox_core::error::RepositoryError;
 use txoutbox_core::event::NewEvent;
 use txoutbox_core::repository::{OutboxRepository, WriteResult};
-use sqlx::postgres::PgPool;
-use sqlx::{AssertSqlSafe, Connection, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use crate::sql::{self, Layout, Statements, TableName};

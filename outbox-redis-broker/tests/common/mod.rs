@@ -7,12 +7,12 @@ pub use std::sync::Arc;
 pub use std::time::Duration;
 
 pub use async_trait::async_trait;
+pub use redis::aio::MultiplexedConnection;
 pub use txoutbox_conformance::broker::{
     BrokerKind, BrokerTrial, BrokerUnderTest, Received, TrialOptions, fresh_suffix,
 };
 pub use txoutbox_core::Broker;
 pub use txoutbox_redis_broker::{RedisBroker, RedisBrokerConfig};
-pub use redis::aio::MultiplexedConnection;
 
 pub fn url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
+use serde_json::json;
 use txoutbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
 use txoutbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent};
-use serde_json::json;
 
 use crate::inbox::ctx::{Ictx, g};
 use crate::inbox::harness::InboxFactory;

@@ -5,11 +5,11 @@
 
 use std::time::Duration;
 
+use serde_json::json;
 use txoutbox_core::event::Status;
 use txoutbox_core::inbox::repository::{InboxBackend, InboxRepository, InboxTransaction};
 use txoutbox_core::inbox::scripted::AckOp;
 use txoutbox_core::inbox::{DeliveryOutcome as O, NewInboxEvent, OnFailure, RowReport};
-use serde_json::json;
 
 use crate::inbox::ctx::{Ictx, g};
 use crate::inbox::harness::{InboxFactory, InboxHarness};

@@ -293,14 +293,17 @@ pub async fn n_17<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     c.deliver("m1", Some("k"));
     let rg = c.runner().build().unwrap();
-    let rg2 =
-        txoutbox_core::inbox::Runner::builder(c.backend(), std::sync::Arc::new(c.sub.clone()), "g2")
-            .handler(c.handler.clone())
-            .worker_id("w2")
-            .concurrency(1)
-            .process_stored(false)
-            .build()
-            .unwrap();
+    let rg2 = txoutbox_core::inbox::Runner::builder(
+        c.backend(),
+        std::sync::Arc::new(c.sub.clone()),
+        "g2",
+    )
+    .handler(c.handler.clone())
+    .worker_id("w2")
+    .concurrency(1)
+    .process_stored(false)
+    .build()
+    .unwrap();
     let a = c.handle(&rg).await;
     c.duplicate("m1");
     let b = c.handle(&rg2).await;

@@ -5,11 +5,11 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use rand::rngs::StdRng;
+use rand::{RngExt, SeedableRng};
 use txoutbox_core::event::Status;
 use txoutbox_core::inbox::repository::InboxRepository;
 use txoutbox_core::inbox::{OnFailure, Runner};
-use rand::rngs::StdRng;
-use rand::{RngExt, SeedableRng};
 
 use crate::inbox::ctx::{Ictx, g};
 use crate::inbox::harness::{InboxFactory, InboxHarness};

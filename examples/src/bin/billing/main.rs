@@ -29,11 +29,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
+use rand::RngExt;
 use txoutbox_core::inbox::repository::{HandlerTx, InboxBackend};
 use txoutbox_core::inbox::{Handler, HandlerError, InboxEvent, Runner};
 use txoutbox_core::{Backoff, inbox::Subscription};
 use txoutbox_postgres::TableName;
-use rand::RngExt;
 
 /// An error of `main`.
 type BoxError = Box<dyn std::error::Error>;

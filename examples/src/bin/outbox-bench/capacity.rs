@@ -33,10 +33,10 @@ use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use clap::Args;
-use txoutbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
-use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, WakeListener};
 use serde_json::{Value, json};
 use sqlx::{AssertSqlSafe, Row};
+use txoutbox_core::{Ack, Broker, BrokerError, CancellationToken, Message, NewEvent, Relay};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, WakeListener};
 use uuid::Uuid;
 
 use crate::suite::{child, load_avg};

@@ -4,11 +4,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Row};
 use txoutbox_core::OutboxRepository;
 use txoutbox_postgres::sql::{self, FetchParams, Statements, TableName};
 use txoutbox_postgres::{PgConfig, PgOutboxRepository};
-use sqlx::postgres::{PgPool, PgPoolOptions};
-use sqlx::{AssertSqlSafe, Connection, Row};
 
 use crate::{BenchError, Shape, StoreKind};
 

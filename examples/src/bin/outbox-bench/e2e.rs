@@ -42,13 +42,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
-use txoutbox_core::NewEvent;
-use txoutbox_postgres::{PgOutboxWriter, TableName};
 use serde_json::{Value, json};
 use sqlx::postgres::PgPool;
 use sqlx::{AssertSqlSafe, Row};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::sync::{Notify, watch};
+use txoutbox_core::NewEvent;
+use txoutbox_postgres::{PgOutboxWriter, TableName};
 use uuid::Uuid;
 
 use crate::suite::load_avg;

@@ -30,6 +30,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use clap::{Args, ValueEnum};
+use serde_json::{Value, json};
+use sqlx::postgres::PgPool;
+use sqlx::{AssertSqlSafe, Connection};
+use tokio::sync::Notify;
 use txoutbox_core::SystemClock;
 use txoutbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
 use txoutbox_core::inbox::{
@@ -38,10 +42,6 @@ use txoutbox_core::inbox::{
 };
 use txoutbox_postgres::inbox::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
 use txoutbox_postgres::{Layout, TableName};
-use serde_json::{Value, json};
-use sqlx::postgres::PgPool;
-use sqlx::{AssertSqlSafe, Connection};
-use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::{BenchError, Conn};

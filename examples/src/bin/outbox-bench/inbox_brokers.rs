@@ -236,9 +236,9 @@ mod redis_shape {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use futures::SinkExt;
-    use txoutbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
     use redis::aio::MultiplexedConnection;
     use redis::streams::StreamReadReply;
+    use txoutbox_redis_broker::{RedisSubscription, RedisSubscriptionConfig};
 
     use super::*;
 

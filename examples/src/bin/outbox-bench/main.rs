@@ -34,8 +34,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use txoutbox_core::{Broker, CancellationToken, OutboxRepository, Relay};
 use serde_json::{Value, json};
+use txoutbox_core::{Broker, CancellationToken, OutboxRepository, Relay};
 
 use crate::timed::{OrderCheck, Phases, Timed, TimedBroker};
 

@@ -5,13 +5,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use sqlx::PgPool;
+use tokio::sync::Notify;
 use txoutbox_core::backoff::Backoff;
 use txoutbox_core::metrics::MetricsStep;
 use txoutbox_core::relay::{CycleReport, LoopBackoff, LoopControl, LoopHooks, RunOptions};
 use txoutbox_core::{CancellationToken, OutboxRepository, Relay, RunError};
 use txoutbox_postgres::TableName;
-use sqlx::PgPool;
-use tokio::sync::Notify;
 
 use crate::broker::{self, BrokerArgs};
 use crate::error::{CliError, Result, code};

@@ -5,11 +5,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::ValueEnum;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, PgPool};
 use txoutbox_core::OutboxRepository;
 use txoutbox_postgres::sql::Statements;
 use txoutbox_postgres::{PgConfig, PgOutboxRepository, TableName};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{ConnectOptions, PgPool};
 use uuid::Uuid;
 
 use crate::error::{CliError, Result, code};

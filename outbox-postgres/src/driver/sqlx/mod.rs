@@ -7,11 +7,11 @@ mod row;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use txoutbox_core::error::RepositoryError;
-use txoutbox_core::repository::{BlockedKey, Fetched};
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgArguments, PgPool};
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};
+use txoutbox_core::error::RepositoryError;
+use txoutbox_core::repository::{BlockedKey, Fetched};
 use uuid::Uuid;
 
 pub use error::map_err;

@@ -1,9 +1,9 @@
 //! The sqlx driver's row decoding: [`sql::COLUMNS`] column by column, timestamps range-checked.
 
 use chrono::{DateTime, Utc};
-use txoutbox_core::repository::{Fetched, UndecodableRow};
 use sqlx::Row;
 use sqlx::postgres::PgRow;
+use txoutbox_core::repository::{Fetched, UndecodableRow};
 
 use crate::sql::{self, RawRow};
 
