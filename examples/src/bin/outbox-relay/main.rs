@@ -1,5 +1,5 @@
 //! `outbox-relay`: runs the outbox relay against PostgreSQL and a broker, and the operator's
-//! commands on the outbox table.
+//! commands on the outbox table and (`outbox-relay inbox …`) on an inbox table.
 //!
 //! ```sh
 //! cargo run -p txoutbox-examples --bin outbox-relay -- --help
@@ -26,6 +26,7 @@ mod broker;
 mod broker_kr;
 mod duration;
 mod error;
+mod inbox;
 mod ops;
 mod run;
 mod store;
@@ -48,9 +49,9 @@ struct Cli {
     command: Command,
 }
 
-/// Where the outbox table is.
+/// The database and the store, shared by the outbox and the inbox commands.
 #[derive(Debug, Clone, Args)]
-pub struct DbArgs {
+pub struct ConnArgs {
     /// PostgreSQL URL, e.g. postgres://user[:password]@host[:port]/database (required by
     /// every command that connects; `migrate --print-sql` does not).
     #[arg(
@@ -64,6 +65,13 @@ pub struct DbArgs {
     /// cargo feature `diesel`). Both use the same table.
     #[arg(long, env = "OUTBOX_STORE", value_enum, default_value_t = StoreKind::Sqlx)]
     pub store: StoreKind,
+}
+
+/// Where the outbox table is.
+#[derive(Debug, Clone, Args)]
+pub struct DbArgs {
+    #[command(flatten)]
+    pub conn: ConnArgs,
     /// The outbox table, `table` or `schema.table` (lowercase letters, digits and `_`).
     #[arg(long, env = "OUTBOX_TABLE", default_value = "outbox_events", value_parser = parse_table)]
     pub table: TableName,
@@ -148,6 +156,9 @@ enum Command {
         /// All failed rows of this partition key.
         #[arg(long)]
         key: Option<String>,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Releases pending rows locked longer ago than --older-than (relays that died).
     ReleaseStaleLocks {
@@ -156,6 +167,9 @@ enum Command {
         /// Lock age, at least 1s (e.g. 10m).
         #[arg(long, value_parser = parse_dur)]
         older_than: Duration,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Deletes completed rows completed longer ago than --older-than (whole days, at least 1d).
     Cleanup {
@@ -167,6 +181,9 @@ enum Command {
         /// Rows deleted per statement (1 to 10,000).
         #[arg(long, default_value_t = 1000)]
         batch_size: usize,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Releases a held row whoever holds it and records the reason as its last error.
     ForceUnlock {
@@ -177,7 +194,15 @@ enum Command {
         /// Why (1 to 255 characters after trimming); stored as `Force unlock: <reason>`.
         #[arg(long)]
         reason: String,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
     },
+    /// The operator commands on an inbox table: stats and blocked-keys of one consumer group,
+    /// requeue-failed and force-unlock of one row, release-stale-locks and cleanup across every
+    /// group (`outbox-relay inbox <command> --help`).
+    #[command(subcommand, after_help = EXIT_CODES_HELP)]
+    Inbox(inbox::InboxCommand),
 }
 
 /// Which broker `run` publishes to.
@@ -234,18 +259,31 @@ async fn dispatch(cmd: Command) -> Result<(), CliError> {
             limit,
             lease,
         } => ops::blocked_keys(&db, json, limit as usize, lease).await,
-        Command::RequeueFailed { db, id, topic, key } => {
-            ops::requeue_failed(&db, id, topic, key).await
-        }
-        Command::ReleaseStaleLocks { db, older_than } => {
-            ops::release_stale_locks(&db, older_than).await
-        }
+        Command::RequeueFailed {
+            db,
+            id,
+            topic,
+            key,
+            json,
+        } => ops::requeue_failed(&db, id, topic, key, json).await,
+        Command::ReleaseStaleLocks {
+            db,
+            older_than,
+            json,
+        } => ops::release_stale_locks(&db, older_than, json).await,
         Command::Cleanup {
             db,
             older_than,
             batch_size,
-        } => ops::cleanup(&db, older_than, batch_size).await,
-        Command::ForceUnlock { db, id, reason } => ops::force_unlock(&db, id, &reason).await,
+            json,
+        } => ops::cleanup(&db, older_than, batch_size, json).await,
+        Command::ForceUnlock {
+            db,
+            id,
+            reason,
+            json,
+        } => ops::force_unlock(&db, id, &reason, json).await,
+        Command::Inbox(cmd) => inbox::dispatch(cmd).await,
     }
 }
 

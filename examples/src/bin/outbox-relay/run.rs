@@ -192,7 +192,7 @@ async fn listen(
             format!("LISTEN {channel}: {e}; pass --no-listen to poll only"),
         )
     };
-    let l = match a.db.store {
+    let l = match a.db.conn.store {
         store::StoreKind::Sqlx => Listener::Sqlx(
             txoutbox_postgres::WakeListener::spawn(pool, table, wakers)
                 .await
@@ -200,14 +200,14 @@ async fn listen(
         ),
         #[cfg(feature = "diesel")]
         store::StoreKind::Diesel => Listener::Diesel(
-            txoutbox_diesel::WakeListener::spawn(&a.db.database_url, table, wakers)
+            txoutbox_diesel::WakeListener::spawn(&a.db.conn.database_url, table, wakers)
                 .await
                 .map_err(|e| fail(txoutbox_core::redact::secrets(&e.to_string())))?,
         ),
         #[cfg(not(feature = "diesel"))]
         store::StoreKind::Diesel => return Err(store::not_compiled()),
     };
-    tracing::info!(%channel, store = ?a.db.store, "listening for wake-ups");
+    tracing::info!(%channel, store = ?a.db.conn.store, "listening for wake-ups");
     Ok(l)
 }
 
@@ -370,13 +370,13 @@ pub async fn run(a: RunArgs) -> Result<()> {
         Some(n) => n,
         None => a.loops * 2 + 3,
     };
-    let db_at = txoutbox_core::redact::secrets(&a.db.database_url);
+    let db_at = txoutbox_core::redact::secrets(&a.db.conn.database_url);
     // The connection and the table check both wait out a server that is down or restarting
     // (a relay restarted during a PostgreSQL restart must not exit); a missing table or a
     // refused login ends the run.
     let Some(st) = wait_for(&token, "the database", &db_at, || async {
-        let pool = store::connect_pool(&a.db.database_url, pool_size).await?;
-        store::open_on(pool, &a.db.database_url, a.db.store, &a.db.table, pool_size).await
+        let pool = store::connect_pool(&a.db.conn.database_url, pool_size).await?;
+        store::open_on(pool, &a.db.conn.database_url, a.db.conn.store, &a.db.table, pool_size).await
     })
     .await?
     else {
@@ -422,7 +422,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
     };
     tracing::info!(
         table = %st.table,
-        store = ?a.db.store,
+        store = ?a.db.conn.store,
         broker = ?a.broker.broker,
         broker_url = %broker_at,
         workers = ?ids,

@@ -8,11 +8,12 @@ use clap::ValueEnum;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, PgPool};
 use txoutbox_core::OutboxRepository;
+use txoutbox_core::inbox::InboxRepository;
 use txoutbox_postgres::sql::Statements;
-use txoutbox_postgres::{PgConfig, PgOutboxRepository, TableName};
+use txoutbox_postgres::{Layout, PgConfig, PgOutboxRepository, SqlxInbox, TableKind, TableName};
 use uuid::Uuid;
 
-use crate::error::{CliError, Result, code};
+use crate::error::{CliError, Result, TableRole, code};
 
 /// Which backend crate runs the queries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -191,9 +192,14 @@ pub async fn connect_pool(url: &str, max: u32) -> Result<PgPool> {
 
 /// Whether the table exists.
 pub async fn table_exists(pool: &PgPool, table: &TableName) -> Result<bool> {
+    Ok(table_kind(pool, table).await? != TableKind::Missing)
+}
+
+/// What stands under the table's name; a failure of the check is exit 3 (retryable when the
+/// server is down or starting).
+pub async fn table_kind(pool: &PgPool, table: &TableName) -> Result<TableKind> {
     txoutbox_postgres::table_kind(pool, table)
         .await
-        .map(|k| k != txoutbox_postgres::TableKind::Missing)
         .map_err(|e| {
             // A lost connection or a server shutting down or starting up is worth waiting
             // for; any other answer is not.
@@ -211,13 +217,20 @@ pub async fn require_table(pool: &PgPool, table: &TableName) -> Result<()> {
     if table_exists(pool, table).await? {
         Ok(())
     } else {
-        Err(CliError::new(
-            code::DATABASE,
-            format!(
-                "the outbox table {table} does not exist; run `outbox-relay migrate --table {table}` first"
-            ),
-        ))
+        Err(missing(TableRole::Outbox, table))
     }
+}
+
+/// Exit 3: the table is missing, with the advice to create it.
+fn missing(role: TableRole, table: &TableName) -> CliError {
+    CliError::new(
+        code::DATABASE,
+        format!(
+            "the {} table {table} does not exist; {}",
+            role.name(),
+            role.create_advice(&table.to_string())
+        ),
+    )
 }
 
 /// Connects, checks the table and builds the repository of `kind`.
@@ -259,11 +272,7 @@ fn diesel_repo(
     table: &TableName,
     pool_size: u32,
 ) -> Result<(Arc<dyn OutboxRepository>, Direct)> {
-    let settings = txoutbox_diesel::PoolSettings::default()
-        .max_size(pool_size as usize)
-        .map_err(|e| CliError::usage(e.to_string()))?;
-    let pool = txoutbox_diesel::build_pool(url, &settings)
-        .map_err(|e| CliError::usage(format!("diesel pool: {e}")))?;
+    let pool = diesel_pool(url, pool_size)?;
     Ok((
         Arc::new(txoutbox_diesel::DieselOutboxRepository::new(
             pool.clone(),
@@ -279,6 +288,78 @@ fn diesel_repo(
     _table: &TableName,
     _pool_size: u32,
 ) -> Result<(Arc<dyn OutboxRepository>, Direct)> {
+    Err(not_compiled())
+}
+
+/// The diesel-async pool of `--store diesel` (over rustls when the URL asks for TLS).
+#[cfg(feature = "diesel")]
+fn diesel_pool(url: &str, pool_size: u32) -> Result<txoutbox_diesel::PgPool> {
+    let settings = txoutbox_diesel::PoolSettings::default()
+        .max_size(pool_size as usize)
+        .map_err(|e| CliError::usage(e.to_string()))?;
+    txoutbox_diesel::build_pool(url, &settings)
+        .map_err(|e| CliError::usage(format!("diesel pool: {e}")))
+}
+
+/// A connected inbox store: the library's inbox repository of the chosen backend
+/// (`txoutbox_postgres::SqlxInbox` or `txoutbox_diesel::DieselInbox`, the one store of
+/// `txoutbox_postgres::inbox::store` over each driver) on the table, in the table's layout.
+pub struct InboxStore {
+    pub repo: Arc<dyn InboxRepository>,
+    pub table: TableName,
+}
+
+/// Connects (the same first connection and messages as the outbox commands), checks that the
+/// inbox table exists, reads its layout (plain or partitioned: the statements differ) and
+/// builds the inbox repository of `kind`.
+pub async fn open_inbox(
+    url: &str,
+    kind: StoreKind,
+    table: &TableName,
+    pool_size: u32,
+) -> Result<InboxStore> {
+    let pool = connect_pool(url, pool_size).await?;
+    let layout = match table_kind(&pool, table).await? {
+        TableKind::Plain => Layout::Plain,
+        TableKind::Partitioned => Layout::Partitioned,
+        TableKind::Missing => return Err(missing(TableRole::Inbox, table)),
+        TableKind::Other(k) => {
+            return Err(CliError::new(
+                code::DATABASE,
+                format!(
+                    "{table} is not a table (pg_class.relkind {k:?}); give the inbox table with --table (INBOX_TABLE)"
+                ),
+            ));
+        }
+    };
+    let repo: Arc<dyn InboxRepository> = match kind {
+        StoreKind::Sqlx => Arc::new(SqlxInbox::sqlx(pool, table, layout)),
+        StoreKind::Diesel => diesel_inbox(url, table, layout, pool_size)?,
+    };
+    Ok(InboxStore {
+        repo,
+        table: table.clone(),
+    })
+}
+
+#[cfg(feature = "diesel")]
+fn diesel_inbox(
+    url: &str,
+    table: &TableName,
+    layout: Layout,
+    pool_size: u32,
+) -> Result<Arc<dyn InboxRepository>> {
+    let pool = diesel_pool(url, pool_size)?;
+    Ok(Arc::new(txoutbox_diesel::diesel_inbox(pool, table, layout)))
+}
+
+#[cfg(not(feature = "diesel"))]
+fn diesel_inbox(
+    _url: &str,
+    _table: &TableName,
+    _layout: Layout,
+    _pool_size: u32,
+) -> Result<Arc<dyn InboxRepository>> {
     Err(not_compiled())
 }
 
