@@ -15,7 +15,7 @@ use crate::ops::{
     self, BlockedRow, DeletedOut, ReleasedOut, RequeuedOut, Totals, UnlockedOut, report,
 };
 use crate::store::{self, InboxStore};
-use crate::{ConnArgs, parse_dur, parse_table};
+use crate::{ConnArgs, parse_dur};
 use txoutbox_postgres::TableName;
 
 /// Where the inbox table is.
@@ -25,8 +25,16 @@ pub struct InboxDbArgs {
     pub conn: ConnArgs,
     /// The inbox table, `table` or `schema.table` (lowercase letters, digits and `_`), plain or
     /// partitioned (the layout is read from the database).
-    #[arg(long, env = "INBOX_TABLE", default_value = "inbox_events", value_parser = parse_table)]
+    #[arg(long, env = "INBOX_TABLE", default_value = "inbox_events", value_parser = parse_inbox_table)]
     pub table: TableName,
+}
+
+/// The outbox's table-name rules; the message names the inbox table.
+fn parse_inbox_table(s: &str) -> std::result::Result<TableName, String> {
+    TableName::new(s).map_err(|e| {
+        e.to_string()
+            .replacen("invalid outbox table name", "invalid inbox table name", 1)
+    })
 }
 
 fn parse_group(s: &str) -> std::result::Result<ConsumerGroup, String> {
@@ -222,7 +230,11 @@ async fn stats(db: &InboxDbArgs, group: &ConsumerGroup, json: bool, lease: Durat
     let t = s.table.to_string();
     let e = repo_err(&t);
     let counts = s.repo.counts(group).await.map_err(&e)?;
-    let blocked = s.repo.blocked_keys(group, lease, 10_000).await.map_err(&e)?;
+    let blocked = s
+        .repo
+        .blocked_keys(group, lease, 10_000)
+        .await
+        .map_err(&e)?;
     let oldest = s.repo.oldest_due_age(group).await.map_err(&e)?;
     let out = StatsOut {
         table: t.clone(),
@@ -302,7 +314,12 @@ async fn requeue_failed(
         report(json, &out, || format!("requeued {id}"));
         return Ok(());
     }
-    let status = s.repo.get(id).await.map_err(repo_err(&t))?.map(|r| r.status);
+    let status = s
+        .repo
+        .get(id)
+        .await
+        .map_err(repo_err(&t))?
+        .map(|r| r.status);
     Err(ops::not_requeued(TableRole::Inbox, &t, id, status))
 }
 

@@ -16,7 +16,6 @@ async fn open(db: &DbArgs) -> Result<store::Store> {
     store::open(&db.conn.database_url, db.conn.store, &db.table, 4).await
 }
 
-
 /// `migrate --print-sql`: the statements of `migrate` (from `txoutbox_postgres::sql::ddl` or
 /// `sql::partitioned::ddl`, the source the library's schema creation runs), each ended by `;`,
 /// for a migrations folder. Connects to nothing.
@@ -465,7 +464,12 @@ pub async fn release_stale_locks(db: &DbArgs, older_than: Duration, json: bool) 
     Ok(())
 }
 
-pub async fn cleanup(db: &DbArgs, older_than: Duration, batch_size: usize, json: bool) -> Result<()> {
+pub async fn cleanup(
+    db: &DbArgs,
+    older_than: Duration,
+    batch_size: usize,
+    json: bool,
+) -> Result<()> {
     let days = retention_days(older_than, batch_size)?;
     let s = open(db).await?;
     let t = s.table.to_string();

@@ -376,7 +376,14 @@ pub async fn run(a: RunArgs) -> Result<()> {
     // refused login ends the run.
     let Some(st) = wait_for(&token, "the database", &db_at, || async {
         let pool = store::connect_pool(&a.db.conn.database_url, pool_size).await?;
-        store::open_on(pool, &a.db.conn.database_url, a.db.conn.store, &a.db.table, pool_size).await
+        store::open_on(
+            pool,
+            &a.db.conn.database_url,
+            a.db.conn.store,
+            &a.db.table,
+            pool_size,
+        )
+        .await
     })
     .await?
     else {
