@@ -316,8 +316,10 @@ async fn requeue_failed_by_id_and_by_key_and_refuses_unknown_or_pending_rows() {
             .await,
         2
     );
-    let out = relay(&args(&db, &["requeue-failed", "--topic", "ops"])).await;
+    let out = relay(&args(&db, &["requeue-failed", "--topic", "ops", "--json"])).await;
     assert_eq!(out.code, 0, "{}", out.stderr);
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+    assert_eq!(v["requeued"].as_array().map(Vec::len), Some(2), "{v}");
     assert_eq!(
         db.scalar_i64("SELECT count(*) FROM {t} WHERE status = 'failed'")
             .await,
