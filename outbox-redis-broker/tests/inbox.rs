@@ -519,3 +519,12 @@ impl EndToEndUnderTest for RedisEndToEnd {
 }
 
 txoutbox_conformance::inbox_end_to_end_suite!(RedisEndToEnd);
+
+/// Issue 28: PostgreSQL cut for 3 s (through a forwarder) while messages come: no message
+/// completes more than 5 s after it is back, each once, each key in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_outage() {
+    let db = txoutbox_postgres::inbox::testing::PgOutageInbox::default();
+    let f = txoutbox_conformance::inbox::broker_subs::database_outage(&Redis, &db).await;
+    println!("{f}");
+}
