@@ -1,7 +1,10 @@
 //! The database outage trial on a live broker (issue 28): a runner on a real subscription and
-//! a real database whose connections go through a local forwarder ([`crate::net::Forwarder`]);
-//! the trial cuts the forwarder for [`OUTAGE`] while messages keep coming, so the runner sees
-//! the database go away and come back without the server being touched.
+//! a real database whose connections go through a local proxy ([`LoopbackProxy`]); the trial
+//! cuts the proxy for [`OUTAGE`] while messages keep coming, so the runner sees the database go
+//! away and come back without the server being touched. Two faults ([`DbFault`]): refused
+//! connections (a server that is down: a pool keeps trying to connect until its acquire
+//! timeout) and reset ones (every connection, open or new, reset at once: each transaction
+//! fails at once, as behind a pooler whose server restarts).
 //!
 //! What it checks (R120, R132, R166): every message is handled exactly once (one committed
 //! `completed` result per message, and its row `completed`), each key's messages complete in
@@ -22,7 +25,16 @@ use txoutbox_core::inbox::{
 };
 
 use super::*;
-use crate::net::Forwarder;
+use crate::broker::LoopbackProxy;
+
+/// How the trial cuts the database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DbFault {
+    /// Every connection cut, new ones refused.
+    Refuse,
+    /// Every connection, open or new, reset with a TCP RST.
+    Reset,
+}
 
 /// How long the trial cuts the database.
 pub const OUTAGE: Duration = Duration::from_secs(3);
@@ -42,14 +54,14 @@ const CUT_AFTER: Duration = Duration::from_secs(1);
 const SETTLE: Duration = Duration::from_secs(150);
 
 /// The database of [`database_outage`]: a fresh inbox whose connections go to a local port
-/// that the trial forwards to the server.
+/// that the trial's proxy forwards to the server.
 #[async_trait]
 pub trait OutageDatabase: Send + Sync {
     /// The inbox backend.
     type Backend: InboxBackend;
-    /// The server's `host:port`, which the trial's forwarder forwards to.
+    /// The server's `host:port`, which the trial's proxy forwards to.
     fn server(&self) -> String;
-    /// A fresh, empty inbox whose connections go to `through` (the forwarder); what it
+    /// A fresh, empty inbox whose connections go to `through` (the proxy); what it
     /// needs (a schema, a pool) lives as long as `self`.
     async fn inbox(&self, through: SocketAddr) -> Self::Backend;
 }
@@ -59,6 +71,8 @@ pub trait OutageDatabase: Send + Sync {
 pub struct DatabaseOutageFigures {
     /// The broker (the subscription's name).
     pub broker: &'static str,
+    /// The fault.
+    pub fault: DbFault,
     /// Messages published.
     pub messages: usize,
     /// The longest from the database's return (or the message's publish, when later) to the
@@ -80,8 +94,9 @@ impl fmt::Display for DatabaseOutageFigures {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "database outage on {}: {} messages, {:?} outage; max delay after the database came back {:.3} s ({}); \
+            "database outage ({:?}) on {}: {} messages, {:?} outage; max delay after the database came back {:.3} s ({}); \
              {} messages waited for it; persist_failed results {}; delivery results {}; drained {:.3} s after",
+            self.fault,
             self.broker,
             self.messages,
             OUTAGE,
@@ -142,20 +157,21 @@ fn id_of(k: usize, n: usize) -> String {
 
 /// The trial (see the module docs): one runner (concurrency [`CONCURRENCY`], a subscription
 /// whose own redelivery takes [`REDELIVER_AFTER`]) handles [`KEYS`] × [`PER_KEY`] messages
-/// published one every 10 ms; 1 s in, the database is cut for [`OUTAGE`]. Panics, with the
+/// published one every 10 ms; 1 s in, the database is cut for [`OUTAGE`] by `fault`. Panics, with the
 /// figures, when a message is lost, handled twice, out of its key's order or later than
 /// [`MAX_DELAY`]; returns the figures.
-pub async fn database_outage<S, D>(s: &S, db: &D) -> DatabaseOutageFigures
+pub async fn database_outage<S, D>(s: &S, db: &D, fault: DbFault) -> DatabaseOutageFigures
 where
     S: SubscriptionUnderTest + ?Sized,
     D: OutageDatabase,
 {
     let trial = s.trial().await;
-    let mut proxy = Forwarder::closed().await.expect("reserve a local port");
-    proxy
-        .open(db.server())
+    let server = tokio::net::lookup_host(db.server())
         .await
-        .expect("forward to the database");
+        .expect("resolve the database server")
+        .next()
+        .expect("the database server has an address");
+    let proxy = LoopbackProxy::start(server).await;
     let backend = db.inbox(proxy.addr()).await;
     let sub = trial.subscription("w1", REDELIVER_AFTER).await;
     let broker = sub.capabilities().name;
@@ -202,17 +218,20 @@ where
         }
         at
     };
-    let fault = async {
+    let cut = async {
         tokio::time::sleep_until(started + CUT_AFTER).await;
-        proxy.close().await;
+        match fault {
+            DbFault::Refuse => proxy.close().await,
+            DbFault::Reset => proxy.reset(),
+        }
         tokio::time::sleep(OUTAGE).await;
-        proxy
-            .open(db.server())
-            .await
-            .expect("forward to the database again");
+        match fault {
+            DbFault::Refuse => proxy.reopen().await,
+            DbFault::Reset => proxy.stop_resetting(),
+        }
         Instant::now()
     };
-    let (published, back) = tokio::join!(publish, fault);
+    let (published, back) = tokio::join!(publish, cut);
 
     let deadline = back + SETTLE;
     while log.completed().len() < total && Instant::now() < deadline {
@@ -253,6 +272,7 @@ where
         .count();
     let figures = DatabaseOutageFigures {
         broker,
+        fault,
         messages: total,
         max_delay,
         slowest,
@@ -295,7 +315,7 @@ where
             not_completed.push(id.clone());
         }
     }
-    drop(proxy);
+    proxy.shutdown().await;
     trial.cleanup().await;
     assert!(
         missing.is_empty(),
