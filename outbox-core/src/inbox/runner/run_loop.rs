@@ -1,6 +1,21 @@
 //! The runner's loop (contract R120, R132, R166, R167): at most `concurrency` deliveries held,
 //! one at a time per inbox key in delivery order, pacing after read and persistence errors, and
 //! the shutdown that gives back what was not started.
+//!
+//! # Waiting out the database
+//!
+//! A delivery that ends in a persistence error (R132) means the database may be away. From then
+//! on the loop reads nothing and starts no run: reading on would take deliveries it can only give
+//! back, and a broker that bounds what it lets wait (Redis keeps at most `concurrency` rewinds
+//! waiting, R136) then leaves the rest to its claim or redelivery timeout, behind later messages
+//! of their keys. Instead the loop probes the database, as the relay's loop probes an unreachable
+//! broker: a probe opens a transaction and rolls it back (bounded by [`PROBE_TIMEOUT`]), after
+//! R120's waits (0.1 s, doubling after each probe that fails, up to 5.0 s). Runs in flight finish
+//! (each that fails takes the waiting deliveries of its key back with it, R132); the other
+//! deliveries held wait, renewed (R134, R136), as under an open breaker. Once a probe answers, the
+//! loop starts the next delivery of each key that waited and reads again; the count of R120 goes
+//! back to 0.1 s. Further persistence errors of the same outage do not lengthen the waits: one
+//! outage is one failure, and each failed probe another.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -13,7 +28,7 @@ use futures::stream::FuturesUnordered;
 
 use super::{DeliveryOutcome, DeliveryResult, Runner};
 use crate::inbox::model::InboxKey;
-use crate::inbox::repository::InboxBackend;
+use crate::inbox::repository::{InboxBackend, InboxTransaction};
 use crate::inbox::subscription::{AckHandle, InboxDelivery};
 
 /// First wait after a failed read or a persistence error (R120).
@@ -22,6 +37,9 @@ pub const LOOP_WAIT_FIRST: Duration = Duration::from_millis(100);
 pub const LOOP_WAIT_MAX: Duration = Duration::from_secs(5);
 /// How long one read waits for a delivery before the loop looks around again.
 pub const READ_WAIT: Duration = Duration::from_millis(100);
+/// How long the loop waits for one probe of the database (a transaction opened and rolled back)
+/// while it waits out a persistence outage; a probe that takes longer has failed.
+pub const PROBE_TIMEOUT: Duration = LOOP_WAIT_MAX;
 
 /// Why [`Runner::run`] did not run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -38,6 +56,37 @@ pub fn loop_wait(n: u32) -> Duration {
     LOOP_WAIT_FIRST
         .saturating_mul(1u32 << exp)
         .min(LOOP_WAIT_MAX)
+}
+
+/// The runner's circuit breaker (R62, R120): consecutive failed handler runs, and until when it
+/// is open.
+#[derive(Debug, Default)]
+struct Breaker {
+    run_failures: u32,
+    open_until: Option<tokio::time::Instant>,
+}
+
+impl Breaker {
+    /// Counts a delivery's handler run, if it had one, under `config` (threshold, recovery).
+    fn record(&mut self, config: Option<(u32, Duration)>, res: &DeliveryResult) {
+        let Some((threshold, recovery)) = config else {
+            return;
+        };
+        if res.handler_duration.is_none() {
+            return;
+        }
+        if matches!(
+            res.outcome,
+            DeliveryOutcome::Completed | DeliveryOutcome::Skipped
+        ) {
+            self.run_failures = 0;
+        } else {
+            self.run_failures = self.run_failures.saturating_add(1);
+            if self.run_failures >= threshold {
+                self.open_until = Some(tokio::time::Instant::now() + recovery);
+            }
+        }
+    }
 }
 
 type Running<'a> =
@@ -89,16 +138,53 @@ impl<B: InboxBackend> Runner<B> {
         let mut failures = 0u32;
         let mut pause_until: Option<tokio::time::Instant> = None;
         // The breaker (R62, R120): consecutive failed handler runs, and when it opened.
-        let mut run_failures = 0u32;
-        let mut open_until: Option<tokio::time::Instant> = None;
+        let mut breaker = Breaker::default();
+        // A persistence outage (module docs): when the database is probed next, and the keys
+        // whose next delivery waits for it.
+        let mut outage: Option<tokio::time::Instant> = None;
+        let mut stalled: Vec<InboxKey> = Vec::new();
         loop {
             if self.stop.is_cancelled() {
                 break;
             }
-            if let Some(t) = open_until {
+            if let Some(probe_at) = outage {
+                // No read, no run: runs in flight finish; the database is probed.
+                tokio::select! {
+                    biased;
+                    _ = self.stop.cancelled() => break,
+                    Some((id, key, res)) = inflight.next(), if !inflight.is_empty() => {
+                        held.remove(&id);
+                        breaker.record(self.config.breaker, &res);
+                        let next = self.on_done(key, &res, &mut waiting, &mut busy, &mut held).await;
+                        stalled.extend(next);
+                    }
+                    _ = tick(&mut renew) => renew_all(&held).await,
+                    up = async {
+                        tokio::time::sleep_until(probe_at).await;
+                        self.database_answers().await
+                    } => {
+                        if up {
+                            tracing::info!("the database answers again; the runner reads again");
+                            outage = None;
+                            failures = 0;
+                            pause_until = None;
+                            for k in stalled.drain(..) {
+                                self.start_next(k, &mut waiting, &mut busy, &mut inflight);
+                            }
+                        } else {
+                            failures = failures.saturating_add(1);
+                            let wait = loop_wait(failures);
+                            tracing::debug!(retry_in = ?wait, "the database is still away");
+                            outage = Some(tokio::time::Instant::now() + wait);
+                        }
+                    }
+                }
+                continue;
+            }
+            if let Some(t) = breaker.open_until {
                 if tokio::time::Instant::now() >= t {
                     // Half-open: the next run goes ahead.
-                    open_until = None;
+                    breaker.open_until = None;
                 } else {
                     // Open: no read, no run; runs in flight finish.
                     tokio::select! {
@@ -106,7 +192,20 @@ impl<B: InboxBackend> Runner<B> {
                         _ = self.stop.cancelled() => break,
                         Some((id, key, res)) = inflight.next(), if !inflight.is_empty() => {
                             held.remove(&id);
-                            self.on_done(key, &res, &mut waiting, &mut busy, &mut held, &mut inflight).await;
+                            if res.outcome == DeliveryOutcome::PersistFailed {
+                                failures = failures.saturating_add(1);
+                                outage = Some(tokio::time::Instant::now() + loop_wait(failures));
+                                tracing::warn!(error = res.error.as_deref().unwrap_or(""),
+                                    "a persistence error: the runner stops reading until the database answers");
+                            }
+                            let next = self.on_done(key, &res, &mut waiting, &mut busy, &mut held).await;
+                            if let Some(k) = next {
+                                if outage.is_some() {
+                                    stalled.push(k);
+                                } else {
+                                    self.start_next(k, &mut waiting, &mut busy, &mut inflight);
+                                }
+                            }
                         }
                         _ = tick(&mut renew) => renew_all(&held).await,
                         _ = tokio::time::sleep_until(t) => {}
@@ -130,31 +229,28 @@ impl<B: InboxBackend> Runner<B> {
                 Some((id, key, res)) = inflight.next(), if !inflight.is_empty() => {
                     held.remove(&id);
                     if res.outcome == DeliveryOutcome::PersistFailed {
-                        failures += 1;
-                        pause_until = Some(tokio::time::Instant::now() + loop_wait(failures));
+                        failures = failures.saturating_add(1);
+                        outage = Some(tokio::time::Instant::now() + loop_wait(failures));
+                        tracing::warn!(error = res.error.as_deref().unwrap_or(""),
+                            "a persistence error: the runner stops reading until the database answers");
                     } else if res.committed {
                         failures = 0;
                         pause_until = None;
                     }
-                    if let Some((threshold, recovery)) = self.config.breaker
-                        && res.handler_duration.is_some()
-                    {
-                        let failed = !matches!(res.outcome, DeliveryOutcome::Completed | DeliveryOutcome::Skipped);
-                        if failed {
-                            run_failures = run_failures.saturating_add(1);
-                            if run_failures >= threshold {
-                                open_until = Some(tokio::time::Instant::now() + recovery);
-                            }
+                    breaker.record(self.config.breaker, &res);
+                    let next = self.on_done(key, &res, &mut waiting, &mut busy, &mut held).await;
+                    if let Some(k) = next {
+                        if outage.is_some() {
+                            stalled.push(k);
                         } else {
-                            run_failures = 0;
+                            self.start_next(k, &mut waiting, &mut busy, &mut inflight);
                         }
                     }
-                    self.on_done(key, &res, &mut waiting, &mut busy, &mut held, &mut inflight).await;
                 }
                 got = read, if free > 0 => {
                     match got {
                         Err(e) => {
-                            failures += 1;
+                            failures = failures.saturating_add(1);
                             tracing::warn!(error = %e, "reading the subscription failed");
                             pause_until = Some(tokio::time::Instant::now() + loop_wait(failures));
                         }
@@ -184,17 +280,36 @@ impl<B: InboxBackend> Runner<B> {
         self.shutdown(waiting, inflight).await;
     }
 
+    /// The probe of a persistence outage: a transaction opened and rolled back within
+    /// [`PROBE_TIMEOUT`].
+    async fn database_answers(&self) -> bool {
+        match tokio::time::timeout(PROBE_TIMEOUT, self.backend.begin()).await {
+            Ok(Ok(tx)) => {
+                tx.rollback().await;
+                true
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "the database probe failed");
+                false
+            }
+            Err(_) => {
+                tracing::debug!(timeout = ?PROBE_TIMEOUT, "the database probe did not answer in time");
+                false
+            }
+        }
+    }
+
     /// After a delivery ended: a persistence error takes the deliveries of its key that wait
-    /// back with it (R132); otherwise the next delivery of its key starts.
-    async fn on_done<'a>(
-        &'a self,
+    /// back with it (R132). Returns the key when a delivery of it waits to start next; the key
+    /// stays busy until [`start_next`](Self::start_next) starts it.
+    async fn on_done(
+        &self,
         key: Option<InboxKey>,
         res: &DeliveryResult,
         waiting: &mut HashMap<InboxKey, VecDeque<(u64, InboxDelivery)>>,
         busy: &mut HashSet<InboxKey>,
         held: &mut HashMap<u64, Arc<dyn AckHandle>>,
-        inflight: &mut FuturesUnordered<Running<'a>>,
-    ) {
+    ) -> Option<InboxKey> {
         if res.outcome == DeliveryOutcome::PersistFailed
             && let (Some(k), Some(delay)) = (&key, res.rewind_delay)
             && let Some(q) = waiting.remove(k)
@@ -206,13 +321,29 @@ impl<B: InboxBackend> Runner<B> {
                 }
             }
         }
-        if let Some(k) = key {
-            match waiting.get_mut(&k).and_then(VecDeque::pop_front) {
-                Some((id, d)) => inflight.push(self.start_one(id, Some(k), d)),
-                None => {
-                    waiting.remove(&k);
-                    busy.remove(&k);
-                }
+        let k = key?;
+        if waiting.get(&k).is_some_and(|q| !q.is_empty()) {
+            Some(k)
+        } else {
+            waiting.remove(&k);
+            busy.remove(&k);
+            None
+        }
+    }
+
+    /// Starts the next delivery of `k`, which [`on_done`](Self::on_done) returned.
+    fn start_next<'a>(
+        &'a self,
+        k: InboxKey,
+        waiting: &mut HashMap<InboxKey, VecDeque<(u64, InboxDelivery)>>,
+        busy: &mut HashSet<InboxKey>,
+        inflight: &mut FuturesUnordered<Running<'a>>,
+    ) {
+        match waiting.get_mut(&k).and_then(VecDeque::pop_front) {
+            Some((id, d)) => inflight.push(self.start_one(id, Some(k), d)),
+            None => {
+                waiting.remove(&k);
+                busy.remove(&k);
             }
         }
     }
@@ -266,6 +397,225 @@ async fn renew_all(held: &HashMap<u64, Arc<dyn AckHandle>>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use async_trait::async_trait;
+    use chrono::{DateTime, Utc};
+
+    use crate::clock::Clock;
+    use crate::event::Status;
+    use crate::inbox::handler::{Handler, HandlerError, HandlerOutcome};
+    use crate::inbox::memory::{InMemoryInbox, MemInboxTx};
+    use crate::inbox::model::InboxEvent;
+    use crate::inbox::scripted::{AckOp, MessageFactory, ScriptedSubscription};
+    use crate::inbox::decode::BrokerMessage;
+    use crate::inbox::subscription::{Subscription, SubscriptionCapabilities, SubscriptionError};
+
+    /// Wall time that moves with tokio's paused clock, so that the scripted subscription's
+    /// rewinds come due as paused time passes.
+    #[derive(Debug)]
+    struct PausedWall {
+        start: tokio::time::Instant,
+        wall: DateTime<Utc>,
+    }
+
+    impl Clock for PausedWall {
+        fn now(&self) -> DateTime<Utc> {
+            self.wall + chrono::Duration::from_std(self.start.elapsed()).expect("elapsed")
+        }
+    }
+
+    /// The scripted subscription, counting the runner's reads.
+    struct Counting {
+        inner: ScriptedSubscription,
+        reads: AtomicUsize,
+    }
+
+    impl Counting {
+        fn reads(&self) -> usize {
+            self.reads.load(Ordering::SeqCst)
+        }
+    }
+
+    #[async_trait]
+    impl Subscription for Counting {
+        fn capabilities(&self) -> SubscriptionCapabilities {
+            self.inner.capabilities()
+        }
+        async fn next(
+            &self,
+            max: usize,
+            wait: Duration,
+        ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
+            self.reads.fetch_add(1, Ordering::SeqCst);
+            self.inner.next(max, wait).await
+        }
+        async fn close(&self) {
+            self.inner.close().await;
+        }
+    }
+
+    /// Completes every row; `slow` takes 500 ms.
+    struct Done;
+
+    #[async_trait]
+    impl Handler<MemInboxTx> for Done {
+        async fn handle(
+            &self,
+            row: &InboxEvent,
+            _tx: &mut MemInboxTx,
+        ) -> Result<HandlerOutcome, HandlerError> {
+            if row.message_id == "slow" {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Ok(HandlerOutcome::completed())
+        }
+    }
+
+    struct Bed {
+        inbox: InMemoryInbox,
+        scripted: ScriptedSubscription,
+        sub: Arc<Counting>,
+        runner: Runner<InMemoryInbox>,
+        factory: MessageFactory,
+    }
+
+    impl Bed {
+        fn new() -> Self {
+            let clock = Arc::new(PausedWall {
+                start: tokio::time::Instant::now(),
+                wall: Utc::now(),
+            });
+            let inbox = InMemoryInbox::new(clock.clone());
+            let scripted = ScriptedSubscription::new(clock);
+            let sub = Arc::new(Counting {
+                inner: scripted.clone(),
+                reads: AtomicUsize::new(0),
+            });
+            let runner = Runner::builder(inbox.clone(), sub.clone(), "g")
+                .worker_id("w1")
+                .handler(Arc::new(Done))
+                .process_stored(false)
+                .concurrency(4)
+                .build()
+                .expect("runner");
+            runner.start();
+            Self {
+                inbox,
+                scripted,
+                sub,
+                runner,
+                factory: MessageFactory::new(),
+            }
+        }
+
+        fn message(&self, id: &str, key: &str) -> BrokerMessage {
+            self.factory.nats(
+                &[
+                    ("event_id", id),
+                    ("topic", "src"),
+                    ("event_type", "e"),
+                    ("partition_key", key),
+                ],
+                r#"{"n": 1}"#,
+            )
+        }
+
+        fn push(&self, id: &str, key: &str) -> usize {
+            self.scripted.push(self.message(id, key))
+        }
+
+        fn status(&self, id: &str) -> Option<Status> {
+            self.inbox
+                .rows()
+                .into_iter()
+                .find(|r| r.message_id == id)
+                .map(|r| r.status)
+        }
+    }
+
+    /// A persistence outage stops reading: no read while the database is away, and reading
+    /// resumes at the first probe that answers (0.1, 0.3, 0.7, 1.5 and 3.1 s after the first
+    /// persistence error: R120's waits); the deliveries given back (R132) and the message that
+    /// came meanwhile are then handled.
+    #[tokio::test(start_paused = true)]
+    async fn a_persistence_outage_stops_reading_until_the_database_answers() {
+        let b = Bed::new();
+        let m1 = b.push("m1", "k1");
+        let m2 = b.push("m2", "k2");
+        let m3 = b.push("m3", "k1");
+        b.inbox.set_down(true);
+        let control = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            // The first read took m1 to m3; m1 and m2 failed, m3 went back with m1 (R132).
+            let reads = b.sub.reads();
+            for m in [m1, m2, m3] {
+                assert_eq!(b.scripted.acks(m), vec![AckOp::Rewind(Duration::from_secs(1))]);
+            }
+            let m4 = b.push("m4", "k3");
+            tokio::time::sleep(Duration::from_millis(2450)).await;
+            // t = 2.5 s: the rewinds came due at 1.0 s and m4 waits, yet nothing was read.
+            assert_eq!(b.sub.reads(), reads, "a read while the database was away");
+            assert_eq!(b.scripted.deliveries(m4), 0);
+            b.inbox.set_down(false);
+            tokio::time::sleep(Duration::from_millis(550)).await;
+            // t = 3.05 s: the probe at 1.5 s failed; the next is at 3.1 s.
+            assert_eq!(b.sub.reads(), reads, "a read before the probe answered");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            // t = 3.15 s: the probe answered, reading resumed, all four are handled.
+            assert!(b.sub.reads() > reads, "no read after the probe answered");
+            for id in ["m1", "m2", "m3", "m4"] {
+                assert_eq!(b.status(id), Some(Status::Completed), "{id}");
+            }
+            for m in [m1, m2, m3, m4] {
+                assert_eq!(b.scripted.acks(m).last(), Some(&AckOp::Commit));
+            }
+            b.runner.stop();
+        };
+        let (done, ()) = tokio::join!(b.runner.run(), control);
+        done.expect("run");
+    }
+
+    /// A delivery held when the outage began (waiting for its key behind a run that then
+    /// commits) is neither started during the outage nor given back: it starts as soon as the
+    /// database answers a probe.
+    #[tokio::test(start_paused = true)]
+    async fn a_held_delivery_starts_once_the_database_answers() {
+        let b = Bed::new();
+        let slow = b.push("slow", "k1");
+        let m2 = b.push("m2", "k1");
+        let control = async {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            // t = 0.2 s: `slow` runs (500 ms), m2 waits for k1; the database goes away and m3's
+            // transaction fails: the outage begins (probes at 0.3, 0.5, 0.9, 1.7 s).
+            b.inbox.set_down(true);
+            let m3 = b.push("m3", "k2");
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            // t = 0.6 s: `slow` committed; m2 is held, not started.
+            assert_eq!(b.scripted.acks(slow), vec![AckOp::Commit]);
+            assert_eq!(b.status("slow"), Some(Status::Completed));
+            assert_eq!(b.scripted.acks(m3), vec![AckOp::Rewind(Duration::from_secs(1))]);
+            let reads = b.sub.reads();
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            b.inbox.set_down(false);
+            tokio::time::sleep(Duration::from_millis(650)).await;
+            // t = 1.65 s: still waiting for the probe at 1.7 s.
+            assert_eq!(b.status("m2"), None);
+            assert!(b.scripted.acks(m2).is_empty(), "m2 was given back");
+            assert_eq!(b.sub.reads(), reads);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            // t = 1.75 s: m2 ran on its first delivery; m3 came back and ran.
+            assert_eq!(b.status("m2"), Some(Status::Completed));
+            assert_eq!(b.scripted.deliveries(m2), 1);
+            assert_eq!(b.scripted.acks(m2), vec![AckOp::Commit]);
+            assert_eq!(b.status("m3"), Some(Status::Completed));
+            assert_eq!(b.scripted.acks(slow), vec![AckOp::Commit]);
+            b.runner.stop();
+        };
+        let (done, ()) = tokio::join!(b.runner.run(), control);
+        done.expect("run");
+    }
 
     #[test]
     fn waits_double_to_the_cap() {
