@@ -24,8 +24,8 @@ fn offsets<H: InboxHarness>(c: &Ictx<H>, t0: tokio::time::Instant, what: Option<
 
 /// N-19: the loop waits 0.1 s doubling after persistence errors, never after a rewind, and
 /// does not run before `start` (R120). (a) as amended by issue 28: after the persistence error
-/// at 0 s the loop reads nothing and probes the database after each wait (0.1, 0.3 s fail); the
-/// probe at 0.7 s answers, and the delivery read then commits.
+/// at 0 s the loop keeps m1, reads nothing and probes the database after each wait (0.1, 0.3 s
+/// fail); the probe at 0.7 s answers, and m1, tried again, commits, then the others.
 pub async fn n_19<F: InboxFactory>(f: &F) {
     // (a) persistence errors.
     let c = Ictx::new(f).await;
@@ -49,6 +49,7 @@ pub async fn n_19<F: InboxFactory>(f: &F) {
     assert_eq!(&t[..2], &[0.0, 0.7], "{t:?}");
     assert_eq!(res[0].outcome, O::PersistFailed);
     assert!(res[1..].iter().all(|x| x.outcome == O::Completed), "{res:?}");
+    assert_eq!(res[1].message_id.as_deref(), Some("m1"));
     // (b) rewinds make the loop wait for nothing.
     let c = Ictx::new(f).await;
     for i in 1..=5 {
