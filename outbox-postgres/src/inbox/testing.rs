@@ -473,10 +473,7 @@ impl OutageDatabase for PgOutageInbox {
             &trial_table(h.schema(), Layout::Plain),
             Layout::Plain,
         );
-        self.kept
-            .lock()
-            .expect("poisoned")
-            .push((h, share, pool));
+        self.kept.lock().expect("poisoned").push((h, share, pool));
         inbox
     }
 }

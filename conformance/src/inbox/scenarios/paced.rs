@@ -48,7 +48,10 @@ pub async fn n_19<F: InboxFactory>(f: &F) {
     let t = offsets(&c, t0, None);
     assert_eq!(&t[..2], &[0.0, 0.7], "{t:?}");
     assert_eq!(res[0].outcome, O::PersistFailed);
-    assert!(res[1..].iter().all(|x| x.outcome == O::Completed), "{res:?}");
+    assert!(
+        res[1..].iter().all(|x| x.outcome == O::Completed),
+        "{res:?}"
+    );
     assert_eq!(res[1].message_id.as_deref(), Some("m1"));
     // (b) rewinds make the loop wait for nothing.
     let c = Ictx::new(f).await;

@@ -439,11 +439,11 @@ mod tests {
 
     use crate::clock::Clock;
     use crate::event::Status;
+    use crate::inbox::decode::BrokerMessage;
     use crate::inbox::handler::{Handler, HandlerError, HandlerOutcome};
     use crate::inbox::memory::{InMemoryInbox, MemInboxTx};
     use crate::inbox::model::InboxEvent;
     use crate::inbox::scripted::{AckOp, MessageFactory, ScriptedSubscription};
-    use crate::inbox::decode::BrokerMessage;
     use crate::inbox::subscription::{Subscription, SubscriptionCapabilities, SubscriptionError};
 
     /// Wall time that moves with tokio's paused clock, so that the scripted subscription's
