@@ -612,3 +612,16 @@ impl EndToEndUnderTest for NatsEndToEnd {
 }
 
 txoutbox_conformance::inbox_end_to_end_suite!(NatsEndToEnd);
+
+/// Issue 28: PostgreSQL cut for 3 s (through a proxy: connections refused, then reset) while
+/// messages come: no message completes more than 5 s after it is back, each once, each key in
+/// order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn database_outage() {
+    use txoutbox_conformance::inbox::broker_subs::{DbFault, database_outage};
+    for fault in [DbFault::Refuse, DbFault::Reset] {
+        let db = txoutbox_postgres::inbox::testing::PgOutageInbox::default();
+        let f = database_outage(&Nats, &db, fault).await;
+        println!("{f}");
+    }
+}

@@ -32,7 +32,9 @@ use crate::inbox::harness::InboxHarness;
 use crate::inbox::memory::MemInboxHarness;
 use crate::inbox::script::{Act, Gate, ScriptedHandler};
 
+pub mod db_outage;
 mod groups;
+pub use db_outage::{DatabaseOutageFigures, DbFault, OutageDatabase, database_outage};
 pub use groups::{g_02, g_04, g_05, g_06, g_08, g_09};
 
 /// One fresh stream (NATS) or key prefix (Redis) of a trial.

@@ -259,7 +259,17 @@ impl<B: InboxBackend> Runner<B> {
 
     /// Handles one delivery to its end (see the module docs), then runs the hooks.
     pub async fn handle_delivery(&self, d: InboxDelivery) -> DeliveryResult {
-        let result = self.handle_inner(&d).await;
+        let result = self.handle_inner(&d, false).await;
+        self.after(&result);
+        result
+    }
+
+    /// [`handle_delivery`](Self::handle_delivery) for the loop: a persistence error does not
+    /// rewind the delivery (R132) but leaves it to the caller, which keeps it and tries it again
+    /// once the database answers (`run_loop`'s module docs). The result says so:
+    /// `persist_failed`, neither committed nor rewound.
+    pub(crate) async fn handle_keeping(&self, d: &InboxDelivery) -> DeliveryResult {
+        let result = self.handle_inner(d, true).await;
         self.after(&result);
         result
     }
@@ -293,7 +303,7 @@ impl<B: InboxBackend> Runner<B> {
         }
     }
 
-    async fn handle_inner(&self, d: &InboxDelivery) -> DeliveryResult {
+    async fn handle_inner(&self, d: &InboxDelivery, keep_on_persist: bool) -> DeliveryResult {
         let event = match self.decode(d) {
             Ok(e) => e,
             Err(inv) => return self.invalid(d, inv).await,
@@ -360,6 +370,9 @@ impl<B: InboxBackend> Runner<B> {
                     if d.is_last() {
                         tracing::error!(message_id = event.message_id(), position = %d.message.position(), error = %e,
                             "a last delivery has no row and is left unended at shutdown");
+                        return r;
+                    }
+                    if keep_on_persist {
                         return r;
                     }
                     let delay = self.capped(PERSIST_REWIND);

@@ -7,9 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sqlx::postgres::PgPool;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use txoutbox_conformance::harness::BackendKind;
+use txoutbox_conformance::inbox::broker_subs::OutageDatabase;
 use txoutbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
 use txoutbox_core::clock::{Clock, ManualClock};
 use txoutbox_core::inbox::HandlerError;
@@ -422,5 +423,57 @@ impl InboxHarness for PgInboxHarness {
                 .unwrap_or_else(|e| panic!("{sql}: {e}"));
             Vec::new()
         }
+    }
+}
+
+/// Connections of a [`PgOutageInbox`]'s pool through the trial's forwarder.
+pub const OUTAGE_POOL: u32 = 8;
+
+/// The PostgreSQL side of the broker crates' database outage trial
+/// ([`txoutbox_conformance::inbox::broker_subs::database_outage`]): each inbox is a fresh schema
+/// (a [`PgInboxHarness`], dropped with this value) whose runner pool connects through the trial's
+/// forwarder, so that the trial can cut PostgreSQL without touching the server. The pool waits
+/// at most 2 s for a connection, as a deployment's would be bounded.
+#[derive(Default)]
+pub struct PgOutageInbox {
+    kept: std::sync::Mutex<Vec<(PgInboxHarness, ConnectionShare, PgPool)>>,
+}
+
+impl std::fmt::Debug for PgOutageInbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgOutageInbox").finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl OutageDatabase for PgOutageInbox {
+    type Backend = SqlxInbox;
+
+    fn server(&self) -> String {
+        let o: PgConnectOptions = database_url()
+            .parse()
+            .expect("DATABASE_URL is a valid postgres URL");
+        format!("{}:{}", o.get_host(), o.get_port())
+    }
+
+    async fn inbox(&self, through: std::net::SocketAddr) -> SqlxInbox {
+        let h = PgInboxHarness::create(Layout::Plain).await;
+        let share = reserve_connections(OUTAGE_POOL).await;
+        let opts: PgConnectOptions = database_url()
+            .parse::<PgConnectOptions>()
+            .expect("DATABASE_URL is a valid postgres URL")
+            .host(&through.ip().to_string())
+            .port(through.port());
+        let pool = PgPoolOptions::new()
+            .max_connections(OUTAGE_POOL)
+            .acquire_timeout(Duration::from_secs(2))
+            .connect_lazy_with(opts);
+        let inbox = SqlxInbox::sqlx(
+            pool.clone(),
+            &trial_table(h.schema(), Layout::Plain),
+            Layout::Plain,
+        );
+        self.kept.lock().expect("poisoned").push((h, share, pool));
+        inbox
     }
 }
