@@ -140,6 +140,8 @@ pub enum InvalidLabel {
     EmptyPayload,
     /// Over 1,000,000 bytes.
     TooLarge,
+    /// A string of the payload, an object key included, holding U+0000.
+    Nul,
     /// A field of R102.
     Field,
     /// Headers.
@@ -156,6 +158,7 @@ impl InvalidLabel {
             InvalidLabel::NotObject => "not_object",
             InvalidLabel::EmptyPayload => "empty_payload",
             InvalidLabel::TooLarge => "too_large",
+            InvalidLabel::Nul => "nul",
             InvalidLabel::Field => "field",
             InvalidLabel::Headers => "headers",
             InvalidLabel::DbRefused => "db_refused",
@@ -393,7 +396,10 @@ pub fn check_payload(v: Value) -> Result<Map<String, Value>, InvalidMessage> {
         ));
     }
     if map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)) {
-        return Err(InvalidMessage::field("payload contains U+0000".into()));
+        return Err(InvalidMessage::new(
+            InvalidLabel::Nul,
+            "payload contains U+0000",
+        ));
     }
     Ok(map)
 }
@@ -617,6 +623,7 @@ mod tests {
         ] {
             let e = base().payload_json(p).build().unwrap_err();
             assert_eq!(e.reason, "payload contains U+0000");
+            assert_eq!(e.label, InvalidLabel::Nul);
         }
     }
 

@@ -821,3 +821,43 @@ async fn e_13_kafka<F: InboxFactory>(f: &F) {
         "without ce_specversion, content-type is an ordinary header"
     );
 }
+
+/// E-17: a payload holding U+0000, in a string or in a key, is invalid under R139's metric label
+/// `nul`, while a field of R102 holding it keeps the label `field` (R104, R139).
+pub async fn e_17<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let cases = [
+        (
+            c.msgs
+                .nats(&[("event_id", "e17-1")], "{\"x\": \"a\\u0000b\"}"),
+            "payload contains U+0000",
+            "nul",
+        ),
+        (
+            c.msgs.nats(&[("event_id", "e17-2")], "{\"a\\u0000\": 1}"),
+            "payload contains U+0000",
+            "nul",
+        ),
+        (
+            c.msgs.nats(
+                &[("event_id", "e17-3"), ("partition_key", "a\0b")],
+                "{\"n\": 1}",
+            ),
+            "partition_key: contains U+0000",
+            "field",
+        ),
+    ];
+    for (m, reason, label) in cases {
+        c.sub.push(m);
+        let res = c.handle(&c.bare_runner().build().unwrap()).await;
+        assert_eq!(
+            (res.outcome, res.error.as_deref(), res.invalid_label),
+            (
+                O::Invalid,
+                Some(format!("invalid message: {reason}").as_str()),
+                Some(label)
+            ),
+            "{res:?}"
+        );
+    }
+}
