@@ -404,8 +404,10 @@ pub fn check_payload(v: Value) -> Result<Map<String, Value>, InvalidMessage> {
     Ok(map)
 }
 
-/// Checks headers (R104, R6, R139). A `traceparent` value is held to R6's text rules only: an
-/// invalid trace context is ignored by the span (R170), never a reason to refuse the message.
+/// Checks headers (R104, R6, R139). A `traceparent` header, its name in any case (Go's
+/// canonical `Traceparent` included), is stored as `traceparent` and its value held to R6's
+/// text rules only: an invalid trace context is ignored by the span (R170), never a reason to
+/// refuse the message (E-15).
 pub fn check_headers(
     raw: Vec<(String, String)>,
 ) -> Result<Option<BTreeMap<String, String>>, InvalidMessage> {
@@ -423,7 +425,7 @@ pub fn check_headers(
     }
     let (tp, rest): (Vec<_>, Vec<_>) = raw
         .into_iter()
-        .partition(|(k, _)| trim_ancestor(k) == crate::trace::TRACEPARENT);
+        .partition(|(k, _)| trim_ancestor(k).eq_ignore_ascii_case(crate::trace::TRACEPARENT));
     let mut out = validate_headers(rest)
         .map_err(|e| bad(e.to_string()))?
         .unwrap_or_default();

@@ -861,3 +861,47 @@ pub async fn e_17<F: InboxFactory>(f: &F) {
         );
     }
 }
+
+/// E-15: the trace-context header is read whatever the case of its name (Go's canonical
+/// `Traceparent`, `TRACEPARENT`), on NATS, Redis and Kafka: a valid value and an invalid one both
+/// land, stored as `traceparent`, since a bad trace context never makes a delivery invalid (R141,
+/// R170).
+pub async fn e_15<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = "{\"n\": 1}";
+    let mut n = 0;
+    for name in ["Traceparent", "TRACEPARENT", "traceparent"] {
+        for value in [TP, "00-not-a-trace-context"] {
+            let msgs = [
+                c.msgs
+                    .nats(&[("event_id", &format!("e15-{n}")), (name, value)], body),
+                c.msgs.redis(&[
+                    ("event_id", &format!("e15-{}", n + 1)),
+                    ("payload", body),
+                    (name, value),
+                ]),
+                c.msgs.kafka(
+                    0,
+                    &[
+                        ("event_id", Some(format!("e15-{}", n + 2).as_bytes())),
+                        (name, Some(value.as_bytes())),
+                    ],
+                    None,
+                    Some(body),
+                ),
+            ];
+            n += 3;
+            for m in msgs {
+                let row = land_msg(&c, m.clone(), false)
+                    .await
+                    .unwrap_or_else(|e| panic!("{name}: {value}: {e} ({m:?})"));
+                assert_eq!(
+                    row.headers,
+                    Some(own(&[("traceparent", value)]).into_iter().collect()),
+                    "{name}: {value}"
+                );
+                assert_eq!(row.traceparent(), Some(value));
+            }
+        }
+    }
+}
