@@ -905,3 +905,48 @@ pub async fn e_15<F: InboxFactory>(f: &F) {
         }
     }
 }
+
+/// E-16: a NATS header that R137 reads (`event_id`, `partition_key`, …), repeated, makes the
+/// delivery invalid with `headers: repeated key {name}` and the label `headers`, as the same
+/// Kafka record is (E-11), instead of landing with its first value (R139, R179).
+pub async fn e_16<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = "{\"n\": 1}";
+    for (i, name) in [
+        "event_id",
+        "message_id",
+        "partition_key",
+        "event_type",
+        "trace_id",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("e16-{i}");
+        let mut h: Vec<(&str, &str)> = Vec::new();
+        if name != "event_id" {
+            h.push(("event_id", &id));
+        }
+        h.extend([(name, "a"), (name, "b")]);
+        let kafka_h: Vec<(&str, Option<&[u8]>)> =
+            h.iter().map(|(k, v)| (*k, Some(v.as_bytes()))).collect();
+        for m in [
+            c.msgs.nats(&h, body),
+            c.msgs.kafka(0, &kafka_h, None, Some(body)),
+        ] {
+            c.sub.push(m.clone());
+            let res = c.handle(&c.bare_runner().build().unwrap()).await;
+            let want = format!("invalid message: headers: repeated key {name}");
+            assert_eq!(
+                (res.outcome, res.error.as_deref(), res.invalid_label),
+                (O::Invalid, Some(want.as_str()), Some("headers")),
+                "{m:?}"
+            );
+        }
+    }
+    assert_eq!(
+        c.count_rows(&["a", "e16-0", "e16-1", "e16-2", "e16-3", "e16-4"])
+            .await,
+        0
+    );
+}
