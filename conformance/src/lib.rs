@@ -134,19 +134,20 @@ macro_rules! suite {
 /// is an expression evaluated per test whose value implements [`inbox::InboxFactory`].
 /// `inbox_suite!(postgres: FACTORY)` and `inbox_suite!(postgres_partitioned: FACTORY)` run the
 /// `[all]` ones on a Postgres store, plain or partitioned, and the `[pg]` ones written so far
-/// (F-13, F-21, Y-03, Y-16, Y-23 and Z-04 on both; D-03 to D-06 and P-04, which need siblings, on the
+/// (F-13, F-21, Y-03, Y-16, Y-23, Z-04 and E-18 on both; D-03 to D-06 and P-04, which need siblings, on the
 /// partitioned table; E-14 with `postgres_past_partition`, a partitioned table with one past
 /// partition only).
 #[macro_export]
 macro_rules! inbox_suite {
     (postgres: $f:expr) => {
         $crate::inbox_suite!(@all $f);
-        $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04);
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04,
+            pg::e_18);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04, pg::d_03,
-            pg::d_04, pg::d_05, pg::p_04, pg::d_06);
+            pg::d_04, pg::d_05, pg::p_04, pg::d_06, pg::e_18);
     };
     // A partitioned table with one partition for a past month only: E-14.
     (postgres_past_partition: $f:expr) => {
