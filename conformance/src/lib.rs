@@ -134,19 +134,20 @@ macro_rules! suite {
 /// is an expression evaluated per test whose value implements [`inbox::InboxFactory`].
 /// `inbox_suite!(postgres: FACTORY)` and `inbox_suite!(postgres_partitioned: FACTORY)` run the
 /// `[all]` ones on a Postgres store, plain or partitioned, and the `[pg]` ones written so far
-/// (F-13, F-21, Y-03, Y-16, Y-23 and Z-04 on both; D-03 to D-06 and P-04, which need siblings, on the
+/// (F-13, F-21, Y-03, Y-16, Y-23, Z-04 and E-18 on both; D-03 to D-06 and P-04, which need siblings, on the
 /// partitioned table; E-14 with `postgres_past_partition`, a partitioned table with one past
 /// partition only).
 #[macro_export]
 macro_rules! inbox_suite {
     (postgres: $f:expr) => {
         $crate::inbox_suite!(@all $f);
-        $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04);
+        $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04,
+            pg::e_18);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04, pg::d_03,
-            pg::d_04, pg::d_05, pg::p_04, pg::d_06);
+            pg::d_04, pg::d_05, pg::p_04, pg::d_06, pg::e_18);
     };
     // A partitioned table with one partition for a past month only: E-14.
     (postgres_past_partition: $f:expr) => {
@@ -178,7 +179,7 @@ macro_rules! inbox_suite {
             dedup::i_06, dedup::d_01, dedup::d_02, dedup::d_07, dedup::d_08,
             decoding::e_01, decoding::e_02, decoding::e_03, decoding::e_04, decoding::e_05,
             decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
-            decoding::e_11, decoding::e_12, decoding::e_13,
+            decoding::e_11, decoding::e_12, decoding::e_13, decoding::e_15, decoding::e_16, decoding::e_17,
             visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02
         );
     };

@@ -190,13 +190,21 @@ struct CountRow {
 impl<T: DerefMut<Target = AsyncPgConnection> + Send> InboxRows for Diesel<T> {
     fn sqlstate(e: &Self::Error) -> Option<String> {
         use diesel::result::{DatabaseErrorKind as K, Error as E};
-        // diesel keeps the kind, not the code: the class 23 kinds it names.
+        // diesel-async keeps the kind, not the code: the class 23 kinds it names, and the
+        // class 22 data exceptions, which it reports as `Unknown`, told by the server's
+        // message through the sqlx store's own table (`sql::data_exception_from_message`), so
+        // that both drivers refuse the same messages (R132, E-18).
         match e {
             E::DatabaseError(K::CheckViolation, _) => Some("23514".into()),
             E::DatabaseError(K::NotNullViolation, _) => Some("23502".into()),
             E::DatabaseError(K::ForeignKeyViolation, _) => Some("23503".into()),
             E::DatabaseError(K::UniqueViolation, _) => Some("23505".into()),
+            E::DatabaseError(K::RestrictViolation, _) => Some("23001".into()),
             E::DatabaseError(K::ExclusionViolation, _) => Some("23P01".into()),
+            E::DatabaseError(_, info) => {
+                txoutbox_postgres::sql::data_exception_from_message(info.message())
+                    .map(str::to_owned)
+            }
             _ => None,
         }
     }

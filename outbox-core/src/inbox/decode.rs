@@ -298,8 +298,8 @@ pub fn decode(
     Ok(event)
 }
 
-/// The headers R141 stores, and a problem found while reading them (a repeated NATS header, a
-/// Redis `headers` field that is not a JSON object of strings).
+/// The headers R141 stores, and a problem found while reading them (a repeated NATS header,
+/// stored or read, a Redis `headers` field that is not a JSON object of strings).
 fn stored_headers(msg: &BrokerMessage) -> (Vec<(String, String)>, Option<InvalidMessage>) {
     let bad = |what: String| InvalidMessage::new(InvalidLabel::Headers, format!("headers: {what}"));
     let mapped = |k: &str| MAPPED_NAMES.contains(&k);
@@ -310,11 +310,15 @@ fn stored_headers(msg: &BrokerMessage) -> (Vec<(String, String)>, Option<Invalid
             let mut out = Vec::new();
             for (k, v) in headers {
                 let lower = k.to_ascii_lowercase();
-                if mapped(k) || lower.starts_with("nats-") || lower.starts_with(NATS_CE_PREFIX) {
+                let broker = lower.starts_with("nats-");
+                // A repeated name is invalid whether it is stored or read (R137's names, the
+                // CloudEvents attributes, `Nats-Msg-Id`), as on Kafka (R179, E-16); only the
+                // other broker headers, neither read nor stored, are let be.
+                if (!broker || lower == "nats-msg-id") && !seen.insert(k.as_str()) {
+                    problem.get_or_insert_with(|| bad(format!("repeated key {k}")));
                     continue;
                 }
-                if !seen.insert(k.clone()) {
-                    problem.get_or_insert_with(|| bad(format!("repeated key {k}")));
+                if mapped(k) || broker || lower.starts_with(NATS_CE_PREFIX) {
                     continue;
                 }
                 out.push((k.clone(), v.clone()));

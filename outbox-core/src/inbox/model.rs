@@ -140,6 +140,8 @@ pub enum InvalidLabel {
     EmptyPayload,
     /// Over 1,000,000 bytes.
     TooLarge,
+    /// A string of the payload, an object key included, holding U+0000.
+    Nul,
     /// A field of R102.
     Field,
     /// Headers.
@@ -156,6 +158,7 @@ impl InvalidLabel {
             InvalidLabel::NotObject => "not_object",
             InvalidLabel::EmptyPayload => "empty_payload",
             InvalidLabel::TooLarge => "too_large",
+            InvalidLabel::Nul => "nul",
             InvalidLabel::Field => "field",
             InvalidLabel::Headers => "headers",
             InvalidLabel::DbRefused => "db_refused",
@@ -393,13 +396,18 @@ pub fn check_payload(v: Value) -> Result<Map<String, Value>, InvalidMessage> {
         ));
     }
     if map.iter().any(|(k, v)| k.contains('\0') || has_nul(v)) {
-        return Err(InvalidMessage::field("payload contains U+0000".into()));
+        return Err(InvalidMessage::new(
+            InvalidLabel::Nul,
+            "payload contains U+0000",
+        ));
     }
     Ok(map)
 }
 
-/// Checks headers (R104, R6, R139). A `traceparent` value is held to R6's text rules only: an
-/// invalid trace context is ignored by the span (R170), never a reason to refuse the message.
+/// Checks headers (R104, R6, R139). A `traceparent` header, its name in any case (Go's
+/// canonical `Traceparent` included), is stored as `traceparent` and its value held to R6's
+/// text rules only: an invalid trace context is ignored by the span (R170), never a reason to
+/// refuse the message (E-15).
 pub fn check_headers(
     raw: Vec<(String, String)>,
 ) -> Result<Option<BTreeMap<String, String>>, InvalidMessage> {
@@ -417,7 +425,7 @@ pub fn check_headers(
     }
     let (tp, rest): (Vec<_>, Vec<_>) = raw
         .into_iter()
-        .partition(|(k, _)| trim_ancestor(k) == crate::trace::TRACEPARENT);
+        .partition(|(k, _)| trim_ancestor(k).eq_ignore_ascii_case(crate::trace::TRACEPARENT));
     let mut out = validate_headers(rest)
         .map_err(|e| bad(e.to_string()))?
         .unwrap_or_default();
@@ -617,6 +625,7 @@ mod tests {
         ] {
             let e = base().payload_json(p).build().unwrap_err();
             assert_eq!(e.reason, "payload contains U+0000");
+            assert_eq!(e.label, InvalidLabel::Nul);
         }
     }
 

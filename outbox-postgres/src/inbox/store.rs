@@ -143,14 +143,12 @@ fn fetched(r: InboxRawRow) -> InboxFetched {
 /// `{SQLSTATE}: {message}`, which the runner dead-letters.
 fn mapped<C: InboxRows>(table: &TableName) -> impl Fn(C::Error) -> RepositoryError + '_ {
     move |e| match C::sqlstate(&e) {
-        Some(code) if code.starts_with("22") || code.starts_with("23") => {
-            RepositoryError::Constraint {
-                message: format!(
-                    "{code}: {}",
-                    C::server_message(&e).map_or_else(|| e.to_string(), str::to_owned)
-                ),
-            }
-        }
+        Some(code) if crate::sql::refuses_message(&code) => RepositoryError::Constraint {
+            message: format!(
+                "{code}: {}",
+                C::server_message(&e).map_or_else(|| e.to_string(), str::to_owned)
+            ),
+        },
         _ => C::map_err(table, e),
     }
 }

@@ -34,6 +34,68 @@ pub fn classify(sqlstate: &str) -> ErrorClass {
     }
 }
 
+/// Whether an error of this SQLSTATE is the database refusing a message's data rather than a
+/// failure to try again (R132): class 22 (data exception) or class 23 (integrity constraint
+/// violation). The inbox stores of every driver read their errors through this one test.
+pub fn refuses_message(sqlstate: &str) -> bool {
+    sqlstate.starts_with("22") || sqlstate.starts_with("23")
+}
+
+/// The SQLSTATE of a data exception (class 22) told by the server's message alone, for a driver
+/// that hands over the message without its code: diesel-async keeps the code only as a kind
+/// for class 23 and reports every class 22 error as `Unknown`. Recognises PostgreSQL's own
+/// wording (English server messages, `lc_messages` C or en) of the data exceptions a landing or
+/// an outcome write can meet: input that does not parse as a column's or a cast's type, a value
+/// too long or out of range, an invalid byte sequence, an untranslatable character, a division
+/// by zero. Any other message (a data exception a trigger raises with a wording of its own, a
+/// translated server) gives none.
+pub fn data_exception_from_message(message: &str) -> Option<&'static str> {
+    const DATETIME_TYPES: [&str; 6] = [
+        "timestamp",
+        "timestamp with time zone",
+        "date",
+        "time",
+        "time with time zone",
+        "interval",
+    ];
+    if let Some(rest) = message.strip_prefix("invalid input syntax for type ") {
+        let ty = rest.split(':').next().unwrap_or_default();
+        return Some(if DATETIME_TYPES.contains(&ty) {
+            "22007" // invalid_datetime_format
+        } else {
+            "22P02" // invalid_text_representation (json included)
+        });
+    }
+    let starts = |p: &str| message.starts_with(p);
+    if starts("value too long for type ") {
+        Some("22001") // string_data_right_truncation
+    } else if starts("date/time field value out of range")
+        || starts("timestamp out of range")
+        || starts("date out of range")
+        || starts("interval out of range")
+    {
+        Some("22008") // datetime_field_overflow
+    } else if starts("numeric field overflow")
+        || starts("integer out of range")
+        || starts("smallint out of range")
+        || starts("bigint out of range")
+        || starts("value out of range: ")
+        || (starts("\"") && message.contains("\" is out of range for type "))
+    {
+        Some("22003") // numeric_value_out_of_range
+    } else if starts("division by zero") {
+        Some("22012") // division_by_zero
+    } else if starts("invalid byte sequence for encoding ") {
+        Some("22021") // character_not_in_repertoire
+    } else if starts("unsupported Unicode escape sequence")
+        || (starts("character with byte sequence ") && message.contains(" has no equivalent in "))
+    {
+        Some("22P05") // untranslatable_character
+    } else {
+        None
+    }
+}
+
 /// The rule a named constraint or index of `table` enforces, for error messages.
 pub fn constraint_rule(table: &TableName, constraint: &str) -> String {
     let t = table.table();

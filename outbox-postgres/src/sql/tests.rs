@@ -148,3 +148,58 @@ fn sqlstates_classify() {
     assert_eq!(classify("42P01"), ErrorClass::Schema);
     assert_eq!(classify("22001"), ErrorClass::Other);
 }
+
+#[test]
+fn sqlstates_refusing_a_message() {
+    for code in ["22001", "22P02", "22P05", "23505", "23514"] {
+        assert!(refuses_message(code), "{code}");
+    }
+    for code in ["08006", "40001", "42P01", "XX000"] {
+        assert!(!refuses_message(code), "{code}");
+    }
+}
+
+#[test]
+fn data_exceptions_by_message() {
+    // PostgreSQL 15's own messages for each, as psql shows them with VERBOSITY verbose.
+    for (message, code) in [
+        (
+            "invalid input syntax for type numeric: \"m1\"",
+            Some("22P02"),
+        ),
+        ("invalid input syntax for type json", Some("22P02")),
+        ("invalid input syntax for type uuid: \"x\"", Some("22P02")),
+        (
+            "invalid input syntax for type timestamp with time zone: \"x\"",
+            Some("22007"),
+        ),
+        (
+            "value too long for type character varying(2)",
+            Some("22001"),
+        ),
+        ("numeric field overflow", Some("22003")),
+        ("integer out of range", Some("22003")),
+        ("smallint out of range", Some("22003")),
+        ("value out of range: overflow", Some("22003")),
+        (
+            "\"1e400\" is out of range for type double precision",
+            Some("22003"),
+        ),
+        (
+            "date/time field value out of range: \"2020-13-45\"",
+            Some("22008"),
+        ),
+        ("timestamp out of range: \"300000-01-01\"", Some("22008")),
+        ("division by zero", Some("22012")),
+        (
+            "invalid byte sequence for encoding \"UTF8\": 0xff",
+            Some("22021"),
+        ),
+        ("unsupported Unicode escape sequence", Some("22P05")),
+        ("deadlock detected", None),
+        ("relation \"x.inbox\" does not exist", None),
+        ("my trigger refuses this", None),
+    ] {
+        assert_eq!(data_exception_from_message(message), code, "{message}");
+    }
+}

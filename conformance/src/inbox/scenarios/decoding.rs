@@ -821,3 +821,132 @@ async fn e_13_kafka<F: InboxFactory>(f: &F) {
         "without ce_specversion, content-type is an ordinary header"
     );
 }
+
+/// E-17: a payload holding U+0000, in a string or in a key, is invalid under R139's metric label
+/// `nul`, while a field of R102 holding it keeps the label `field` (R104, R139).
+pub async fn e_17<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let cases = [
+        (
+            c.msgs
+                .nats(&[("event_id", "e17-1")], "{\"x\": \"a\\u0000b\"}"),
+            "payload contains U+0000",
+            "nul",
+        ),
+        (
+            c.msgs.nats(&[("event_id", "e17-2")], "{\"a\\u0000\": 1}"),
+            "payload contains U+0000",
+            "nul",
+        ),
+        (
+            c.msgs.nats(
+                &[("event_id", "e17-3"), ("partition_key", "a\0b")],
+                "{\"n\": 1}",
+            ),
+            "partition_key: contains U+0000",
+            "field",
+        ),
+    ];
+    for (m, reason, label) in cases {
+        c.sub.push(m);
+        let res = c.handle(&c.bare_runner().build().unwrap()).await;
+        assert_eq!(
+            (res.outcome, res.error.as_deref(), res.invalid_label),
+            (
+                O::Invalid,
+                Some(format!("invalid message: {reason}").as_str()),
+                Some(label)
+            ),
+            "{res:?}"
+        );
+    }
+}
+
+/// E-15: the trace-context header is read whatever the case of its name (Go's canonical
+/// `Traceparent`, `TRACEPARENT`), on NATS, Redis and Kafka: a valid value and an invalid one both
+/// land, stored as `traceparent`, since a bad trace context never makes a delivery invalid (R141,
+/// R170).
+pub async fn e_15<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = "{\"n\": 1}";
+    let mut n = 0;
+    for name in ["Traceparent", "TRACEPARENT", "traceparent"] {
+        for value in [TP, "00-not-a-trace-context"] {
+            let msgs = [
+                c.msgs
+                    .nats(&[("event_id", &format!("e15-{n}")), (name, value)], body),
+                c.msgs.redis(&[
+                    ("event_id", &format!("e15-{}", n + 1)),
+                    ("payload", body),
+                    (name, value),
+                ]),
+                c.msgs.kafka(
+                    0,
+                    &[
+                        ("event_id", Some(format!("e15-{}", n + 2).as_bytes())),
+                        (name, Some(value.as_bytes())),
+                    ],
+                    None,
+                    Some(body),
+                ),
+            ];
+            n += 3;
+            for m in msgs {
+                let row = land_msg(&c, m.clone(), false)
+                    .await
+                    .unwrap_or_else(|e| panic!("{name}: {value}: {e} ({m:?})"));
+                assert_eq!(
+                    row.headers,
+                    Some(own(&[("traceparent", value)]).into_iter().collect()),
+                    "{name}: {value}"
+                );
+                assert_eq!(row.traceparent(), Some(value));
+            }
+        }
+    }
+}
+
+/// E-16: a NATS header that R137 reads (`event_id`, `partition_key`, …), repeated, makes the
+/// delivery invalid with `headers: repeated key {name}` and the label `headers`, as the same
+/// Kafka record is (E-11), instead of landing with its first value (R139, R179).
+pub async fn e_16<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let body = "{\"n\": 1}";
+    for (i, name) in [
+        "event_id",
+        "message_id",
+        "partition_key",
+        "event_type",
+        "trace_id",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let id = format!("e16-{i}");
+        let mut h: Vec<(&str, &str)> = Vec::new();
+        if name != "event_id" {
+            h.push(("event_id", &id));
+        }
+        h.extend([(name, "a"), (name, "b")]);
+        let kafka_h: Vec<(&str, Option<&[u8]>)> =
+            h.iter().map(|(k, v)| (*k, Some(v.as_bytes()))).collect();
+        for m in [
+            c.msgs.nats(&h, body),
+            c.msgs.kafka(0, &kafka_h, None, Some(body)),
+        ] {
+            c.sub.push(m.clone());
+            let res = c.handle(&c.bare_runner().build().unwrap()).await;
+            let want = format!("invalid message: headers: repeated key {name}");
+            assert_eq!(
+                (res.outcome, res.error.as_deref(), res.invalid_label),
+                (O::Invalid, Some(want.as_str()), Some("headers")),
+                "{m:?}"
+            );
+        }
+    }
+    assert_eq!(
+        c.count_rows(&["a", "e16-0", "e16-1", "e16-2", "e16-3", "e16-4"])
+            .await,
+        0
+    );
+}

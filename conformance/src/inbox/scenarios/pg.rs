@@ -580,3 +580,44 @@ pub async fn z_04<F: InboxFactory>(f: &F) {
     let amo = rows.iter().find(|r| r["message_id"] == "amo").unwrap();
     assert_eq!(amo["status"], "failed");
 }
+
+/// E-18: a landing the database refuses with a data exception (SQLSTATE class 22: a trigger of
+/// the table casts message_id to numeric, `invalid input syntax for type numeric`, 22P02) is
+/// dead-lettered and terminated as E-14's class 23 is, on every driver, and never rewound as a
+/// persistence error; a message the trigger lets through lands and runs (R132, R139, R140).
+pub async fn e_18<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    c.h.sql(
+        "CREATE FUNCTION {schema}.e18_refuse() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.message_id = 'm1' THEN PERFORM NEW.message_id::numeric; END IF; \
+         RETURN NEW; END $$",
+    )
+    .await;
+    c.h.sql(
+        "CREATE TRIGGER e18_refuse BEFORE INSERT ON {table} \
+         FOR EACH ROW EXECUTE FUNCTION {schema}.e18_refuse()",
+    )
+    .await;
+    let i = c.deliver("m1", Some("k1"));
+    c.script("m1", vec![Act::Write]);
+    let r = c.runner().build().unwrap();
+    let res = c.handle(&r).await;
+    assert_eq!(
+        (res.outcome, res.invalid_label),
+        (O::Invalid, Some("db_refused")),
+        "{res:?}"
+    );
+    let dl = c.sub.dead_letters();
+    assert_eq!(dl.len(), 1, "one dead-letter copy");
+    let prefix = "invalid message: database refused the message: 22P02: ";
+    assert!(dl[0].reason.starts_with(prefix), "{}", dl[0].reason);
+    assert!(dl[0].reason.contains("numeric"), "{}", dl[0].reason);
+    assert_eq!(c.sub.acks(i), vec![AckOp::Term(dl[0].reason.clone())]);
+    assert_eq!(c.handler.runs().len(), 0);
+    c.deliver("m2", Some("k1"));
+    c.script("m2", vec![Act::Write]);
+    let res = c.handle(&r).await;
+    assert_eq!(res.outcome, O::Completed, "{res:?}");
+    assert_eq!(c.effects().await, vec!["m2"]);
+    assert_eq!(c.count_rows(&["m1", "m2"]).await, 1);
+}
