@@ -407,6 +407,8 @@ struct Inner {
     consumer: Arc<Consumer>,
     producer: Producer,
     group: String,
+    /// The config's topics, without the prefix (the runner's default sources, R121).
+    topics: Vec<String>,
     topic_prefix: String,
     dead_letter_suffix: String,
     cancel: tokio_util::sync::CancellationToken,
@@ -521,6 +523,7 @@ impl KafkaSubscription {
             consumer,
             producer,
             group: config.group,
+            topics: config.topics,
             topic_prefix: c.topic_prefix.clone(),
             dead_letter_suffix: config.dead_letter_suffix,
             cancel: cancel.clone(),
@@ -720,6 +723,16 @@ impl Subscription for KafkaSubscription {
             last_delivery: false,
             renew_every: None,
         }
+    }
+
+    /// The config's consumer group: the runner's (`Runner::for_subscription` takes it).
+    fn group(&self) -> Option<&str> {
+        Some(&self.inner.group)
+    }
+
+    /// The config's topics (read under the topic prefix): the runner's default sources (R121).
+    fn topics(&self) -> Option<&[String]> {
+        Some(&self.inner.topics)
     }
 
     /// Up to `max` records from the buffer, waiting at most `wait` for the first.
