@@ -72,6 +72,7 @@ pub enum OffsetReset {
 pub struct KafkaSubscriptionConfig {
     connection: KafkaBrokerConfig,
     group: String,
+    group_id: Option<String>,
     topics: Vec<String>,
     client_id: Option<String>,
     offset_reset: OffsetReset,
@@ -95,6 +96,7 @@ impl KafkaSubscriptionConfig {
         Self {
             connection,
             group: group.into(),
+            group_id: None,
             topics: topics.into_iter().map(Into::into).collect(),
             client_id: None,
             offset_reset: OffsetReset::Earliest,
@@ -111,6 +113,14 @@ impl KafkaSubscriptionConfig {
     /// passes its record is confirmed (R176), not as soon as the record ended.
     pub fn at_most_once(mut self, on: bool) -> Self {
         self.at_most_once = on;
+        self
+    }
+
+    /// The Kafka consumer group id, where it is not the inbox's consumer group (default: the
+    /// group). The group stays the runner's (one inbox line); only the Kafka group, which holds
+    /// the committed offsets, is named apart, e.g. to start a group's reading afresh.
+    pub fn kafka_group_id(mut self, id: impl Into<String>) -> Self {
+        self.group_id = Some(id.into());
         self
     }
 
@@ -164,6 +174,13 @@ impl KafkaSubscriptionConfig {
         self.connection.validate()?;
         if self.group.trim().is_empty() {
             return bad("the subscription's consumer group must not be empty".into());
+        }
+        if self
+            .group_id
+            .as_deref()
+            .is_some_and(|g| g.trim().is_empty())
+        {
+            return bad("the subscription's Kafka group id must not be empty".into());
         }
         if self.topics.is_empty() {
             return bad("the subscription needs at least one topic".into());
@@ -407,6 +424,8 @@ struct Inner {
     consumer: Arc<Consumer>,
     producer: Producer,
     group: String,
+    /// The config's topics, without the prefix (the runner's default sources, R121).
+    topics: Vec<String>,
     topic_prefix: String,
     dead_letter_suffix: String,
     cancel: tokio_util::sync::CancellationToken,
@@ -478,7 +497,12 @@ impl KafkaSubscription {
             at_most_once: config.at_most_once,
         });
         let consumer = kafka
-            .consumer(config.group.clone())
+            .consumer(
+                config
+                    .group_id
+                    .clone()
+                    .unwrap_or_else(|| config.group.clone()),
+            )
             .enable_auto_commit(false)
             .auto_offset_reset(match config.offset_reset {
                 OffsetReset::Earliest => AutoOffsetReset::Earliest,
@@ -521,6 +545,7 @@ impl KafkaSubscription {
             consumer,
             producer,
             group: config.group,
+            topics: config.topics,
             topic_prefix: c.topic_prefix.clone(),
             dead_letter_suffix: config.dead_letter_suffix,
             cancel: cancel.clone(),
@@ -720,6 +745,16 @@ impl Subscription for KafkaSubscription {
             last_delivery: false,
             renew_every: None,
         }
+    }
+
+    /// The config's consumer group: the runner's (`Runner::for_subscription` takes it).
+    fn group(&self) -> Option<&str> {
+        Some(&self.inner.group)
+    }
+
+    /// The config's topics (read under the topic prefix): the runner's default sources (R121).
+    fn topics(&self) -> Option<&[String]> {
+        Some(&self.inner.topics)
     }
 
     /// Up to `max` records from the buffer, waiting at most `wait` for the first.

@@ -72,9 +72,11 @@ impl Topic {
             KafkaBrokerConfig::new(self.bootstrap.clone())
                 .topic_prefix("in.")
                 .idempotence(Idempotence::Off),
-            self.group(),
+            "g",
             [self.short()],
         )
+        // The inbox's group is the runner's ("g"); the Kafka group, fresh per trial.
+        .kafka_group_id(self.group())
         .client_id(worker)
         .session_timeout(Duration::from_secs(6))
     }
@@ -280,7 +282,7 @@ impl Bed {
         runner.start();
         let r = runner.clone();
         let task = tokio::spawn(async move {
-            r.run().await.expect("runner runs");
+            r.run_until_stopped().await.expect("runner runs");
         });
         Running { runner, task, sub }
     }

@@ -175,6 +175,11 @@ struct Inner {
     js: jetstream::Context,
     consumer: PullConsumer,
     stream: String,
+    /// The consumer group of the config, given to the runner (R133).
+    group: String,
+    /// The config's topics, given to the runner as its default sources (R121): none when
+    /// there are none (a consumer bound by name) or one is a wildcard, which is no source.
+    topics: Option<Vec<String>>,
     subject_prefix: String,
     dead_letter_prefix: String,
     ack_wait: Duration,
@@ -311,6 +316,13 @@ impl NatsSubscription {
                 js,
                 consumer,
                 stream: config.stream,
+                group: config.group,
+                topics: config
+                    .topics
+                    .iter()
+                    .all(|t| !t.split('.').any(|tok| tok == "*" || tok == ">"))
+                    .then_some(config.topics)
+                    .filter(|t| !t.is_empty()),
                 subject_prefix: config.subject_prefix,
                 dead_letter_prefix: config.dead_letter_prefix,
                 ack_wait,
@@ -401,6 +413,17 @@ impl Subscription for NatsSubscription {
             last_delivery: self.inner.max_deliver.is_some(),
             renew_every: Some(self.inner.ack_wait / 2),
         }
+    }
+
+    /// The config's consumer group: the runner's (`Runner::for_subscription` takes it).
+    fn group(&self) -> Option<&str> {
+        Some(&self.inner.group)
+    }
+
+    /// The config's topics, unless there are none or one is a wildcard (`*`, `>`): then the
+    /// runner's sources must be given (R121).
+    fn topics(&self) -> Option<&[String]> {
+        self.inner.topics.as_deref()
     }
 
     /// Pulls at most `max` messages (the runner's free slots, R134), waiting at most `wait`.

@@ -502,7 +502,7 @@ async fn j_31() {
     r.start();
     let task = tokio::spawn({
         let r = r.clone();
-        async move { r.run().await.unwrap() }
+        async move { r.run_until_stopped().await.unwrap() }
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     let mut max_pending = 0;

@@ -589,6 +589,12 @@ impl Subscription for RabbitSubscription {
         }
     }
 
+    /// The config's consumer group: the runner's (`Runner::for_subscription` takes it). The
+    /// subscription names no topics (it reads queues, R177): the runner's sources are given.
+    fn group(&self) -> Option<&str> {
+        Some(&self.inner.shared.config.group)
+    }
+
     /// Up to `max` deliveries the consumers received (the prefetch bounds them), waiting at
     /// most `wait` for the first. A lost connection is opened again here.
     async fn next(

@@ -470,7 +470,7 @@ impl Bed {
         runner.start();
         let r = runner.clone();
         let task = tokio::spawn(async move {
-            r.run().await.expect("runner runs");
+            r.run_until_stopped().await.expect("runner runs");
         });
         Running { runner, task, spy }
     }

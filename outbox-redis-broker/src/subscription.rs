@@ -642,6 +642,17 @@ impl Subscription for RedisSubscription {
         }
     }
 
+    /// The config's consumer group: the runner's (`Runner::for_subscription` takes it).
+    fn group(&self) -> Option<&str> {
+        Some(&self.inner.config.group)
+    }
+
+    /// The config's topics (the streams are the key prefix + topic): the runner's default
+    /// sources (R121).
+    fn topics(&self) -> Option<&[String]> {
+        Some(&self.inner.config.topics)
+    }
+
     async fn next(
         &self,
         max: usize,

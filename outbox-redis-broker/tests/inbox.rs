@@ -250,7 +250,7 @@ async fn j_32_clean_stop() {
     w1.start();
     let run = tokio::spawn({
         let w1 = w1.clone();
-        async move { w1.run().await.unwrap() }
+        async move { w1.run_until_stopped().await.unwrap() }
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !t.consumers().await.contains(&"w1".to_string()) || !t.pending().await.is_empty() {

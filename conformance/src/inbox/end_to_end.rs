@@ -225,7 +225,7 @@ impl Running {
         runner.start();
         let r = runner.clone();
         let task = tokio::spawn(async move {
-            r.run().await.expect("runner runs");
+            r.run_until_stopped().await.expect("runner runs");
         });
         Self { runner, task }
     }

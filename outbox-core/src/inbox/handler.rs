@@ -8,7 +8,10 @@
 //! transaction back. [`run_handler`] sets a savepoint, runs the handler under the handler
 //! timeout, catches a panic, and rolls back to the savepoint after any failure (R181).
 
+use std::future::Future;
+use std::marker::PhantomData;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -121,10 +124,95 @@ impl<E: std::error::Error> From<E> for HandlerError {
 }
 
 /// The consumer's code for one message (R181). `Tx` is the backend's transaction type.
+///
+/// A closure does as well, without `async-trait` in the consumer's code: [`handler_fn`].
 #[async_trait]
 pub trait Handler<Tx: Send>: Send + Sync {
     /// Handles the stored row inside the open transaction `tx`.
     async fn handle(&self, row: &InboxEvent, tx: &mut Tx) -> Result<HandlerOutcome, HandlerError>;
+}
+
+/// The future of a closure handler ([`handler_fn`]): boxed, because it borrows the row and the
+/// transaction across its awaits, and a closure cannot name such a future's type on stable Rust.
+/// `Box::pin(async move { … })` makes one.
+pub type HandlerFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<HandlerOutcome, HandlerError>> + Send + 'a>>;
+
+/// A [`Handler`] made of a closure by [`handler_fn`].
+pub struct HandlerFn<F, Tx> {
+    f: F,
+    _tx: PhantomData<fn(&mut Tx)>,
+}
+
+impl<F, Tx> std::fmt::Debug for HandlerFn<F, Tx> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerFn")
+            .field("tx", &std::any::type_name::<Tx>())
+            .finish_non_exhaustive()
+    }
+}
+
+/// A handler made of a closure, as tower's `service_fn` makes a service: no `async-trait` in the
+/// consumer's code. The closure gets the stored row and the open transaction and returns
+/// `Box::pin(async move { … })`; every rule of [`Handler`] holds for it (its writes go through
+/// `tx`; it does not commit or roll back; a panic, an error or the handler timeout undoes them,
+/// R181). Name the transaction type in the closure's parameters when the compiler cannot infer it
+/// (the sqlx store's is `txoutbox_postgres::SqlxHandlerTx`, the in-memory one's
+/// [`MemInboxTx`](crate::inbox::MemInboxTx)):
+///
+/// ```
+/// use txoutbox_core::inbox::{HandlerOutcome, InboxEvent, MemInboxTx, handler_fn};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Placed {
+///     order: String,
+/// }
+///
+/// let bill = handler_fn(|row: &InboxEvent, tx: &mut MemInboxTx| {
+///     Box::pin(async move {
+///         let placed: Placed = row.payload_as()?; // a counted failure when it does not decode
+///         tx.record(serde_json::json!({ "billed": placed.order }));
+///         Ok(HandlerOutcome::completed())
+///     })
+/// });
+/// # let _: &dyn txoutbox_core::inbox::Handler<MemInboxTx> = &bill;
+/// ```
+///
+/// Checked by the handler tests of this module and, as every handler, by the inbox scenarios.
+pub fn handler_fn<Tx, F>(f: F) -> HandlerFn<F, Tx>
+where
+    Tx: Send,
+    F: for<'a> Fn(&'a InboxEvent, &'a mut Tx) -> HandlerFuture<'a> + Send + Sync,
+{
+    HandlerFn {
+        f,
+        _tx: PhantomData,
+    }
+}
+
+impl<Tx, F> Handler<Tx> for HandlerFn<F, Tx>
+where
+    Tx: Send,
+    F: for<'a> Fn(&'a InboxEvent, &'a mut Tx) -> HandlerFuture<'a> + Send + Sync,
+{
+    fn handle<'s, 'r, 't, 'f>(&'s self, row: &'r InboxEvent, tx: &'t mut Tx) -> HandlerFuture<'f>
+    where
+        's: 'f,
+        'r: 'f,
+        't: 'f,
+        Self: 'f,
+    {
+        (self.f)(row, tx)
+    }
+}
+
+/// A shared handler is a handler: [`RunnerBuilder::handler`](crate::inbox::RunnerBuilder::handler)
+/// takes an `Arc` as well as the handler itself.
+#[async_trait]
+impl<Tx: Send, H: Handler<Tx> + ?Sized> Handler<Tx> for std::sync::Arc<H> {
+    async fn handle(&self, row: &InboxEvent, tx: &mut Tx) -> Result<HandlerOutcome, HandlerError> {
+        (**self).handle(row, tx).await
+    }
 }
 
 /// How a failed run is retried (R118's classes).

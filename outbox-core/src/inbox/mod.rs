@@ -10,8 +10,8 @@
 //!   implements (R113);
 //! * [`repository`]: the backend contract, [`InboxRepository`], [`InboxTransaction`] and
 //!   [`InboxBackend`] (R107 to R112, R149 to R152, R161 to R164);
-//! * [`handler`]: the [`Handler`] trait, whose transaction type is the backend's, and the one
-//!   way a handler run goes (R117, R118, R181);
+//! * [`handler`]: the [`Handler`] trait, whose transaction type is the backend's, the closure
+//!   form [`handler_fn`], and the one way a handler run goes (R117, R118, R181);
 //! * [`policy`]: record, rewind and at_most_once, with the ancestor's aliases (R123 to R131);
 //! * [`runner`]: the consumer runner (R114 to R132, R166, R167, R182);
 //! * [`processor`]: the inbox processor (R148 to R159);
@@ -41,10 +41,10 @@ pub mod spans;
 pub mod subscription;
 
 pub use decode::{BrokerMessage, DecodeOptions, decode};
-pub use handler::{Handler, HandlerError, HandlerOutcome};
+pub use handler::{Handler, HandlerError, HandlerFn, HandlerFuture, HandlerOutcome, handler_fn};
 pub use hooks::InboxHooks;
 pub use memory::{InMemoryInbox, MemInboxTx};
-pub use model::{ConsumerGroup, InboxEvent, InboxKey, InvalidMessage, NewInboxEvent};
+pub use model::{ConsumerGroup, InboxEvent, InboxKey, InvalidMessage, NewInboxEvent, PayloadError};
 pub use policy::{AckStrategy, AncestorAckSettings, CommitOffsetPolicy, FailurePolicy, OnFailure};
 pub use processor::{InboxCycleReport, Processor, ProcessorBuilder, ProcessorError, RowReport};
 pub use repository::{

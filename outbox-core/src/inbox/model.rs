@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 
 use chrono::{DateTime, Utc};
+use serde::de::DeserializeOwned;
 use serde_json::{Map, Value};
 use uuid::Uuid;
 
@@ -84,7 +85,39 @@ pub struct InboxEvent {
     pub partition_key: Option<String>,
 }
 
+/// An inbox row's payload does not decode as the type a handler asked for
+/// ([`InboxEvent::payload_as`]).
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the payload of message {message_id:?} (event type {event_type:?}) does not decode as \
+     {target}: {source}; fix the producer or the type, or skip such messages"
+)]
+pub struct PayloadError {
+    /// The message id (the row's dedup key with the group, R108).
+    pub message_id: String,
+    /// The row's event type.
+    pub event_type: String,
+    /// The type it was decoded as.
+    pub target: &'static str,
+    /// What serde found wrong (a missing field, a wrong type).
+    #[source]
+    pub source: serde_json::Error,
+}
+
 impl InboxEvent {
+    /// The payload decoded as `T`, e.g. `row.payload_as::<OrderPlaced>()?` in a handler (where
+    /// `?` makes a [`PayloadError`] a counted failure, whose text names the message and what did
+    /// not decode). A payload that can never decode can be skipped instead:
+    /// `Err(e) => return Ok(HandlerOutcome::skipped(e.to_string()))`.
+    pub fn payload_as<T: DeserializeOwned>(&self) -> Result<T, PayloadError> {
+        T::deserialize(&self.payload).map_err(|source| PayloadError {
+            message_id: self.message_id.clone(),
+            event_type: self.event_type.clone(),
+            target: std::any::type_name::<T>(),
+            source,
+        })
+    }
+
     /// The row's inbox key (R143), or none for a row without partition_key.
     pub fn key(&self) -> Option<InboxKey> {
         self.partition_key.as_ref().map(|pk| InboxKey {
@@ -586,6 +619,60 @@ mod tests {
             .consumer_group("g")
             .source("src")
             .payload_json(json!({"n": 1}))
+    }
+
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    struct Placed {
+        order: String,
+        total_cents: i64,
+    }
+
+    #[test]
+    fn payload_as_decodes_the_payload_into_the_asked_type() {
+        let row = base()
+            .payload_json(json!({"order": "o-1", "total_cents": 1200, "extra": true}))
+            .build()
+            .unwrap()
+            .into_row(Utc::now());
+        assert_eq!(
+            row.payload_as::<Placed>().unwrap(),
+            Placed {
+                order: "o-1".into(),
+                total_cents: 1200
+            }
+        );
+    }
+
+    #[test]
+    fn payload_as_names_the_message_the_type_and_what_failed() {
+        let row = base()
+            .event_type("order.placed")
+            .payload_json(json!({"order": "o-1"}))
+            .build()
+            .unwrap()
+            .into_row(Utc::now());
+        let e = row.payload_as::<Placed>().unwrap_err();
+        assert_eq!(e.message_id, "m1");
+        assert_eq!(e.event_type, "order.placed");
+        assert!(e.target.ends_with("Placed"), "{}", e.target);
+        let text = e.to_string();
+        assert!(text.contains("\"m1\""), "{text}");
+        assert!(text.contains("order.placed"), "{text}");
+        assert!(text.contains("missing field `total_cents`"), "{text}");
+        // In a handler, `?` makes it a counted failure with this text (R118).
+        let h: crate::inbox::HandlerError = e.into();
+        assert!(!h.transient);
+        assert_eq!(h.message, text);
+        let wrong = base()
+            .payload_json(json!({"order": 7, "total_cents": 1}))
+            .build()
+            .unwrap()
+            .into_row(Utc::now());
+        let text = wrong.payload_as::<Placed>().unwrap_err().to_string();
+        assert!(
+            text.contains("invalid type: integer `7`, expected a string"),
+            "{text}"
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //!    (R127, R132);
 //! 4. hooks after the commit (R171).
 //!
-//! [`Runner::run`] is the loop: at most `concurrency` deliveries held, one at a time per inbox
+//! [`Runner::run`] (with a cancellation token) is the loop: at most `concurrency` deliveries held, one at a time per inbox
 //! key in delivery order (R166), pacing after read and persistence errors (R120), and the
 //! shutdown of R167. Its submodule `run_loop` holds it.
 
@@ -43,6 +43,8 @@ use crate::inbox::subscription::{InboxDelivery, Subscription};
 use crate::repository::DEFAULT_LEASE_TTL;
 
 mod builder;
+#[cfg(test)]
+mod consumer_tests;
 pub mod duplicates;
 pub mod run_loop;
 
@@ -190,17 +192,38 @@ async fn not_run_undecodable<T: InboxTransaction>(
 }
 
 impl<B: InboxBackend> Runner<B> {
-    /// A builder with the defaults of section 27.
+    /// A builder with the defaults of section 27 that takes the consumer group and the topics
+    /// from `subscription` ([`Subscription::group`], [`Subscription::topics`]), so that they
+    /// are given once, in the subscription's config. `subscription` is the subscription itself
+    /// or an `Arc` of it.
+    pub fn for_subscription(
+        backend: B,
+        subscription: impl Subscription + 'static,
+    ) -> RunnerBuilder<B> {
+        Self::new_builder(backend, Arc::new(subscription), None)
+    }
+
+    /// A builder with the defaults of section 27, for group `group`. A subscription that names
+    /// its group must name this one, or [`RunnerBuilder::build`] refuses;
+    /// [`for_subscription`](Self::for_subscription) takes it from the subscription.
     pub fn builder(
         backend: B,
         subscription: Arc<dyn Subscription>,
         group: impl Into<String>,
     ) -> RunnerBuilder<B> {
+        Self::new_builder(backend, subscription, Some(group.into()))
+    }
+
+    fn new_builder(
+        backend: B,
+        subscription: Arc<dyn Subscription>,
+        group: Option<String>,
+    ) -> RunnerBuilder<B> {
         RunnerBuilder {
             backend,
             subscription,
             handler: None,
-            group: group.into(),
+            group,
             worker: None,
             on_failure: None,
             at_most_once: None,
@@ -214,7 +237,7 @@ impl<B: InboxBackend> Runner<B> {
             commit_timeout: DEFAULT_COMMIT_TIMEOUT,
             require_message_id: false,
             sources: None,
-            topics: Vec::new(),
+            topics: None,
             process_stored: None,
             processor_poll: DEFAULT_INBOX_POLL,
             hooks: Vec::new(),
@@ -737,12 +760,15 @@ impl<B: InboxBackend> Runner<B> {
         r
     }
 
-    /// Marks the runner started (R120); idempotent.
+    /// Marks the runner started (R120); idempotent. The low-level form, with
+    /// [`run_until_stopped`](Self::run_until_stopped) and [`stop`](Self::stop):
+    /// [`run`](Self::run) with a cancellation token does all three.
     pub fn start(&self) {
         self.started.store(true, Ordering::SeqCst);
     }
 
-    /// Asks the loop to stop (R167); idempotent.
+    /// Asks the loop to stop (R167); idempotent. The low-level form: cancelling the token given
+    /// to [`run`](Self::run) does it.
     pub fn stop(&self) {
         self.stop.cancel();
     }

@@ -93,6 +93,8 @@ struct Inner {
 pub struct ScriptedSubscription {
     inner: Arc<Inner>,
     view: Option<usize>,
+    group: Option<Arc<str>>,
+    topics: Option<Arc<[String]>>,
 }
 
 impl std::fmt::Debug for ScriptedSubscription {
@@ -160,7 +162,22 @@ impl ScriptedSubscription {
                 renew_every: Mutex::new(None),
             }),
             view: None,
+            group: None,
+            topics: None,
         }
+    }
+
+    /// Names the consumer group and the topics the subscription reads for, as a broker
+    /// subscription's config does ([`Subscription::group`], [`Subscription::topics`]); without
+    /// this it names neither.
+    pub fn for_group<S: Into<String>>(
+        mut self,
+        group: impl Into<String>,
+        topics: impl IntoIterator<Item = S>,
+    ) -> Self {
+        self.group = Some(Arc::from(group.into()));
+        self.topics = Some(topics.into_iter().map(Into::into).collect());
+        self
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -177,6 +194,8 @@ impl ScriptedSubscription {
         Self {
             inner: self.inner.clone(),
             view: Some(i),
+            group: self.group.clone(),
+            topics: self.topics.clone(),
         }
     }
 
@@ -330,6 +349,14 @@ impl Subscription for ScriptedSubscription {
             last_delivery: true,
             renew_every: *self.inner.renew_every.lock().expect("poisoned"),
         }
+    }
+
+    fn group(&self) -> Option<&str> {
+        self.group.as_deref()
+    }
+
+    fn topics(&self) -> Option<&[String]> {
+        self.topics.as_deref()
     }
 
     async fn next(

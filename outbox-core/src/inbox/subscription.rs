@@ -126,6 +126,23 @@ pub trait Subscription: Send + Sync {
     /// What the adapter can do.
     fn capabilities(&self) -> SubscriptionCapabilities;
 
+    /// The consumer group this subscription reads for, when its configuration names one (the
+    /// NATS, Redis, Kafka and RabbitMQ subscriptions do). A runner takes its group from here
+    /// ([`Runner::for_subscription`](crate::inbox::Runner::for_subscription)), and refuses to
+    /// be built with another one given to its builder. None by default.
+    fn group(&self) -> Option<&str> {
+        None
+    }
+
+    /// The topics this subscription reads, when it knows them as topics: the sources R137
+    /// gives their messages, which are the runner's default sources (R121). A runner takes its
+    /// topics from here, and refuses to be built with other topics given to its builder. None
+    /// by default, and where the subscription reads something else (RabbitMQ queues, a NATS
+    /// consumer bound by name without topics): then the runner's sources must be given.
+    fn topics(&self) -> Option<&[String]> {
+        None
+    }
+
     /// Up to `max` deliveries (the runner's free slots, R134, R166), waiting at most `wait` for
     /// the first; an empty list when none came. An error is a failed read (R120).
     async fn next(
@@ -141,4 +158,33 @@ pub trait Subscription: Send + Sync {
 
     /// Closes the subscription after the runner stopped (R167).
     async fn close(&self) {}
+}
+
+/// A shared subscription is a subscription (every method forwarded), so that
+/// [`Runner::for_subscription`](crate::inbox::Runner::for_subscription) takes an
+/// `Arc<dyn Subscription>` as well as the subscription itself.
+#[async_trait]
+impl<S: Subscription + ?Sized> Subscription for std::sync::Arc<S> {
+    fn capabilities(&self) -> SubscriptionCapabilities {
+        (**self).capabilities()
+    }
+    fn group(&self) -> Option<&str> {
+        (**self).group()
+    }
+    fn topics(&self) -> Option<&[String]> {
+        (**self).topics()
+    }
+    async fn next(
+        &self,
+        max: usize,
+        wait: Duration,
+    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
+        (**self).next(max, wait).await
+    }
+    async fn stop_reading(&self) {
+        (**self).stop_reading().await
+    }
+    async fn close(&self) {
+        (**self).close().await
+    }
 }

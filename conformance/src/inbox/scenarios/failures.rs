@@ -575,7 +575,7 @@ pub async fn f_19<F: InboxFactory>(f: &F) {
             g1.open();
             g3.open();
         };
-        let (done, ()) = tokio::join!(r.run(), control);
+        let (done, ()) = tokio::join!(r.run_until_stopped(), control);
         done.unwrap();
         r.stop();
         let res = c.rec.results();
@@ -635,7 +635,7 @@ pub async fn f_22<F: InboxFactory>(f: &F) {
         c.rec.wait_deliveries(4).await;
         r.stop();
     };
-    let (done, ()) = tokio::join!(r.run(), control);
+    let (done, ()) = tokio::join!(r.run_until_stopped(), control);
     done.unwrap();
     assert_eq!(c.effects().await, vec!["m3", "m1", "m2"]);
     assert_eq!(c.sub.acks(i1), vec![AckOp::Commit]);

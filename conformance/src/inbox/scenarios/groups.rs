@@ -222,7 +222,7 @@ pub async fn g_08<F: InboxFactory>(f: &F) {
         let w1 = c.runner().concurrency(4).build().unwrap();
         w1.start();
         tokio::select! {
-            _ = w1.run() => panic!("the loop cannot end while its gates are closed"),
+            _ = w1.run_until_stopped() => panic!("the loop cannot end while its gates are closed"),
             _ = async { g1.reached(1).await; g3.reached(1).await; } => {}
         }
     }

@@ -42,7 +42,7 @@ pub async fn n_19<F: InboxFactory>(f: &F) {
         c.rec.wait_deliveries(5).await;
         r.stop();
     };
-    let (done, ()) = tokio::join!(r.run(), control);
+    let (done, ()) = tokio::join!(r.run_until_stopped(), control);
     done.unwrap();
     let res = c.rec.results();
     let t = offsets(&c, t0, None);
@@ -66,7 +66,7 @@ pub async fn n_19<F: InboxFactory>(f: &F) {
         c.rec.wait_deliveries(5).await;
         r.stop();
     };
-    let (done, ()) = tokio::join!(r.run(), control);
+    let (done, ()) = tokio::join!(r.run_until_stopped(), control);
     done.unwrap();
     assert!(c.rec.results().iter().all(|x| x.outcome == O::Rewound));
     assert_eq!(offsets(&c, t0, None), vec![0.0; 5]);
@@ -74,7 +74,7 @@ pub async fn n_19<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let r = c.runner().build().unwrap();
     assert_eq!(
-        r.run().await.unwrap_err().to_string(),
+        r.run_until_stopped().await.unwrap_err().to_string(),
         "Runner is not started."
     );
 }
@@ -99,7 +99,7 @@ pub async fn f_20<F: InboxFactory>(f: &F) {
             c.rec.wait_deliveries(5).await;
             r.stop();
         };
-        let (done, ()) = tokio::join!(r.run(), control);
+        let (done, ()) = tokio::join!(r.run_until_stopped(), control);
         done.unwrap();
         let t = offsets(&c, t0, None);
         let res = c.rec.results();
@@ -261,7 +261,7 @@ pub async fn f_23<F: InboxFactory>(f: &F) {
         r.stop();
         stopped
     };
-    let (done, stopped) = tokio::join!(r.run(), control);
+    let (done, stopped) = tokio::join!(r.run_until_stopped(), control);
     done.unwrap();
     assert!(
         stopped.elapsed() <= Duration::from_millis(500),
@@ -296,7 +296,7 @@ pub async fn f_26<F: InboxFactory>(f: &F) {
         tokio::time::sleep(Duration::from_secs(3)).await;
         r.stop();
     };
-    let (done, ()) = tokio::join!(r.run(), control);
+    let (done, ()) = tokio::join!(r.run_until_stopped(), control);
     done.unwrap();
     assert_eq!(
         c.sub.acks(i1),

@@ -634,7 +634,7 @@ pub async fn y_17<F: InboxFactory>(f: &F) {
         }
         r.stop();
     };
-    let (done, ()) = tokio::join!(r.run(), control);
+    let (done, ()) = tokio::join!(r.run_until_stopped(), control);
     done.unwrap();
     assert_eq!(c.row_of("m1").await.status, Status::Completed);
     assert_eq!(c.effects().await, vec!["m1"]);

@@ -347,7 +347,7 @@ where
     let runner = Arc::new(runner);
     let running = tokio::spawn({
         let runner = runner.clone();
-        async move { runner.run().await }
+        async move { runner.run_until_stopped().await }
     });
     shutdown_signal().await;
     println!("billing: stopping");

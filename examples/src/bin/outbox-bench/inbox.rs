@@ -395,7 +395,7 @@ pub async fn run_until(
     let started = Instant::now();
     runner.start();
     let r = runner.clone();
-    let task = tokio::spawn(async move { r.run().await });
+    let task = tokio::spawn(async move { r.run_until_stopped().await });
     let res = ended.wait(n, Duration::from_secs(600)).await;
     let secs = started.elapsed().as_secs_f64();
     runner.stop();

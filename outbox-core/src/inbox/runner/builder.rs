@@ -67,7 +67,7 @@ pub struct RunnerBuilder<B: InboxBackend> {
     pub(super) backend: B,
     pub(super) subscription: Arc<dyn Subscription>,
     pub(super) handler: Option<Arc<dyn Handler<HandlerTx<B>>>>,
-    pub(super) group: String,
+    pub(super) group: Option<String>,
     pub(super) worker: Option<String>,
     pub(super) on_failure: Option<OnFailure>,
     pub(super) at_most_once: Option<bool>,
@@ -81,7 +81,7 @@ pub struct RunnerBuilder<B: InboxBackend> {
     pub(super) commit_timeout: Duration,
     pub(super) require_message_id: bool,
     pub(super) sources: Option<Vec<String>>,
-    pub(super) topics: Vec<String>,
+    pub(super) topics: Option<Vec<String>>,
     pub(super) process_stored: Option<bool>,
     pub(super) processor_poll: Duration,
     pub(super) hooks: Vec<Arc<dyn InboxHooks>>,
@@ -107,9 +107,18 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         Ok(self)
     }
 
-    /// The handler; without one every delivery is landed for a processor (R121, R125).
-    pub fn handler(mut self, h: Arc<dyn Handler<HandlerTx<B>>>) -> Self {
-        self.handler = Some(h);
+    /// The handler; without one every delivery is landed for a processor (R121, R125). A
+    /// [`Handler`] implementation, a closure made one by
+    /// [`handler_fn`](crate::inbox::handler_fn), or an `Arc` of either.
+    pub fn handler(mut self, h: impl Handler<HandlerTx<B>> + 'static) -> Self {
+        self.handler = Some(Arc::new(h));
+        self
+    }
+    /// The consumer group, where the subscription does not name it (the scripted one). A
+    /// subscription that names one ([`Subscription::group`]) gives it already: a group given
+    /// here as well must be the same, or [`build`](Self::build) refuses.
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = Some(group.into());
         self
     }
     /// The worker id (R10; at most 253 characters with process_stored, R121).
@@ -172,9 +181,11 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         self.require_message_id = on;
         self
     }
-    /// The topics the runner reads (they are the default sources, R121).
+    /// The topics the runner reads (they are the default sources, R121), where the
+    /// subscription does not give them ([`Subscription::topics`]); topics given here as well
+    /// must be the subscription's, or [`build`](Self::build) refuses.
     pub fn topics<S: Into<String>>(mut self, t: impl IntoIterator<Item = S>) -> Self {
-        self.topics = t.into_iter().map(Into::into).collect();
+        self.topics = Some(t.into_iter().map(Into::into).collect());
         self
     }
     /// The embedded processor's sources (R121; default the topics).
@@ -203,10 +214,14 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         self
     }
 
-    /// Validates and builds (F-18).
+    /// Validates and builds (F-18). The group and the topics are the subscription's where it
+    /// names them ([`Subscription::group`], [`Subscription::topics`]); given to the builder as
+    /// well and different, they are refused with an error that names both values.
     pub fn build(self) -> Result<Runner<B>, ConfigError> {
         let policy = policy::resolve(self.on_failure, self.at_most_once, self.ancestor)?;
         let caps = self.subscription.capabilities();
+        let group_name = one_group(self.group.as_deref(), self.subscription.group(), caps.name)?;
+        let topics = one_topic_list(self.topics, self.subscription.topics(), caps.name)?;
         if policy.on_failure == OnFailure::Rewind && !policy.at_most_once && !caps.rewind {
             return Err(ConfigError::new(match caps.name {
                 // R175's text.
@@ -219,7 +234,7 @@ impl<B: InboxBackend> RunnerBuilder<B> {
                 ),
             }));
         }
-        let group = ConsumerGroup::new(&self.group)?;
+        let group = ConsumerGroup::new(&group_name)?;
         let worker = match self.worker {
             Some(w) => WorkerId::new(w).map_err(|e| ConfigError::new(e.to_string()))?,
             None => WorkerId::generate(),
@@ -234,14 +249,18 @@ impl<B: InboxBackend> RunnerBuilder<B> {
             return Err(ConfigError::new("handler_timeout must be positive"));
         }
         let process_stored = self.process_stored.unwrap_or(true) && self.handler.is_some();
-        let sources = self.sources.unwrap_or(self.topics);
+        let sources = self.sources.unwrap_or(topics);
         let mut embedded = None;
         if process_stored {
             check_timeouts(self.handler_timeout, self.lease_ttl)?;
             if sources.is_empty() {
-                return Err(ConfigError::new(
-                    "sources must be set for the embedded processor",
-                ));
+                return Err(ConfigError::new(format!(
+                    "sources must be set for the embedded processor: the {} subscription names \
+                     no topics, so give the rows' sources with .sources([...]) (or .topics([...])), \
+                     or turn it off with .process_stored(false) where other processors serve the \
+                     group (R121)",
+                    caps.name
+                )));
             }
             let pw = format!("{worker}/p");
             WorkerId::new(&pw).map_err(|e| ConfigError::new(e.to_string()))?;
@@ -295,5 +314,54 @@ impl<B: InboxBackend> RunnerBuilder<B> {
             warned_sources: Mutex::new(Vec::new()),
             duplicates: duplicates::DuplicateShare::default(),
         })
+    }
+}
+
+/// The runner's group: the subscription's or the builder's, and the same when both give one.
+fn one_group(
+    builder: Option<&str>,
+    subscription: Option<&str>,
+    kind: &str,
+) -> Result<String, ConfigError> {
+    match (builder, subscription) {
+        (Some(b), Some(s)) if b != s => Err(ConfigError::new(format!(
+            "the runner's consumer group {b:?} differs from the {kind} subscription's group {s:?}: \
+             they must be one group (one inbox line, one broker consumer); give the group once, \
+             in the subscription's config, and build the runner with \
+             Runner::for_subscription(backend, subscription)"
+        ))),
+        (Some(g), _) | (None, Some(g)) => Ok(g.to_owned()),
+        (None, None) => Err(ConfigError::new(format!(
+            "no consumer group: the {kind} subscription does not name one; give it with \
+             .group(\"...\") or Runner::builder(backend, subscription, group)"
+        ))),
+    }
+}
+
+/// The runner's topics: the subscription's or the builder's, and the same (in any order) when
+/// both give them.
+fn one_topic_list(
+    builder: Option<Vec<String>>,
+    subscription: Option<&[String]>,
+    kind: &str,
+) -> Result<Vec<String>, ConfigError> {
+    match (builder, subscription) {
+        (Some(b), Some(s)) => {
+            fn set(v: &[String]) -> std::collections::BTreeSet<&String> {
+                v.iter().collect()
+            }
+            if set(&b) != set(s) {
+                return Err(ConfigError::new(format!(
+                    "the runner's topics {b:?} differ from the {kind} subscription's topics {s:?}: \
+                     the topics are what the subscription reads and the embedded processor's \
+                     default sources (R121); give them once, in the subscription's config (drop \
+                     .topics(...) from the runner), and set .sources([...]) for other sources"
+                )));
+            }
+            Ok(b)
+        }
+        (Some(t), None) => Ok(t),
+        (None, Some(t)) => Ok(t.to_vec()),
+        (None, None) => Ok(Vec::new()),
     }
 }

@@ -31,6 +31,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
+use tokio_util::sync::CancellationToken;
 
 use super::{DeliveryOutcome, DeliveryResult, Runner};
 use crate::inbox::model::InboxKey;
@@ -47,11 +48,12 @@ pub const READ_WAIT: Duration = Duration::from_millis(100);
 /// while it waits out a persistence outage; a probe that takes longer has failed.
 pub const PROBE_TIMEOUT: Duration = LOOP_WAIT_MAX;
 
-/// Why [`Runner::run`] did not run.
+/// Why [`Runner::run`] or [`Runner::run_until_stopped`] did not run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunnerError {
-    /// `run` was called before `start` (R120).
+    /// `run_until_stopped` was called before `start` (R120); [`Runner::run`] starts the runner
+    /// itself.
     #[error("Runner is not started.")]
     NotStarted,
 }
@@ -141,10 +143,32 @@ impl<B: InboxBackend> Runner<B> {
         })
     }
 
-    /// Runs the loop until [`stop`](Runner::stop) (R120, R166, R167), with the embedded
-    /// processor beside it (R121). Fails with `Runner is not started.` before
-    /// [`start`](Runner::start).
-    pub async fn run(&self) -> Result<(), RunnerError> {
+    /// Runs the runner until `shutdown` is cancelled, as [`Relay::run`](crate::Relay::run) and
+    /// [`Processor::run`](crate::inbox::Processor::run) run theirs: it starts the runner, reads
+    /// and handles deliveries with the embedded processor beside it (R120, R121, R166), and
+    /// after the cancel stops as R167 says (reading ends, deliveries not started go back, the
+    /// runs in flight finish, the subscription is closed) before it returns. This is the loop
+    /// to use: nothing else needs calling. [`stop`](Runner::stop) ends it as well.
+    ///
+    /// Checked by the runner tests of `runner::consumer_tests` (`run_token_*`).
+    pub async fn run(&self, shutdown: CancellationToken) -> Result<(), RunnerError> {
+        self.start();
+        let looping = self.run_until_stopped();
+        tokio::pin!(looping);
+        tokio::select! {
+            done = &mut looping => done,
+            () = shutdown.cancelled() => {
+                self.stop();
+                looping.await
+            }
+        }
+    }
+
+    /// The low-level form of [`run`](Runner::run), kept for callers that drive the runner's
+    /// states themselves: runs the loop until [`stop`](Runner::stop) (R120, R166, R167), with
+    /// the embedded processor beside it (R121). Fails with `Runner is not started.` before
+    /// [`start`](Runner::start) (R120).
+    pub async fn run_until_stopped(&self) -> Result<(), RunnerError> {
         if !self.started.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(RunnerError::NotStarted);
         }
