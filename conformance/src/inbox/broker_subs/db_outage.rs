@@ -208,7 +208,7 @@ where
     runner.start();
     let task = tokio::spawn({
         let r = runner.clone();
-        async move { r.run().await.expect("runner runs") }
+        async move { r.run_until_stopped().await.expect("runner runs") }
     });
 
     let total = KEYS * PER_KEY;

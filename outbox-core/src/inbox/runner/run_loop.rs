@@ -634,7 +634,7 @@ mod tests {
             }
             b.runner.stop();
         };
-        let (done, ()) = tokio::join!(b.runner.run(), control);
+        let (done, ()) = tokio::join!(b.runner.run_until_stopped(), control);
         done.expect("run");
     }
 
@@ -676,7 +676,7 @@ mod tests {
             assert_eq!(b.scripted.acks(slow), vec![AckOp::Commit]);
             b.runner.stop();
         };
-        let (done, ()) = tokio::join!(b.runner.run(), control);
+        let (done, ()) = tokio::join!(b.runner.run_until_stopped(), control);
         done.expect("run");
     }
 
