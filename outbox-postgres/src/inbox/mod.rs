@@ -12,8 +12,6 @@ pub mod sql;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
 pub mod store;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 #[cfg(feature = "sqlx")]
 pub use self::sqlx::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
