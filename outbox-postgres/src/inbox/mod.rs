@@ -15,4 +15,6 @@ pub mod store;
 
 #[cfg(feature = "sqlx")]
 pub use self::sqlx::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
-pub use store::{InboxFaults, PgInbox, PgInboxTx};
+#[cfg(feature = "test-hooks")]
+pub use store::InboxFaults;
+pub use store::{PgInbox, PgInboxTx};
