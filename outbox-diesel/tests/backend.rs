@@ -17,7 +17,7 @@ use txoutbox_diesel::{
     build_pool, run_migrations,
 };
 use txoutbox_postgres::sql;
-use txoutbox_postgres::testing::{database_url, fresh_schema_name};
+use txoutbox_testkit::{database_url, fresh_schema_name};
 use uuid::Uuid;
 
 /// Every column of the checked-in `table!`, with the Rust types the backend decodes them into.
@@ -54,7 +54,7 @@ struct TypedRow {
 async fn drop_schema(schema: &str) {
     connect()
         .await
-        .batch_execute(&sql::fixtures::drop_schema(schema))
+        .batch_execute(&txoutbox_testkit::fixtures::drop_schema(schema))
         .await
         .expect("drop schema");
 }
@@ -298,7 +298,7 @@ fn table_names_are_validated_before_sql() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_diesel_writer_notifies_at_commit_only_when_asked_and_inserting() {
     let h = common::DieselHarness::create(&database_url()).await;
-    let mut probe = txoutbox_postgres::testing::WakeProbe::listen(h.peer().pool(), h.table()).await;
+    let mut probe = txoutbox_testkit::WakeProbe::listen(h.peer().pool(), h.table()).await;
     let repo = h.diesel_repository();
     let notifying = repo.writer().notify(true);
     assert!(notifying.notifies() && !repo.writer().notifies());

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::patient_pool;
 use txoutbox_core::repository::DeliveryMode;
 use txoutbox_diesel::{DieselConfig, DieselOutboxRepository};
-use txoutbox_postgres::testing::fetch_terminated_mid_statement_with;
+use txoutbox_testkit::fetch_terminated_mid_statement_with;
 
 async fn mid_fetch(delivery: DeliveryMode) {
     let f = fetch_terminated_mid_statement_with(delivery, |url, table| {

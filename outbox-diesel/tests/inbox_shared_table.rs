@@ -24,9 +24,9 @@ use txoutbox_core::inbox::{
 use txoutbox_diesel::Layout;
 use txoutbox_diesel::inbox::diesel_inbox;
 use txoutbox_postgres::inbox::SqlxHandlerTx;
-use txoutbox_postgres::inbox::testing::{PgInboxHarness, effects, trial_table};
 use txoutbox_postgres::sqlx;
-use txoutbox_postgres::testing::database_url;
+use txoutbox_testkit::database_url;
+use txoutbox_testkit::inbox::{PgInboxHarness, effects, trial_table};
 
 use common::{patient_pool, url_in_new_york};
 

@@ -12,7 +12,7 @@ use diesel_async::{AsyncConnection, RunQueryDsl};
 use tokio::sync::Notify;
 use txoutbox_core::event::NewEvent;
 use txoutbox_diesel::{WakeListener, WriteError};
-use txoutbox_postgres::testing::database_url;
+use txoutbox_testkit::database_url;
 use uuid::Uuid;
 
 fn event() -> NewEvent {

@@ -5,7 +5,7 @@
 mod common;
 
 use common::DieselHarness;
-use txoutbox_postgres::testing::{database_url, outcome_commit_survives_termination};
+use txoutbox_testkit::{database_url, outcome_commit_survives_termination};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminated_outcome_commit_is_retried_on_a_fresh_connection() {

@@ -15,8 +15,7 @@ use txoutbox_diesel::{
     DieselOutboxWriter, Error, Layout, OutboxMigrations, TableName, WriteError, ensure_partitions,
     run_migrations, run_migrations_with,
 };
-use txoutbox_postgres::sql;
-use txoutbox_postgres::testing::{database_url, fresh_schema_name};
+use txoutbox_testkit::{database_url, fresh_schema_name};
 
 async fn count(conn: &mut AsyncPgConnection, q: &str) -> i64 {
     diesel::sql_query(q)
@@ -98,7 +97,7 @@ async fn partitioned_migration_and_partition_maintenance() {
     assert!(err.to_string().contains("is not partitioned"), "{err}");
 
     let mut c = connect().await;
-    diesel::sql_query(sql::fixtures::drop_schema(&schema))
+    diesel::sql_query(txoutbox_testkit::fixtures::drop_schema(&schema))
         .execute(&mut c)
         .await
         .unwrap();

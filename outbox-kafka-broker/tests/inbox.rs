@@ -886,7 +886,7 @@ fn refused<T, E>(r: Result<T, E>) -> E {
 async fn database_outage() {
     use txoutbox_conformance::inbox::broker_subs::{DbFault, database_outage};
     for fault in [DbFault::Refuse, DbFault::Reset] {
-        let db = txoutbox_postgres::inbox::testing::PgOutageInbox::default();
+        let db = txoutbox_testkit::inbox::PgOutageInbox::default();
         let f = database_outage(&Tansu, &db, fault).await;
         println!("{f}");
     }

@@ -9,5 +9,5 @@ use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_to_nats() {
-    txoutbox_postgres::testing::postgres_to_broker(&Nats).await;
+    txoutbox_testkit::postgres_to_broker(&Nats).await;
 }

@@ -17,8 +17,8 @@ use txoutbox_core::event::WorkerId;
 use txoutbox_core::repository::FetchRequest;
 use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use txoutbox_postgres::sql::{FetchParams, HeadRows, WalkCursor};
-use txoutbox_postgres::testing::shapes::{self, Shape};
-use txoutbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_testkit::shapes::{self, Shape};
+use txoutbox_testkit::{PgHarness, database_url};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());

@@ -15,8 +15,6 @@ pub mod listen;
 mod repository;
 #[cfg(feature = "sqlx")]
 mod schema;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 pub use error::Error;
 #[cfg(feature = "sqlx")]

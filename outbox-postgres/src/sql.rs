@@ -68,9 +68,6 @@ pub use partitioned::Layout;
 
 mod ddl;
 mod fetch;
-/// SQL for the conformance harnesses of both Postgres backends (cargo feature `testing`).
-#[cfg(feature = "testing")]
-pub mod fixtures;
 mod row;
 mod sqlstate;
 mod statements;

@@ -2,7 +2,7 @@
 //! exactly as the ancestor library created it (R78), without the additions: the library needs
 //! nothing beyond it to be correct (the additions make its plans independent of statistics).
 
-use txoutbox_postgres::testing::PgFactory;
+use txoutbox_testkit::PgFactory;
 
 txoutbox_conformance::suite!(@tests PgFactory::new().ancestor_ddl();
     order::o_01, order::o_02, order::o_03, order::o_04, order::o_05, order::o_06, order::o_07,

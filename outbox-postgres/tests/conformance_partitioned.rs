@@ -3,6 +3,6 @@
 //! which are about the plain table of Appendix A (see `txoutbox_conformance::suite!`); their
 //! partitioned forms are in `tests/partitioned.rs`.
 
-use txoutbox_postgres::testing::PgFactory;
+use txoutbox_testkit::PgFactory;
 
 txoutbox_conformance::suite!(postgres_partitioned: PgFactory::new().partitioned());

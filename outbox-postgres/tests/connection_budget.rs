@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use txoutbox_postgres::testing::{
+use txoutbox_testkit::{
     CONNECT_PATIENCE, DEFAULT_TEST_CONNECTIONS, connect_patiently, reserve_connections,
 };
 

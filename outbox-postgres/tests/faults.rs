@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use txoutbox_postgres::testing::database_faults_drain;
+use txoutbox_testkit::database_faults_drain;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_connections_terminated_during_a_drain() {
@@ -21,7 +21,7 @@ async fn a_pinned_snapshot_during_a_drain() {
 }
 
 async fn mid_fetch(delivery: txoutbox_core::repository::DeliveryMode) {
-    let f = txoutbox_postgres::testing::fetch_terminated_mid_statement(delivery).await;
+    let f = txoutbox_testkit::fetch_terminated_mid_statement(delivery).await;
     println!("faults db terminated mid-fetch: {f:?}");
     // The target is 1 s (printed above); the relay waits 250 ms after a failed fetch.
     assert!(

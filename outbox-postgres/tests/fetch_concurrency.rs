@@ -9,8 +9,8 @@ use txoutbox_core::repository::{DeliveryBound, FetchRequest, OutboxRepository};
 use txoutbox_postgres::PgOutboxWriter;
 use txoutbox_postgres::driver::sqlx::fetch_rows;
 use txoutbox_postgres::sql::WalkCursor;
-use txoutbox_postgres::testing::shapes::{self, Shape};
-use txoutbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_testkit::shapes::{self, Shape};
+use txoutbox_testkit::{PgHarness, database_url};
 use uuid::Uuid;
 
 async fn write_one(h: &PgHarness, key: &str) -> Uuid {

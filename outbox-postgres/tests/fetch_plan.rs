@@ -10,8 +10,8 @@ use txoutbox_core::event::WorkerId;
 use txoutbox_core::repository::FetchRequest;
 use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take, fetch_rows};
 use txoutbox_postgres::sql::{FetchParams, HeadRows, TableName, WalkCursor};
-use txoutbox_postgres::testing::PgHarness;
-use txoutbox_postgres::testing::shapes::{self, Shape};
+use txoutbox_testkit::PgHarness;
+use txoutbox_testkit::shapes::{self, Shape};
 
 fn seq_scans(plan: &serde_json::Value, table: &str, out: &mut Vec<String>) {
     match plan {
@@ -31,7 +31,7 @@ fn seq_scans(plan: &serde_json::Value, table: &str, out: &mut Vec<String>) {
 }
 
 async fn check(shape: Shape) {
-    let h = PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
+    let h = PgHarness::create(&txoutbox_testkit::database_url(), "outbox_events").await;
     shapes::build(h.pool(), h.table(), shape)
         .await
         .expect("build shape");
@@ -167,7 +167,7 @@ fn naive_heads(t: &TableName) -> String {
 /// (`walked` counts the fetches where the key walk ran).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fetched_heads_follow_the_head_rule_on_random_tables() {
-    let h = PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
+    let h = PgHarness::create(&txoutbox_testkit::database_url(), "outbox_events").await;
     let stmts = h.sqlx_repository().statements().clone();
     let t = h.table().clone();
     let (mut compared, mut walked) = (0, 0);
@@ -242,7 +242,7 @@ mod plan_stability {
     //! blocked key (a head waiting for its retry with 20,000 due rows behind it, then one-row keys:
     //! the window is full of rows that cannot go, so the key walk, path B, answers).
     //!
-    //! The plans are checked by `txoutbox_postgres::testing::plan` (shared with the inbox's
+    //! The plans are checked by `txoutbox_testkit::plan` (shared with the inbox's
     //! `tests/inbox_fetch_plan.rs`).
     //!
     //! The statements run as the relay runs them, in one transaction per state: the heads, the
@@ -255,8 +255,8 @@ mod plan_stability {
     use txoutbox_core::repository::FetchRequest;
     use txoutbox_postgres::driver::sqlx::{bind_fetch_heads, bind_fetch_take};
     use txoutbox_postgres::sql::{FetchParams, HeadRows, Statements, TableName};
-    use txoutbox_postgres::testing::PgHarness;
-    use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
+    use txoutbox_testkit::PgHarness;
+    use txoutbox_testkit::plan::{PlanCheck, Rules, Stats, exec, uuids};
     use uuid::Uuid;
 
     /// The backlog the statements run on.
@@ -306,8 +306,7 @@ mod plan_stability {
 
     /// A fresh table holding `backlog` with statistics `stats`.
     async fn table_in(stats: Stats, backlog: Backlog) -> PgHarness {
-        let h =
-            PgHarness::create(&txoutbox_postgres::testing::database_url(), "outbox_events").await;
+        let h = PgHarness::create(&txoutbox_testkit::database_url(), "outbox_events").await;
         let t = h.table().clone();
         let q = t.qualified();
         let mut script = vec![format!(

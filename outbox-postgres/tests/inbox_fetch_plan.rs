@@ -10,7 +10,7 @@
 //! `idx_<p>_pending_key_order`, the oldest due age through `idx_<p>_pending_group`, the locks
 //! and the lease stamp through the primary key, the key walk through `idx_<p>_pending_key_order`
 //! (and the window index for the rows without partition_key). The plans are checked by
-//! `txoutbox_postgres::testing::plan`, shared with the outbox's `tests/fetch_plan.rs`.
+//! `txoutbox_testkit::plan`, shared with the outbox's `tests/fetch_plan.rs`.
 //!
 //! The statistics states (the table's autovacuum is off, so they stay as made):
 //!
@@ -37,9 +37,9 @@
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use txoutbox_conformance::inbox::InboxHarness;
 use txoutbox_postgres::inbox::sql::{InboxStatements, prefix, window_index};
-use txoutbox_postgres::inbox::testing::PgInboxHarness;
 use txoutbox_postgres::sql::{Layout, TableName};
-use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec, uuids};
+use txoutbox_testkit::inbox::PgInboxHarness;
+use txoutbox_testkit::plan::{PlanCheck, Rules, Stats, exec, uuids};
 use uuid::Uuid;
 
 /// The backlog the statements run on.

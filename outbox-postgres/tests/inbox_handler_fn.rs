@@ -10,10 +10,10 @@ use txoutbox_core::clock::ManualClock;
 use txoutbox_core::inbox::scripted::{MessageFactory, ScriptedSubscription};
 use txoutbox_core::inbox::{DeliveryOutcome, HandlerOutcome, InboxEvent, Runner, handler_fn};
 use txoutbox_postgres::sql::{Layout, TableName};
-use txoutbox_postgres::testing::{
+use txoutbox_postgres::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
+use txoutbox_testkit::{
     HARNESS_SHARE, database_url, fresh_schema_name, reserve_connections, trial_pool,
 };
-use txoutbox_postgres::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
 
 #[derive(serde::Deserialize)]
 struct Placed {

@@ -13,14 +13,14 @@ use txoutbox_conformance::inbox::script::{Act, Gate};
 use txoutbox_core::event::Status;
 use txoutbox_core::inbox::{DeliveryOutcome, InboxBackend, InboxTransaction, NewInboxEvent};
 use txoutbox_postgres::Layout;
-use txoutbox_postgres::inbox::testing::{PgInboxFactory, PgInboxHarness, trial_table};
 use txoutbox_postgres::sqlx::{self, AssertSqlSafe};
+use txoutbox_testkit::inbox::{PgInboxFactory, PgInboxHarness, trial_table};
 
 async fn peer_on(ctx: &Ictx<PgInboxHarness>, layout: Layout) -> OmniBoxPeer {
     let schema = ctx.h.schema().to_owned();
     let table = trial_table(&schema, layout);
     OmniBoxPeer::start(&PeerTable {
-        database_url: txoutbox_postgres::testing::database_url(),
+        database_url: txoutbox_testkit::database_url(),
         schema: schema.clone(),
         table: table.table().to_owned(),
         partitioned: layout == Layout::Partitioned,

@@ -3,7 +3,7 @@
 //! table's primary key (Appendix D: the ancestor's `(created_at, id)`, no index leading with
 //! id), which on the plain table is the id's primary key with one more condition. Each
 //! statement is explained with `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` by
-//! `txoutbox_postgres::testing::plan` on 20,000 pending rows, without and with statistics, in
+//! `txoutbox_testkit::plan` on 20,000 pending rows, without and with statistics, in
 //! both plan-cache modes: no sequential scan, no node over [`ROW_BOUND`] rows, no scan of the
 //! table over [`BLOCK_BOUND`] buffers, and the table read through its primary key or
 //! `idx_<p>_created_at` only. (With fresh statistics the planner takes `idx_<p>_created_at`,
@@ -16,9 +16,9 @@
 use sqlx::{AssertSqlSafe, Row};
 use txoutbox_conformance::inbox::InboxHarness;
 use txoutbox_postgres::inbox::sql::prefix;
-use txoutbox_postgres::inbox::testing::PgInboxHarness;
 use txoutbox_postgres::sql::{Layout, TableName};
-use txoutbox_postgres::testing::plan::{PlanCheck, Rules, Stats, exec};
+use txoutbox_testkit::inbox::PgInboxHarness;
+use txoutbox_testkit::plan::{PlanCheck, Rules, Stats, exec};
 use uuid::Uuid;
 
 /// No node may read more rows than this: a lookup of one row.

@@ -4,12 +4,13 @@
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use txoutbox_postgres::inbox::create_inbox_schema;
 use txoutbox_postgres::inbox::sql::ancestor_inbox_ddl;
-use txoutbox_postgres::sql::{Layout, TableName, fixtures};
-use txoutbox_postgres::testing::{
+use txoutbox_postgres::sql::{Layout, TableName};
+use txoutbox_testkit::fixtures;
+use txoutbox_testkit::{
     HARNESS_SHARE, database_url, fresh_schema_name, reserve_connections, trial_pool,
 };
 
-async fn pool() -> (PgPool, txoutbox_postgres::testing::ConnectionShare) {
+async fn pool() -> (PgPool, txoutbox_testkit::ConnectionShare) {
     let share = reserve_connections(HARNESS_SHARE).await;
     (trial_pool(&database_url(), 2).await, share)
 }

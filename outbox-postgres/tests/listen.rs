@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 use txoutbox_core::event::NewEvent;
-use txoutbox_postgres::testing::{PgHarness, database_url};
 use txoutbox_postgres::{PgOutboxWriter, WakeListener};
+use txoutbox_testkit::{PgHarness, database_url};
 use uuid::Uuid;
 
 fn event() -> NewEvent {

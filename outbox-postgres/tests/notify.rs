@@ -3,7 +3,7 @@
 
 use txoutbox_core::event::NewEvent;
 use txoutbox_postgres::PgOutboxWriter;
-use txoutbox_postgres::testing::{PgHarness, WakeProbe, database_url};
+use txoutbox_testkit::{PgHarness, WakeProbe, database_url};
 use uuid::Uuid;
 
 fn event(key: &str, idem: Option<&str>) -> NewEvent {

@@ -1,7 +1,7 @@
 //! Issue 14: a failed outcome commit (its connection terminated, as a database restart does) is
 //! retried on a fresh connection, so the rows move at once instead of waiting out the lease.
 
-use txoutbox_postgres::testing::{PgHarness, database_url, outcome_commit_survives_termination};
+use txoutbox_testkit::{PgHarness, database_url, outcome_commit_survives_termination};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminated_outcome_commit_is_retried_on_a_fresh_connection() {

@@ -13,8 +13,8 @@ use txoutbox_core::event::NewEvent;
 use txoutbox_core::repository::WriteResult;
 use txoutbox_core::{OutboxRepository, RepositoryError};
 use txoutbox_postgres::sql::partitioned::{self, MONTHS_AHEAD_MAX};
-use txoutbox_postgres::testing::{PgHarness, database_url};
 use txoutbox_postgres::{Error, Layout, PgOutboxWriter, TableName, create_schema_with};
+use txoutbox_testkit::{PgHarness, database_url};
 use uuid::Uuid;
 
 async fn harness() -> PgHarness {

@@ -3,7 +3,7 @@
 use txoutbox_core::event::NewEvent;
 use txoutbox_core::repository::OutboxRepository;
 use txoutbox_postgres::PgOutboxWriter;
-use txoutbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_testkit::{PgHarness, database_url};
 use uuid::Uuid;
 
 fn event(key: &str) -> NewEvent {

@@ -9,5 +9,5 @@ use common::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_to_redis() {
-    txoutbox_postgres::testing::postgres_to_broker(&Redis).await;
+    txoutbox_testkit::postgres_to_broker(&Redis).await;
 }

@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use txoutbox_core::repository::DeliveryMode;
-use txoutbox_postgres::testing::{BrokerFault, broker_outage_recovers_within_bounds};
+use txoutbox_testkit::{BrokerFault, broker_outage_recovers_within_bounds};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_refused() {

@@ -527,7 +527,7 @@ txoutbox_conformance::inbox_end_to_end_suite!(RedisEndToEnd);
 async fn database_outage() {
     use txoutbox_conformance::inbox::broker_subs::{DbFault, database_outage};
     for fault in [DbFault::Refuse, DbFault::Reset] {
-        let db = txoutbox_postgres::inbox::testing::PgOutageInbox::default();
+        let db = txoutbox_testkit::inbox::PgOutageInbox::default();
         let f = database_outage(&Redis, &db, fault).await;
         println!("{f}");
     }

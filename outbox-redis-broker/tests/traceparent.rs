@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use txoutbox_core::{CancellationToken, NewEvent, OutboxRepository, Relay, TraceParent};
-use txoutbox_postgres::testing::{PgHarness, database_url};
+use txoutbox_testkit::{PgHarness, database_url};
 
 const PRODUCER: &str = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
 

@@ -164,7 +164,9 @@ impl InMemoryInbox {
         self.lock().records.clone()
     }
 
-    /// Test fixture: changes a stored row directly.
+    /// Test fixture (cargo feature `testing`, for tests only): changes a stored row directly
+    /// (the suite's `set`).
+    #[cfg(any(test, feature = "testing"))]
     pub fn set(&self, id: Uuid, f: impl FnOnce(&mut InboxEvent)) -> bool {
         let mut st = self.lock();
         match st.rows.get_mut(&id) {
@@ -176,19 +178,20 @@ impl InMemoryInbox {
         }
     }
 
-    /// Test hook: the next unit of work fails when it commits.
+    /// Test hook (cargo feature `testing`): the next unit of work fails when it commits.
     #[cfg(any(test, feature = "testing"))]
     pub fn fail_next_commit(&self) {
         self.inner.fail_next_commit.store(true, Ordering::SeqCst);
     }
 
-    /// Test hook: while down, every new unit of work fails to begin and every fetch fails.
+    /// Test hook (cargo feature `testing`): while down, every new unit of work fails to begin
+    /// and every fetch fails.
     #[cfg(any(test, feature = "testing"))]
     pub fn set_down(&self, down: bool) {
         self.inner.down.store(down, Ordering::SeqCst);
     }
 
-    /// Test hook: runs `f` just before the next unit of work begins.
+    /// Test hook (cargo feature `testing`): runs `f` just before the next unit of work begins.
     #[cfg(any(test, feature = "testing"))]
     pub fn before_next_begin(&self, f: impl FnOnce() + Send + 'static) {
         *self.inner.before_next_begin.lock().expect("poisoned") = Some(Box::new(f));
@@ -276,8 +279,10 @@ impl MemInboxTx {
         self.journal.push(Entry::Record(entry));
     }
 
-    /// Makes the unit unusable, as a connection the handler ended (the suite's `break_tx`):
-    /// every later statement fails, and so does the rollback to the savepoint.
+    /// Test hook (cargo feature `testing`, for tests only): makes the unit unusable, as a
+    /// connection the handler ended (the suite's `break_tx`): every later statement fails, and so
+    /// does the rollback to the savepoint.
+    #[cfg(any(test, feature = "testing"))]
     pub fn break_transaction(&mut self) {
         self.broken = true;
     }

@@ -1,7 +1,7 @@
 //! The inbox conformance harness of the diesel-async store: a fresh schema per trial with the
 //! inbox table (plain, or partitioned with a DEFAULT partition) and the effects table, created
 //! through diesel; the fixtures (`set`, `advance`, effects) share their SQL with the sqlx
-//! harness (`txoutbox_postgres::inbox::testing`).
+//! harness (`txoutbox_testkit::inbox`).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,11 +19,10 @@ use txoutbox_diesel::inbox::{DieselInbox, create_inbox_schema, diesel_inbox};
 use txoutbox_diesel::{Layout, PgPool};
 use txoutbox_postgres::driver::{Bind, Connection};
 use txoutbox_postgres::inbox::sql::InboxStatements;
-use txoutbox_postgres::inbox::testing::{
-    effects, json_rows, patch, plain_sql, trial_setup, trial_table,
-};
-use txoutbox_postgres::sql::{fixtures, micros};
-use txoutbox_postgres::testing::{
+use txoutbox_postgres::sql::micros;
+use txoutbox_testkit::fixtures;
+use txoutbox_testkit::inbox::{effects, json_rows, patch, plain_sql, trial_setup, trial_table};
+use txoutbox_testkit::{
     ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, connect_patiently, database_url,
     fresh_schema_name, reserve_connections,
 };

@@ -23,7 +23,7 @@ use txoutbox_diesel::{
     TableName, run_migrations_with,
 };
 use txoutbox_postgres::sql::{self, Statements};
-use txoutbox_postgres::testing::{
+use txoutbox_testkit::{
     CONNECT_PATIENCE, ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, PgHarness,
     connect_patiently, database_url, fresh_schema_name, reserve_connections,
 };
@@ -124,7 +124,7 @@ impl DieselHarness {
         let mut conn = run_migrations_with(conn, &table, layout)
             .await
             .expect("diesel migrations");
-        conn.batch_execute(&sql::fixtures::create_aggregates(&schema))
+        conn.batch_execute(&txoutbox_testkit::fixtures::create_aggregates(&schema))
             .await
             .expect("aggregates table");
         drop(conn);
@@ -184,7 +184,7 @@ impl DieselHarness {
 impl Drop for DieselHarness {
     fn drop(&mut self) {
         let url = self.url.clone();
-        let drop_sql = sql::fixtures::drop_schema(&self.schema);
+        let drop_sql = txoutbox_testkit::fixtures::drop_schema(&self.schema);
         // Drop cannot await: a thread of its own with its own runtime.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -234,8 +234,8 @@ impl WriteTx for DieselWriteTx {
     }
 
     async fn lock_app(&mut self, name: &str) {
-        let ensure = sql::fixtures::ensure_aggregate(&self.schema);
-        let lock = sql::fixtures::lock_aggregate(&self.schema);
+        let ensure = txoutbox_testkit::fixtures::ensure_aggregate(&self.schema);
+        let lock = txoutbox_testkit::fixtures::lock_aggregate(&self.schema);
         let c = self.conn();
         diesel::sql_query(ensure)
             .bind::<Text, _>(name)

@@ -12,9 +12,9 @@ pub mod sql;
 #[cfg(feature = "sqlx")]
 pub mod sqlx;
 pub mod store;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 #[cfg(feature = "sqlx")]
 pub use self::sqlx::{SqlxHandlerTx, SqlxInbox, create_inbox_schema};
-pub use store::{InboxFaults, PgInbox, PgInboxTx};
+#[cfg(feature = "test-hooks")]
+pub use store::InboxFaults;
+pub use store::{PgInbox, PgInboxTx};

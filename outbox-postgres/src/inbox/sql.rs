@@ -406,6 +406,7 @@ mod text {
     pub const FORCE_UNLOCK: &str = include_str!("../sql/statements/force_unlock.sql");
     pub const DELETE_OLD_COMPLETED: &str =
         include_str!("../sql/statements/delete_old_completed.sql");
+    #[cfg(feature = "test-hooks")]
     pub const SHIFT_CLOCK: &str = include_str!("../sql/statements/shift_clock.sql");
 }
 
@@ -520,7 +521,9 @@ pub struct InboxStatements {
     pub force_unlock: String,
     /// The outbox's `delete_old_completed.sql`.
     pub delete_old_completed: String,
-    /// The outbox's `shift_clock.sql` (the test clock of the conformance harness).
+    /// The outbox's `shift_clock.sql` (the test clock of the conformance harness; cargo feature
+    /// `test-hooks`, for tests only).
+    #[cfg(feature = "test-hooks")]
     pub shift_clock: String,
 }
 
@@ -571,6 +574,7 @@ impl InboxStatements {
             release_stale: r(text::RELEASE_STALE),
             force_unlock: r(text::FORCE_UNLOCK),
             delete_old_completed: r(text::DELETE_OLD_COMPLETED),
+            #[cfg(feature = "test-hooks")]
             shift_clock: r(text::SHIFT_CLOCK),
         }
     }

@@ -18,8 +18,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -41,50 +40,19 @@ use crate::driver::{Bind, Connection, Driver};
 use crate::inbox::sql::InboxStatements;
 use crate::sql::{Layout, TableName, WalkCursor, micros};
 
+mod faults;
 mod fetch;
 mod transaction;
 
+#[cfg(not(feature = "test-hooks"))]
+use faults::InboxFaults;
+#[cfg(feature = "test-hooks")]
+pub use faults::{BeforeBegin, InboxFaults};
 pub use transaction::PgInboxTx;
 
 /// How many rows one round of release_stale_locks releases (R63), and the round bound.
 const STALE_BATCH: i64 = 1000;
 const STALE_ROUNDS: usize = 1000;
-
-/// A future run before the next transaction begins (the suite's `before_next_begin`).
-pub type BeforeBegin = Pin<Box<dyn Future<Output = ()> + Send>>;
-
-/// Test hooks of the store (scenarios.md section 19's `fail_next_row_commit`, `db_down`,
-/// `before_fresh_write`); inert unless a test sets them.
-#[derive(Default)]
-pub struct InboxFaults {
-    fail_next_commit: AtomicBool,
-    down: AtomicBool,
-    before_next_begin: Mutex<Option<BeforeBegin>>,
-}
-
-impl std::fmt::Debug for InboxFaults {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("InboxFaults")
-            .field("fail_next_commit", &self.fail_next_commit)
-            .field("down", &self.down)
-            .finish()
-    }
-}
-
-impl InboxFaults {
-    /// The next T or T_row fails when it commits (it is rolled back instead).
-    pub fn fail_next_commit(&self) {
-        self.fail_next_commit.store(true, Ordering::SeqCst);
-    }
-    /// Every new transaction fails to begin (`true`), or no longer does.
-    pub fn set_down(&self, down: bool) {
-        self.down.store(down, Ordering::SeqCst);
-    }
-    /// Runs `f` just before the next transaction begins.
-    pub fn before_next_begin(&self, f: BeforeBegin) {
-        *self.before_next_begin.lock().expect("poisoned") = Some(f);
-    }
-}
 
 /// The Postgres inbox over a driver `D`.
 #[derive(Debug)]
@@ -177,7 +145,8 @@ where
         &self.driver
     }
 
-    /// The test hooks.
+    /// The test hooks (cargo feature `test-hooks`, for tests only).
+    #[cfg(feature = "test-hooks")]
     pub fn faults(&self) -> &InboxFaults {
         &self.faults
     }
@@ -510,16 +479,8 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
     type Tx = PgInboxTx<D>;
 
     async fn begin(&self) -> Result<Self::Tx, RepositoryError> {
-        let hook = self
-            .faults
-            .before_next_begin
-            .lock()
-            .expect("poisoned")
-            .take();
-        if let Some(f) = hook {
-            f.await;
-        }
-        if self.faults.down.load(Ordering::SeqCst) {
+        self.faults.before_begin().await;
+        if self.faults.down() {
             return Err(RepositoryError::Unavailable {
                 message: "the database is down (the test hook db_down)".into(),
             });

@@ -91,8 +91,8 @@ impl<D> Repository<D> {
         &self.stmts
     }
 
-    /// Test hook (cargo feature `test-hooks`, which `testing` turns on): the next outcome transaction runs its
-    /// statements and then rolls back, and the outcome write returns an error (R57; P-06).
+    /// Test hook (cargo feature `test-hooks`, for tests only): the next outcome transaction runs
+    /// its statements and then rolls back, and the outcome write returns an error (R57; P-06).
     #[cfg(feature = "test-hooks")]
     pub fn fail_next_outcome_commit(&self) {
         self.fail_next_commit.store(true, Ordering::SeqCst);

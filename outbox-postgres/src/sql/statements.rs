@@ -191,9 +191,10 @@ pub struct Statements {
     /// one row, one column `relkind text` (`r` plain, `p` partitioned).
     pub table_kind: String,
 
-    /// Test clock (the conformance harness's `advance`): `$1 int8` microseconds. Moves created_at,
-    /// scheduled_at, locked_at, completed_at and updated_at of every row back by that much.
-    #[cfg(feature = "testing")]
+    /// Test clock (the conformance harness's `advance`; cargo feature `test-hooks`, for tests
+    /// only): `$1 int8` microseconds. Moves created_at, scheduled_at, locked_at, completed_at and
+    /// updated_at of every row back by that much.
+    #[cfg(feature = "test-hooks")]
     pub shift_clock: String,
 }
 
@@ -221,7 +222,7 @@ pub(super) mod text {
     pub const DRAINED: &str = include_str!("statements/drained.sql");
     pub const FAILED_IDS: &str = include_str!("statements/failed_ids.sql");
     pub const TABLE_KIND: &str = include_str!("statements/table_kind.sql");
-    #[cfg(feature = "testing")]
+    #[cfg(feature = "test-hooks")]
     pub const SHIFT_CLOCK: &str = include_str!("statements/shift_clock.sql");
 }
 
@@ -327,7 +328,7 @@ impl Statements {
             drained: r(text::DRAINED),
             failed_ids: r(text::FAILED_IDS),
             table_kind: r(text::TABLE_KIND),
-            #[cfg(feature = "testing")]
+            #[cfg(feature = "test-hooks")]
             shift_clock: r(text::SHIFT_CLOCK),
         }
     }

@@ -33,7 +33,7 @@ fn statement_files_render_completely() {
         ("drained", &s.drained),
         ("failed_ids", &s.failed_ids),
     ];
-    #[cfg(feature = "testing")]
+    #[cfg(feature = "test-hooks")]
     all.push(("shift_clock", &s.shift_clock));
     for &(name, text) in &all {
         assert!(!text.contains('{') && !text.contains('}'), "{name}: {text}");

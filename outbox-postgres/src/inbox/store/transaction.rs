@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -530,7 +529,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
 
     async fn commit(self) -> Result<(), RepositoryError> {
         let table = self.stmts.table.clone();
-        if self.faults.fail_next_commit.swap(false, Ordering::SeqCst) {
+        if self.faults.take_fail_commit() {
             let _ = D::rollback(&table, self.tx).await;
             return Err(RepositoryError::Unavailable {
                 message: "injected failure of the commit (fail_next_row_commit)".into(),

@@ -1,4 +1,4 @@
-//! The inbox conformance harness (feature `testing`): a fresh schema per trial with the inbox
+//! The inbox conformance harness: a fresh schema per trial with the inbox
 //! table (plain, or partitioned with a DEFAULT partition), an effects table for the handlers'
 //! own writes, the test clock and the fixtures of scenarios.md section 19. The driver-neutral
 //! parts ([`patch`], [`effects`]) serve outbox-diesel's harness too.
@@ -16,15 +16,17 @@ use txoutbox_core::clock::{Clock, ManualClock};
 use txoutbox_core::inbox::HandlerError;
 use uuid::Uuid;
 
-use crate::driver::Bind;
-use crate::driver::inbox::{nullable_text, nullable_timestamp};
-use crate::inbox::sql::{DEFAULT_INBOX_TABLE, DEFAULT_PARTITIONED_INBOX_TABLE, InboxStatements};
-use crate::inbox::{SqlxInbox, create_inbox_schema};
-use crate::sql::{Layout, TableName, micros};
-use crate::testing::{
+use crate::{
     ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, database_url, fresh_schema_name,
     reserve_connections, trial_pool,
 };
+use txoutbox_postgres::driver::Bind;
+use txoutbox_postgres::driver::inbox::{nullable_text, nullable_timestamp};
+use txoutbox_postgres::inbox::sql::{
+    DEFAULT_INBOX_TABLE, DEFAULT_PARTITIONED_INBOX_TABLE, InboxStatements,
+};
+use txoutbox_postgres::inbox::{SqlxInbox, create_inbox_schema};
+use txoutbox_postgres::sql::{Layout, TableName, micros};
 
 /// The suite's `set`: an UPDATE of the patched columns of one row, `$1` the id.
 pub fn patch(table: &TableName, id: Uuid, p: &InboxPatch) -> Option<(String, Vec<Bind>)> {
@@ -317,8 +319,8 @@ impl Drop for PgInboxHarness {
             rt.block_on(async move {
                 use sqlx::Connection;
                 let connect = || sqlx::PgConnection::connect(&url);
-                if let Ok(mut c) = crate::testing::connect_patiently(connect).await {
-                    let drop = crate::sql::fixtures::drop_schema(&schema);
+                if let Ok(mut c) = crate::connect_patiently(connect).await {
+                    let drop = crate::fixtures::drop_schema(&schema);
                     let _ = sqlx::query(AssertSqlSafe(drop)).execute(&mut c).await;
                     let _ = c.close().await;
                 }
@@ -353,7 +355,7 @@ impl InboxHarness for PgInboxHarness {
         let Some((sql, binds)) = patch(&self.stmts.table, id, &p) else {
             return;
         };
-        let n = crate::driver::sqlx::bind_all(sqlx::query(AssertSqlSafe(sql)), binds)
+        let n = txoutbox_postgres::driver::sqlx::bind_all(sqlx::query(AssertSqlSafe(sql)), binds)
             .execute(&self.pool)
             .await
             .expect("set")

@@ -23,7 +23,7 @@ use serde_json::Value;
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use uuid::Uuid;
 
-use crate::sql::TableName;
+use txoutbox_postgres::sql::TableName;
 
 /// The planner's statistics for the table of a plan check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

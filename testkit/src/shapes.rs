@@ -4,7 +4,7 @@
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgPool;
 
-use crate::sql::TableName;
+use txoutbox_postgres::sql::TableName;
 
 /// A backlog shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

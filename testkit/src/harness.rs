@@ -14,8 +14,8 @@ use txoutbox_core::event::NewEvent;
 use txoutbox_core::repository::{OutboxRepository, WriteResult};
 use uuid::Uuid;
 
-use crate::sql::{self, Layout, Statements, TableName};
-use crate::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema_with};
+use txoutbox_postgres::sql::{self, Layout, Statements, TableName};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema_with};
 
 /// Makes a fresh [`PgHarness`] per trial.
 #[derive(Debug, Clone)]
@@ -115,7 +115,7 @@ impl PgHarness {
         create_schema_with(&pool, &table, layout)
             .await
             .expect("schema creation");
-        sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
+        sqlx::query(AssertSqlSafe(crate::fixtures::create_aggregates(&schema)))
             .execute(&pool)
             .await
             .expect("aggregates table");
@@ -152,7 +152,7 @@ impl PgHarness {
             .execute(&pool)
             .await
             .expect("ancestor DDL");
-        sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
+        sqlx::query(AssertSqlSafe(crate::fixtures::create_aggregates(&schema)))
             .execute(&pool)
             .await
             .expect("aggregates table");
@@ -165,7 +165,7 @@ impl PgHarness {
         let schema = table.schema().unwrap_or("public").to_owned();
         let share = reserve_connections(HARNESS_SHARE).await;
         let pool = trial_pool(url, HARNESS_CONNECTIONS).await;
-        sqlx::query(AssertSqlSafe(sql::fixtures::create_aggregates(&schema)))
+        sqlx::query(AssertSqlSafe(crate::fixtures::create_aggregates(&schema)))
             .execute(&pool)
             .await
             .expect("aggregates table");
@@ -245,7 +245,7 @@ impl Drop for PgHarness {
                 .expect("runtime");
             rt.block_on(async move {
                 if let Ok(mut c) = connect_patiently(|| sqlx::PgConnection::connect(&url)).await {
-                    let _ = sqlx::query(AssertSqlSafe(sql::fixtures::drop_schema(&schema)))
+                    let _ = sqlx::query(AssertSqlSafe(crate::fixtures::drop_schema(&schema)))
                         .execute(&mut c)
                         .await;
                     let _ = c.close().await;
@@ -286,8 +286,8 @@ impl WriteTx for SqlxWriteTx {
     }
 
     async fn lock_app(&mut self, name: &str) {
-        let ensure = sql::fixtures::ensure_aggregate(&self.schema);
-        let lock = sql::fixtures::lock_aggregate(&self.schema);
+        let ensure = crate::fixtures::ensure_aggregate(&self.schema);
+        let lock = crate::fixtures::lock_aggregate(&self.schema);
         let tx = self.tx();
         sqlx::query(AssertSqlSafe(ensure))
             .bind(name)
@@ -315,7 +315,7 @@ impl WriteTx for SqlxWriteTx {
             .expect("open")
             .commit()
             .await
-            .map_err(|e| crate::driver::sqlx::map_err(&table, e))
+            .map_err(|e| txoutbox_postgres::driver::sqlx::map_err(&table, e))
     }
 
     async fn rollback(mut self: Box<Self>) -> Result<(), RepositoryError> {
@@ -325,7 +325,7 @@ impl WriteTx for SqlxWriteTx {
             .expect("open")
             .rollback()
             .await
-            .map_err(|e| crate::driver::sqlx::map_err(&table, e))
+            .map_err(|e| txoutbox_postgres::driver::sqlx::map_err(&table, e))
     }
 }
 

@@ -1,3 +1,6 @@
+//! SQL for the harnesses' own tables in a trial's schema (the writers' aggregates, the schema
+//! drop), shared by the sqlx harness here and outbox-diesel's harness.
+
 /// `CREATE TABLE IF NOT EXISTS "<schema>".aggregates (name text PRIMARY KEY)`: the
 /// application lock table of the suite's writers.
 pub fn create_aggregates(schema: &str) -> String {

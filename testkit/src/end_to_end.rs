@@ -12,8 +12,8 @@ use txoutbox_core::event::NewEvent;
 use txoutbox_core::repository::OutboxRepository;
 use uuid::Uuid;
 
-use crate::sql::TableName;
-use crate::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
+use txoutbox_postgres::sql::TableName;
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
 
 /// End to end through a real broker: 4 keys × 15 events, each written by
 /// [`PgOutboxWriter`] in its own committed transaction, plus one rolled-back write that must

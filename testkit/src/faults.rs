@@ -12,8 +12,8 @@ use txoutbox_core::event::NewEvent;
 use txoutbox_core::repository::OutboxRepository;
 use uuid::Uuid;
 
-use crate::sql::{Statements, TableName};
-use crate::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
+use txoutbox_postgres::sql::{Statements, TableName};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema};
 
 /// How a [`broker_outage_on_postgres`] trial takes the broker away.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
