@@ -1318,7 +1318,7 @@ async fn j_33() {
 /// messages come: no message completes more than 5 s after it is back, each once, each key in
 /// order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn database_outage() {
+async fn j_37() {
     use txoutbox_conformance::inbox::broker_subs::{DbFault, database_outage};
     for fault in [DbFault::Refuse, DbFault::Reset] {
         let db = txoutbox_testkit::inbox::PgOutageInbox::default();
