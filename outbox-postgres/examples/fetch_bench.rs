@@ -7,7 +7,7 @@
 //! in a transaction that is rolled back, so the shape stays as built (the rolled-back lease
 //! stamps leave dead index entries behind, so later runs read a little more than a fresh table).
 //!
-//! `cargo run --release -p txoutbox-postgres --features testing --example fetch_bench [runs]`
+//! `cargo run --release -p txoutbox-postgres --example fetch_bench [runs]`
 //! (`DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
 
 use std::time::Instant;
