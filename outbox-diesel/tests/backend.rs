@@ -1,7 +1,7 @@
 //! The diesel backend's own checks: migrations, the checked-in `table!` schema against the
 //! database, the writer's transaction guard, and error mapping.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 use common::{Count, Name, connect};
 use diesel::sql_types::Text;

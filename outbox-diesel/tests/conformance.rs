@@ -2,7 +2,7 @@
 //! (`DATABASE_URL`, default `postgres://postgres@127.0.0.1:5432/test`), a fresh schema per
 //! trial; the peer backend of PG-06 and S-02 is outbox-postgres's sqlx backend on the same table.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 txoutbox_conformance::suite!(postgres: common::DieselFactory::new());
 

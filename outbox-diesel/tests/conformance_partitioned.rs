@@ -5,6 +5,6 @@
 //! DDL in outbox-postgres's `tests/partitioned.rs`). The peer backend of PG-06 and S-02 is the
 //! sqlx backend in the partitioned layout on the same table.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 txoutbox_conformance::suite!(postgres_partitioned: common::DieselFactory::partitioned());

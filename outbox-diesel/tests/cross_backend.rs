@@ -2,7 +2,7 @@
 //! events written through the sqlx writer are drained by the diesel relay, on one table, in
 //! per-key write order (issue 4; PG-06 checks the same with the suite's scenarios).
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

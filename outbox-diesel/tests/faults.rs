@@ -2,7 +2,7 @@
 //! (its first fetch statement waits on a table lock; its backend is ended), in both delivery
 //! modes. The relay fetches again on a fresh pooled connection; nothing is lost or reordered.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 use std::sync::Arc;
 use std::time::Duration;

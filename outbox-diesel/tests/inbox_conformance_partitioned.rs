@@ -1,7 +1,7 @@
 //! The inbox scenarios on the diesel-async store, partitioned table (Appendix D, R111, R164).
 //! Run with `-- --test-threads 4`.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 txoutbox_conformance::inbox_suite!(postgres_partitioned: common::inbox::DieselInboxFactory::partitioned());
 

@@ -4,7 +4,7 @@
 //! two runners at once) and G-07 (two processors keep key order) run with one party on each
 //! backend, each way round, on the plain and the partitioned table.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 use std::sync::Arc;
 

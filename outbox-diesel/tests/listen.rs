@@ -2,7 +2,7 @@
 //! diesel-async's notification stream): a committed notifying write wakes it; a terminated
 //! listening connection is replaced, and the relays are woken once when it is back.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 use std::sync::Arc;
 use std::time::Duration;

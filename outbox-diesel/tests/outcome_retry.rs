@@ -2,7 +2,7 @@
 //! database restart does) is retried on a fresh pooled connection, so the rows move at once
 //! instead of waiting out the lease.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 use common::DieselHarness;
 use txoutbox_testkit::{database_url, outcome_commit_survives_termination};

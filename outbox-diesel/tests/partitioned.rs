@@ -3,7 +3,7 @@
 //! version; refused over a plain table), `ensure_partitions`, one idempotency key written
 //! concurrently by the diesel and the sqlx writer (R17), and the REPEATABLE READ refusal.
 
-mod common;
+use txoutbox_testkit::diesel as common;
 
 use std::time::{Duration, Instant};
 

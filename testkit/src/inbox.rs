@@ -203,42 +203,75 @@ pub fn trial_setup(
     v
 }
 
-/// Makes a fresh [`PgInboxHarness`] per trial.
-#[derive(Debug, Clone, Copy)]
-pub struct PgInboxFactory {
-    layout: Layout,
-    past_only: bool,
+/// An inbox harness a [`TrialFactory`] can make: a fresh schema with the inbox table in
+/// `layout`, `past_only` as [`trial_setup`] says.
+#[async_trait]
+pub trait TrialHarness: InboxHarness + Sized + 'static {
+    /// One trial's harness.
+    async fn create_trial(layout: Layout, past_only: bool) -> Self;
 }
 
-impl PgInboxFactory {
+/// Makes a fresh harness `H` per trial, on the plain table, the partitioned table, or the
+/// partitioned table with a past partition only; the same three trials for every store
+/// ([`PgInboxFactory`], and outbox-diesel's through the `diesel` feature).
+pub struct TrialFactory<H> {
+    layout: Layout,
+    past_only: bool,
+    harness: std::marker::PhantomData<fn() -> H>,
+}
+
+impl<H> Clone for TrialFactory<H> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<H> Copy for TrialFactory<H> {}
+impl<H> std::fmt::Debug for TrialFactory<H> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TrialFactory")
+            .field("layout", &self.layout)
+            .field("past_only", &self.past_only)
+            .finish()
+    }
+}
+
+impl<H> TrialFactory<H> {
+    fn of(layout: Layout, past_only: bool) -> Self {
+        Self {
+            layout,
+            past_only,
+            harness: std::marker::PhantomData,
+        }
+    }
     /// Trials on the plain table.
     pub fn plain() -> Self {
-        Self {
-            layout: Layout::Plain,
-            past_only: false,
-        }
+        Self::of(Layout::Plain, false)
     }
     /// Trials on the partitioned table (one DEFAULT partition).
     pub fn partitioned() -> Self {
-        Self {
-            layout: Layout::Partitioned,
-            past_only: false,
-        }
+        Self::of(Layout::Partitioned, false)
     }
     /// Trials on the partitioned table with one partition for a past month only (E-14).
     pub fn past_partition_only() -> Self {
-        Self {
-            layout: Layout::Partitioned,
-            past_only: true,
-        }
+        Self::of(Layout::Partitioned, true)
     }
 }
 
 #[async_trait]
-impl InboxFactory for PgInboxFactory {
-    type Harness = PgInboxHarness;
-    async fn create(&self) -> Arc<PgInboxHarness> {
-        Arc::new(PgInboxHarness::create_with(self.layout, self.past_only).await)
+impl<H: TrialHarness> InboxFactory for TrialFactory<H> {
+    type Harness = H;
+    async fn create(&self) -> Arc<H> {
+        Arc::new(H::create_trial(self.layout, self.past_only).await)
+    }
+}
+
+/// Makes a fresh [`PgInboxHarness`] per trial.
+pub type PgInboxFactory = TrialFactory<PgInboxHarness>;
+
+#[async_trait]
+impl TrialHarness for PgInboxHarness {
+    async fn create_trial(layout: Layout, past_only: bool) -> Self {
+        Self::create_with(layout, past_only).await
     }
 }
 

@@ -22,6 +22,9 @@
 //! * To act as the *peer* backend of another harness (outbox-diesel's PG-06 and S-02), use
 //!   [`PgHarness::attach`] on that harness's schema and table, then
 //!   [`PgHarness::sqlx_repository`] and [`PgHarness::begin_tx`].
+//! * [`diesel`] (feature `diesel`): the same harnesses on outbox-diesel's store
+//!   ([`diesel::DieselFactory`], [`diesel::inbox::DieselInboxFactory`]), with the sqlx harness as
+//!   their peer.
 //! * The broker fault trials ([`broker_outage_recovers_within_bounds`], [`postgres_to_broker`])
 //!   for the broker crates' tests.
 //!
@@ -30,6 +33,8 @@
 #![deny(missing_docs)]
 
 mod budget;
+#[cfg(feature = "diesel")]
+pub mod diesel;
 mod end_to_end;
 mod faults;
 pub mod fixtures;

@@ -1,12 +1,14 @@
-//! The conformance harness of the diesel backend: a fresh schema per trial, created with this
+//! The conformance harness of the diesel backend (outbox-diesel's tests): a fresh schema per trial, created with this
 //! crate's diesel migrations; the sqlx backend of outbox-postgres attached to the same table as
 //! the peer (PG-06, S-02).
-
-#![allow(dead_code)]
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::{
+    CONNECT_PATIENCE, ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, PgHarness,
+    connect_patiently, database_url, fresh_schema_name, reserve_connections,
+};
 use async_trait::async_trait;
 use diesel::sql_types::{BigInt, Int4, Nullable, Text, Timestamptz};
 use diesel_async::{
@@ -23,10 +25,6 @@ use txoutbox_diesel::{
     TableName, run_migrations_with,
 };
 use txoutbox_postgres::sql::{self, Statements};
-use txoutbox_testkit::{
-    CONNECT_PATIENCE, ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, PgHarness,
-    connect_patiently, database_url, fresh_schema_name, reserve_connections,
-};
 use uuid::Uuid;
 
 /// `url` with every session in `America/New_York`, so the time-zone trap of R79 is exercised by
@@ -124,7 +122,7 @@ impl DieselHarness {
         let mut conn = run_migrations_with(conn, &table, layout)
             .await
             .expect("diesel migrations");
-        conn.batch_execute(&txoutbox_testkit::fixtures::create_aggregates(&schema))
+        conn.batch_execute(&crate::fixtures::create_aggregates(&schema))
             .await
             .expect("aggregates table");
         drop(conn);
@@ -184,7 +182,7 @@ impl DieselHarness {
 impl Drop for DieselHarness {
     fn drop(&mut self) {
         let url = self.url.clone();
-        let drop_sql = txoutbox_testkit::fixtures::drop_schema(&self.schema);
+        let drop_sql = crate::fixtures::drop_schema(&self.schema);
         // Drop cannot await: a thread of its own with its own runtime.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -234,8 +232,8 @@ impl WriteTx for DieselWriteTx {
     }
 
     async fn lock_app(&mut self, name: &str) {
-        let ensure = txoutbox_testkit::fixtures::ensure_aggregate(&self.schema);
-        let lock = txoutbox_testkit::fixtures::lock_aggregate(&self.schema);
+        let ensure = crate::fixtures::ensure_aggregate(&self.schema);
+        let lock = crate::fixtures::lock_aggregate(&self.schema);
         let c = self.conn();
         diesel::sql_query(ensure)
             .bind::<Text, _>(name)
@@ -419,6 +417,7 @@ impl Harness for DieselHarness {
 /// One `count(*) AS n` row.
 #[derive(diesel::QueryableByName)]
 pub struct Count {
+    /// The count.
     #[diesel(sql_type = BigInt)]
     pub n: i64,
 }
@@ -426,6 +425,7 @@ pub struct Count {
 /// One text column `name`.
 #[derive(diesel::QueryableByName)]
 pub struct Name {
+    /// The name.
     #[diesel(sql_type = Text)]
     pub name: String,
 }

@@ -1,17 +1,25 @@
 //! The inbox conformance harness of the diesel-async store: a fresh schema per trial with the
 //! inbox table (plain, or partitioned with a DEFAULT partition) and the effects table, created
 //! through diesel; the fixtures (`set`, `advance`, effects) share their SQL with the sqlx
-//! harness (`txoutbox_testkit::inbox`).
+//! harness ([`crate::inbox`]).
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::fixtures;
+use crate::inbox::{
+    TrialFactory, TrialHarness, effects, json_rows, patch, plain_sql, trial_setup, trial_table,
+};
+use crate::{
+    ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, connect_patiently, database_url,
+    fresh_schema_name, reserve_connections,
+};
 use async_trait::async_trait;
 use diesel::QueryableByName;
 use diesel::sql_types::{BigInt, Nullable, Text};
 use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl, SimpleAsyncConnection};
 use txoutbox_conformance::harness::BackendKind;
-use txoutbox_conformance::inbox::{InboxFactory, InboxHarness, InboxPatch};
+use txoutbox_conformance::inbox::{InboxHarness, InboxPatch};
 use txoutbox_core::clock::{Clock, ManualClock};
 use txoutbox_core::inbox::HandlerError;
 use txoutbox_diesel::driver::Diesel;
@@ -20,52 +28,17 @@ use txoutbox_diesel::{Layout, PgPool};
 use txoutbox_postgres::driver::{Bind, Connection};
 use txoutbox_postgres::inbox::sql::InboxStatements;
 use txoutbox_postgres::sql::micros;
-use txoutbox_testkit::fixtures;
-use txoutbox_testkit::inbox::{effects, json_rows, patch, plain_sql, trial_setup, trial_table};
-use txoutbox_testkit::{
-    ConnectionShare, HARNESS_CONNECTIONS, HARNESS_SHARE, connect_patiently, database_url,
-    fresh_schema_name, reserve_connections,
-};
 use uuid::Uuid;
 
 use super::{patient_pool, url_in_new_york};
 
 /// Makes a fresh [`DieselInboxHarness`] per trial.
-#[derive(Debug, Clone, Copy)]
-pub struct DieselInboxFactory {
-    layout: Layout,
-    past_only: bool,
-}
-
-impl DieselInboxFactory {
-    /// Trials on the plain table.
-    pub fn plain() -> Self {
-        Self {
-            layout: Layout::Plain,
-            past_only: false,
-        }
-    }
-    /// Trials on the partitioned table (one DEFAULT partition).
-    pub fn partitioned() -> Self {
-        Self {
-            layout: Layout::Partitioned,
-            past_only: false,
-        }
-    }
-    /// Trials on the partitioned table with one partition for a past month only (E-14).
-    pub fn past_partition_only() -> Self {
-        Self {
-            layout: Layout::Partitioned,
-            past_only: true,
-        }
-    }
-}
+pub type DieselInboxFactory = TrialFactory<DieselInboxHarness>;
 
 #[async_trait]
-impl InboxFactory for DieselInboxFactory {
-    type Harness = DieselInboxHarness;
-    async fn create(&self) -> Arc<DieselInboxHarness> {
-        Arc::new(DieselInboxHarness::create(self.layout, self.past_only).await)
+impl TrialHarness for DieselInboxHarness {
+    async fn create_trial(layout: Layout, past_only: bool) -> Self {
+        Self::create(layout, past_only).await
     }
 }
 
