@@ -20,8 +20,10 @@
 //! back behind later messages of its key that a client already buffered (a RabbitMQ prefetch, a
 //! NATS pull, a Redis read the loop gave up on), and out of their order. Once a probe answers,
 //! the loop tries each kept delivery again and starts the next delivery of each key that waited,
-//! and reads again; R120's count goes back to 0.1 s. At a stop, kept deliveries go back as the
-//! other deliveries not started (R167).
+//! and reads again; R120's count goes back to 0.1 s once a delivery commits (while a kept
+//! delivery still cannot land although the database answers, a missing inbox table, the waits
+//! go on growing to 5 s, and each failed try is one warning, R197). At a stop, kept deliveries
+//! go back as the other deliveries not started (R167).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -180,7 +182,7 @@ impl<B: InboxBackend> Runner<B> {
                     Ok(()) => Ok(()),
                     Err(e) => {
                         tracing::error!(
-                            group = self.config.group.as_str(),
+                            group = %self.config.group.as_str(),
                             error = %crate::redact::secrets(&e.to_string()),
                             "the embedded inbox processor stopped; the runner stops too and ends with an error"
                         );
@@ -224,7 +226,9 @@ impl<B: InboxBackend> Runner<B> {
                         if up {
                             tracing::info!("the database answers again; the runner goes on");
                             st.outage = None;
-                            st.failures = 0;
+                            // R120's count stays until a delivery commits: a delivery that
+                            // still cannot land although the database answers (a missing
+                            // table) is tried at growing waits, up to 5 s, not every 0.1 s.
                             st.pause_until = None;
                             for k in std::mem::take(&mut st.stalled) {
                                 self.start_next(k, &mut st);
