@@ -1,7 +1,8 @@
 //! OP-13 on the in-memory inbox (R197): the lines a user sees when a consumer's handler fails,
 //! when a message fails for good, and when a delivery cannot land, captured from the `fmt`
 //! subscriber a service installs. The Postgres half (a missing inbox table, a stopped embedded
-//! processor and the runner's error end) is outbox-postgres's `tests/inbox_logs.rs`.
+//! processor and the runner's error end) is the testkit's `logs::op_13_missing_inbox_table`,
+//! run by outbox-postgres's and outbox-diesel's `tests/inbox_logs.rs`.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
