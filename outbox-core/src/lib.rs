@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 pub mod backoff;
+mod breaker;
 pub mod broker;
 pub mod clock;
 pub mod cloudevents;
@@ -20,6 +21,7 @@ mod report;
 pub mod repository;
 #[cfg(any(test, feature = "testing"))]
 pub mod scripted;
+pub mod signal;
 pub mod step;
 pub mod trace;
 

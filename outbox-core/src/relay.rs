@@ -31,8 +31,8 @@
 //! [`Relay::run`] loops cycles: at once after a cycle that fetched rows and found the broker
 //! reachable, else after the poll interval or a wake-up (R61).
 //!
-//! The rooms: `relay/config.rs` (the builder and its validation), `relay/breaker.rs` (the
-//! circuit breaker), `relay/cycle.rs` (one cycle: fetch, runs, decisions, outcome write,
+//! The rooms: `relay/config.rs` (the builder and its validation), `breaker.rs` (the
+//! circuit breaker, shared with the inbox runner and processor), `relay/cycle.rs` (one cycle: fetch, runs, decisions, outcome write,
 //! observers), `relay/publish.rs` (one key's run: steps, publish, the outcome of each result),
 //! `relay/run_loop.rs` (waits, outage back-off, which fetch errors end the loop); the report
 //! types are in `report.rs`, shared with the pipeline steps' observers.
@@ -51,15 +51,14 @@ use crate::clock::RelayClock;
 use crate::repository::OutboxRepository;
 use crate::step::PipelineStep;
 
-mod breaker;
 mod config;
 mod cycle;
 mod publish;
 mod run_loop;
 
+use crate::breaker::Breaker;
+pub use crate::breaker::BreakerConfig;
 pub use crate::report::{CycleReport, FailureReport, RowOutcome};
-pub use breaker::BreakerConfig;
-use breaker::BreakerState;
 pub use config::{
     DEFAULT_BATCH_SIZE, DEFAULT_POLL_INTERVAL, DEFAULT_PUBLISH_CONCURRENCY,
     DEFAULT_PUBLISH_TIMEOUT, MAX_PUBLISH_CONCURRENCY, MAX_TRANSACTION_PUBLISH_TIMEOUT,
@@ -79,7 +78,8 @@ pub struct Relay {
     config: RelayConfig,
     rng: Mutex<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
-    breaker: Mutex<BreakerState>,
+    /// The circuit breaker of publishes (R62), when configured.
+    breaker: Mutex<Option<Breaker>>,
     wake: Arc<Notify>,
 }
 
@@ -92,6 +92,30 @@ impl std::fmt::Debug for Relay {
 }
 
 impl Relay {
+    /// Whether the breaker lets the cycle fetch (closed or half-open, R62).
+    fn breaker_allows_fetch(&self) -> bool {
+        let b = self.breaker.lock().expect("breaker poisoned");
+        b.as_ref().is_none_or(|b| b.allows(self.clock.now()))
+    }
+
+    /// Records a publish result in the breaker; true when it (re)opened.
+    fn breaker_record(&self, success: bool) -> bool {
+        let mut b = self.breaker.lock().expect("breaker poisoned");
+        match b.as_mut() {
+            None => false,
+            Some(b) if success => {
+                b.success();
+                false
+            }
+            Some(b) => b.failure(self.clock.now()),
+        }
+    }
+
+    fn breaker_is_open(&self) -> bool {
+        let b = self.breaker.lock().expect("breaker poisoned");
+        b.as_ref().is_some_and(|b| b.is_open())
+    }
+
     /// The configuration.
     pub fn config(&self) -> &RelayConfig {
         &self.config

@@ -121,7 +121,8 @@ fn classify_unknown(table: &TableName, message: String) -> RepositoryError {
         && (lower.contains("relation") || lower.contains("column") || lower.contains("schema"))
     {
         RepositoryError::Schema(format!(
-            "{message}; run the outbox migrations for table {table} first (txoutbox_diesel::run_migrations)"
+            "{message}; {}",
+            sql::missing_table_hint(table, sql::TableRole::Outbox)
         ))
     } else if lower.contains("deadlock detected")
         || lower.contains("terminating connection")

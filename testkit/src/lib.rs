@@ -40,6 +40,7 @@ mod faults;
 pub mod fixtures;
 mod harness;
 pub mod inbox;
+pub mod logs;
 pub mod plan;
 pub mod shapes;
 

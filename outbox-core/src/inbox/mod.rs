@@ -26,6 +26,7 @@
 pub mod decode;
 pub mod handler;
 pub mod hooks;
+mod logs;
 pub mod memory;
 #[cfg(feature = "metrics")]
 pub mod metrics;

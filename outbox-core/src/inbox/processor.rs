@@ -29,11 +29,13 @@ use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::backoff::{Backoff, RandomSource, SeededRng};
+use crate::breaker::{Breaker, BreakerConfig};
 use crate::clock::{RelayClock, TokioClock};
 use crate::error::{ConfigError, RepositoryError};
 use crate::event::{Status, WorkerId};
 use crate::inbox::handler::{FailureClass, Handler, RunResult, run_handler};
 use crate::inbox::hooks::{self, InboxHooks};
+use crate::inbox::logs;
 use crate::inbox::model::{ConsumerGroup, InboxEvent};
 use crate::inbox::policy;
 use crate::inbox::repository::{
@@ -168,7 +170,6 @@ pub struct ProcessorConfig {
     pub(crate) handler_timeout: Duration,
     pub(crate) backoff: Backoff,
     pub(crate) key_order: bool,
-    pub(crate) breaker: Option<(u32, Duration)>,
 }
 
 impl ProcessorConfig {
@@ -218,7 +219,7 @@ pub struct ProcessorBuilder<B: InboxBackend> {
     hooks: Vec<Arc<dyn InboxHooks>>,
     rng: Option<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
-    breaker: Option<(u32, Duration)>,
+    breaker: Option<BreakerConfig>,
 }
 
 impl<B: InboxBackend> ProcessorBuilder<B> {
@@ -230,11 +231,10 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
         failure_threshold: i64,
         recovery_timeout_seconds: f64,
     ) -> Result<Self, ConfigError> {
-        crate::relay::BreakerConfig::new(failure_threshold, recovery_timeout_seconds)?;
-        self.breaker = Some((
-            failure_threshold as u32,
-            Duration::from_secs_f64(recovery_timeout_seconds),
-        ));
+        self.breaker = Some(BreakerConfig::new(
+            failure_threshold,
+            recovery_timeout_seconds,
+        )?);
         Ok(self)
     }
 
@@ -336,7 +336,6 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
                 handler_timeout: self.handler_timeout,
                 backoff: self.backoff,
                 key_order: self.key_order,
-                breaker: self.breaker,
             },
             hooks: self.hooks,
             rng: Mutex::new(
@@ -344,7 +343,7 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
                     .unwrap_or_else(|| Box::new(SeededRng::from_entropy())),
             ),
             clock: self.clock,
-            breaker: Mutex::new((0, None)),
+            breaker: Mutex::new(self.breaker.map(Breaker::new)),
         })
     }
 }
@@ -357,8 +356,8 @@ pub struct Processor<B: InboxBackend> {
     hooks: Vec<Arc<dyn InboxHooks>>,
     rng: Mutex<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
-    /// Consecutive failed runs, and when the breaker opened.
-    breaker: Mutex<(u32, Option<tokio::time::Instant>)>,
+    /// The circuit breaker of handler runs (R158), when configured.
+    breaker: Mutex<Option<Breaker>>,
 }
 
 impl<B: InboxBackend> std::fmt::Debug for Processor<B> {
@@ -398,28 +397,24 @@ impl<B: InboxBackend> Processor<B> {
     }
 
     fn breaker_allows(&self) -> bool {
-        let Some((_, recovery)) = self.config.breaker else {
-            return true;
-        };
-        let st = self.breaker.lock().expect("breaker poisoned");
-        st.1.is_none_or(|at| self.clock.now().saturating_duration_since(at) >= recovery)
+        let b = self.breaker.lock().expect("breaker poisoned");
+        b.as_ref().is_none_or(|b| b.allows(self.clock.now()))
     }
 
+    /// A failed run (of any class) counts; a completed or skipped one closes the breaker; any
+    /// other report (released, lease lost, duplicate, commit failed) leaves it as it is.
     fn breaker_record(&self, report: &RowReport) {
-        let Some((threshold, _)) = self.config.breaker else {
+        let mut b = self.breaker.lock().expect("breaker poisoned");
+        let Some(b) = b.as_mut() else {
             return;
         };
-        let mut st = self.breaker.lock().expect("breaker poisoned");
         if report.is_failure() {
-            st.0 = st.0.saturating_add(1);
-            if st.0 >= threshold {
-                st.1 = Some(self.clock.now());
-            }
+            b.failure(self.clock.now());
         } else if matches!(
             report,
             RowReport::Completed { .. } | RowReport::Skipped { .. }
         ) {
-            *st = (0, None);
+            b.success();
         }
     }
 
@@ -585,6 +580,28 @@ impl<B: InboxBackend> Processor<B> {
     /// Postgres layouts, by which T_row finds it. Checked by Y-02, Y-11, Y-12, Y-15, G-06.
     pub async fn run_row(&self, id: Uuid, created_at: DateTime<Utc>) -> RowReport {
         let report = self.run_row_inner(id, created_at).await;
+        if let Some(before) = &report.1 {
+            let failed = match &report.0 {
+                RowReport::Counted {
+                    error,
+                    next_try,
+                    terminal,
+                } => Some((true, error, *next_try, *terminal)),
+                RowReport::NotCounted { error, next_try } => Some((false, error, *next_try, false)),
+                _ => None,
+            };
+            if let Some((counted, error, next_try, terminal)) = failed {
+                logs::recorded(&logs::Recorded {
+                    by: logs::Recorder::Processor,
+                    group: self.config.group.as_str(),
+                    row: before,
+                    counted,
+                    next_try,
+                    terminal,
+                    error,
+                });
+            }
+        }
         let event_type = report.1.as_ref().map(|r| r.event_type.as_str());
         hooks::each(&self.hooks, |h| {
             h.on_row(id, event_type, &report.0, report.2)
@@ -844,7 +861,7 @@ impl<B: InboxBackend> Processor<B> {
 pub enum ProcessorError {
     /// The fetch failed in a way retrying cannot fix, `tries` times in a row.
     #[error(
-        "the inbox processor stopped after {tries} failed fetches in a row: {source}; retrying cannot fix this: check that the inbox table exists (run the migrations) and that the database user may read and update it"
+        "the inbox processor stopped after {tries} failed fetches in a row: {source}; retrying cannot fix this: check that the inbox table exists (create it with create_inbox_schema, or run the inbox migrations) and that the database user may read and update it"
     )]
     Repository {
         /// Consecutive failed fetches.

@@ -32,6 +32,7 @@ use crate::event::{Status, limits};
 use crate::inbox::decode::{DecodeOptions, decode};
 use crate::inbox::handler::{Failure, Handler, HandlerRun, RunResult, run_handler};
 use crate::inbox::hooks::{self, InboxHooks};
+use crate::inbox::logs;
 use crate::inbox::model::{InboxEvent, InvalidMessage, NewInboxEvent};
 use crate::inbox::ordering as inbox_order;
 use crate::inbox::policy::{self, AncestorAckSettings, OnFailure, RewindDecision};
@@ -374,6 +375,7 @@ impl<B: InboxBackend> Runner<B> {
                     return r;
                 }
                 Err(Persist(e)) => {
+                    logs::unlandable(self.config.group.as_str(), &event, &e);
                     let mut r = DeliveryResult::new(DeliveryOutcome::PersistFailed);
                     r.message_id = Some(event.message_id().to_owned());
                     r.event_type = Some(event.event_type().to_owned());
@@ -591,6 +593,13 @@ impl<B: InboxBackend> Runner<B> {
                         }
                         RewindDecision::Rewind(delay) => {
                             tx.rollback().await;
+                            logs::rewound(
+                                self.config.group.as_str(),
+                                event,
+                                d.delivery_number,
+                                delay,
+                                &failure.error,
+                            );
                             r.outcome = DeliveryOutcome::Rewound;
                             r.row_id = None;
                             self.rewind(d, delay, &mut r).await;
@@ -618,6 +627,15 @@ impl<B: InboxBackend> Runner<B> {
             Some(w) => {
                 r.next_try = Some(w.scheduled_at);
                 r.terminal = w.status == Status::Failed;
+                logs::recorded(&logs::Recorded {
+                    by: logs::Recorder::Runner,
+                    group: self.config.group.as_str(),
+                    row: &row,
+                    counted: w.attempts_made > row.attempts_made,
+                    next_try: w.scheduled_at,
+                    terminal: r.terminal,
+                    error: &failure.error,
+                });
                 if r.terminal {
                     hooks::each(&self.hooks, |h| h.on_terminal_failure(&row, &failure.error));
                 }

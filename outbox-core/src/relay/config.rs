@@ -7,6 +7,7 @@ use std::time::Duration;
 use tokio::sync::Notify;
 
 use crate::backoff::{Backoff, RandomSource, SeededRng};
+use crate::breaker::Breaker;
 use crate::broker::Broker;
 use crate::clock::{RelayClock, TokioClock};
 use crate::error::{ConfigError, ValidationError};
@@ -17,7 +18,7 @@ use crate::repository::{
 };
 use crate::step::PipelineStep;
 
-use super::{BreakerConfig, BreakerState, Relay};
+use super::{BreakerConfig, Relay};
 
 /// Default loop batch size (R61).
 pub const DEFAULT_BATCH_SIZE: usize = 50;
@@ -50,7 +51,6 @@ pub struct RelayConfig {
     pub(super) idle_backoff_max: Duration,
     pub(super) backoff: Backoff,
     pub(super) filter: FetchFilter,
-    pub(super) breaker: Option<BreakerConfig>,
     pub(super) delivery: DeliveryMode,
 }
 
@@ -305,7 +305,6 @@ impl RelayBuilder {
                     .max(self.poll_interval),
                 backoff: self.backoff,
                 filter: self.filter,
-                breaker: self.breaker,
                 delivery: self.delivery,
             },
             rng: Mutex::new(
@@ -313,7 +312,7 @@ impl RelayBuilder {
                     .unwrap_or_else(|| Box::new(SeededRng::from_entropy())),
             ),
             clock: self.clock,
-            breaker: Mutex::new(BreakerState::default()),
+            breaker: Mutex::new(self.breaker.map(Breaker::new)),
             wake: Arc::new(Notify::new()),
         })
     }

@@ -108,16 +108,29 @@ fn fetched(r: InboxRawRow) -> InboxFetched {
 
 /// The driver's error mapped for the table. An error of SQLSTATE class 22 or 23 is the
 /// database refusing the message (R132): [`RepositoryError::Constraint`] with the text
-/// `{SQLSTATE}: {message}`, which the runner dead-letters.
+/// `{SQLSTATE}: {message}`, which the runner dead-letters. A missing table or column is
+/// [`RepositoryError::Schema`] with the inbox's hint (`create_inbox_schema`, R197), not the
+/// outbox's that the driver's mapping gives.
 fn mapped<C: InboxRows>(table: &TableName) -> impl Fn(C::Error) -> RepositoryError + '_ {
-    move |e| match C::sqlstate(&e) {
-        Some(code) if crate::sql::refuses_message(&code) => RepositoryError::Constraint {
-            message: format!(
-                "{code}: {}",
-                C::server_message(&e).map_or_else(|| e.to_string(), str::to_owned)
-            ),
-        },
-        _ => C::map_err(table, e),
+    move |e| {
+        let server =
+            |e: &C::Error| C::server_message(e).map_or_else(|| e.to_string(), str::to_owned);
+        match C::sqlstate(&e) {
+            Some(code) if crate::sql::refuses_message(&code) => RepositoryError::Constraint {
+                message: format!("{code}: {}", server(&e)),
+            },
+            code => {
+                let code = code.map(|c| format!(" (SQLSTATE {c})")).unwrap_or_default();
+                let message = server(&e);
+                match C::map_err(table, e) {
+                    RepositoryError::Schema(_) => RepositoryError::Schema(format!(
+                        "{message}{code}; {}",
+                        crate::sql::missing_table_hint(table, crate::sql::TableRole::Inbox)
+                    )),
+                    other => other,
+                }
+            }
+        }
     }
 }
 

@@ -34,6 +34,33 @@ pub fn classify(sqlstate: &str) -> ErrorClass {
     }
 }
 
+/// Which table a statement ran on, for [`missing_table_hint`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TableRole {
+    /// An outbox table.
+    Outbox,
+    /// An inbox table.
+    Inbox,
+}
+
+/// What to do about a missing table (or column) of `table`: the one hint of every driver's
+/// [`ErrorClass::Schema`] error (`RepositoryError::Schema`), naming the function that creates
+/// that kind of table on either store (R197). Driver errors are quoted by the server's message
+/// alone, never with the server's source line.
+pub fn missing_table_hint(table: &TableName, role: TableRole) -> String {
+    match role {
+        TableRole::Outbox => format!(
+            "the outbox table {table} or a column of it is missing: create it with create_schema \
+             (txoutbox_postgres::create_schema, or txoutbox_diesel::run_migrations) before starting"
+        ),
+        TableRole::Inbox => format!(
+            "the inbox table {table} or a column of it is missing: create it with \
+             create_inbox_schema (txoutbox_postgres::create_inbox_schema or \
+             txoutbox_diesel::create_inbox_schema) before starting"
+        ),
+    }
+}
+
 /// Whether an error of this SQLSTATE is the database refusing a message's data rather than a
 /// failure to try again (R132): class 22 (data exception) or class 23 (integrity constraint
 /// violation). The inbox stores of every driver read their errors through this one test.

@@ -30,6 +30,7 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use rand::RngExt;
+use txoutbox_core::CancellationToken;
 use txoutbox_core::inbox::repository::{HandlerTx, InboxBackend};
 use txoutbox_core::inbox::{Handler, HandlerError, InboxEvent, Runner};
 use txoutbox_core::{Backoff, inbox::Subscription};
@@ -264,6 +265,9 @@ async fn main() -> Result<(), BoxError> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .init();
+    // The stop signal first: a SIGTERM during start-up (waiting for the database or for the
+    // producer's stream) stops the process cleanly (exit 0) instead of killing it.
+    let stop = txoutbox_core::signal::stop_on_signals()?;
     let args = Args::parse();
     if !(0.0..=1.0).contains(&args.fail_rate) {
         return Err(format!("--fail-rate {} is not between 0 and 1", args.fail_rate).into());
@@ -281,33 +285,53 @@ async fn main() -> Result<(), BoxError> {
         fail_rate: args.fail_rate,
     };
     match args.store {
-        StoreKind::Sqlx => store_sqlx::run(&args, bill).await,
+        StoreKind::Sqlx => store_sqlx::run(&args, bill, &stop).await,
         #[cfg(feature = "diesel")]
-        StoreKind::Diesel => store_diesel::run(&args, bill).await,
+        StoreKind::Diesel => store_diesel::run(&args, bill, &stop).await,
     }
 }
 
 /// Runs `attempt` until it succeeds, every 2 s, printing why it failed: a runner started while
-/// PostgreSQL restarts waits for it instead of exiting.
-async fn until_ready<T, F, Fut>(what: &str, mut attempt: F) -> T
+/// PostgreSQL restarts waits for it instead of exiting. `None` when `stop` came first (a stop
+/// signal during start-up), even in the middle of an attempt.
+async fn until_ready<T, F, Fut>(what: &str, stop: &CancellationToken, mut attempt: F) -> Option<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, BoxError>>,
 {
     loop {
-        match attempt().await {
-            Ok(v) => return v,
+        let tried = tokio::select! {
+            r = attempt() => r,
+            _ = stop.cancelled() => return None,
+        };
+        match tried {
+            Ok(v) => return Some(v),
             Err(e) => {
                 println!("billing: {what} is not ready ({e}); trying again in 2 s");
-                tokio::time::sleep(Duration::from_secs(2)).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(2)) => {}
+                    _ = stop.cancelled() => return None,
+                }
             }
         }
     }
 }
 
-/// Consumes with a runner over `inbox` until SIGINT or SIGTERM: the store's part is done
-/// (tables created, inbox built); the rest is the same for every store.
-async fn consume<B: InboxBackend>(args: &Args, inbox: B, bill: Bill) -> Result<(), BoxError>
+/// Said when a stop signal ended the start-up.
+fn stopped_during_start_up() -> Result<(), BoxError> {
+    println!("billing: stopped during start-up");
+    Ok(())
+}
+
+/// Consumes with a runner over `inbox` until `stop` (SIGINT or SIGTERM): the store's part is
+/// done (tables created, inbox built); the rest is the same for every store. The runner ending
+/// with an error (its embedded processor stopped for good, R197) ends the process with it.
+async fn consume<B: InboxBackend>(
+    args: &Args,
+    inbox: B,
+    bill: Bill,
+    stop: &CancellationToken,
+) -> Result<(), BoxError>
 where
     Bill: Handler<HandlerTx<B>>,
 {
@@ -316,14 +340,10 @@ where
         .clone()
         .unwrap_or_else(txoutbox_examples::default_worker_id);
     // The stream is the producer's: until it exists (orders not started yet), wait for it.
-    let subscription = loop {
-        match subscription(args, &worker).await {
-            Ok(s) => break s,
-            Err(e) => {
-                println!("billing: cannot subscribe yet ({e}); trying again in 2 s");
-                tokio::time::sleep(Duration::from_secs(2)).await;
-            }
-        }
+    let Some(subscription) =
+        until_ready("the subscription", stop, || subscription(args, &worker)).await
+    else {
+        return stopped_during_start_up();
     };
     let runner = Runner::builder(inbox, subscription, args.group.clone())
         .handler(Arc::new(bill))
@@ -343,26 +363,9 @@ where
         "billing: {worker} consuming as group {} from {:?} on the {:?} store",
         args.group, args.broker, args.store
     );
-    runner.start();
-    let runner = Arc::new(runner);
-    let running = tokio::spawn({
-        let runner = runner.clone();
-        async move { runner.run_until_stopped().await }
-    });
-    shutdown_signal().await;
-    println!("billing: stopping");
-    runner.stop();
-    running.await??;
+    runner.run(stop.clone()).await?;
+    println!("billing: stopped");
     Ok(())
-}
-
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
 }
 
 // `worker` names the Redis consumer, the Kafka client and the RabbitMQ connection; NATS names its

@@ -10,12 +10,16 @@ use txoutbox_core::inbox::{Handler, HandlerError, HandlerOutcome, InboxEvent};
 use txoutbox_diesel::{Layout, PoolSettings, build_pool};
 use txoutbox_diesel::{create_inbox_schema, diesel_inbox};
 
-use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
+use txoutbox_core::CancellationToken;
+
+use crate::{
+    Args, Bill, BoxError, consume, ledger_ddl, stopped_during_start_up, tables, until_ready,
+};
 
 /// Creates the tables and consumes.
-pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
+pub async fn run(args: &Args, bill: Bill, stop: &CancellationToken) -> Result<(), BoxError> {
     let (inbox_table, ledger) = tables(args)?;
-    until_ready("the database", || async {
+    if until_ready("the database", stop, || async {
         let mut conn = txoutbox_diesel::tls::establish(&args.database_url).await?;
         create_inbox_schema(&mut conn, &inbox_table, Layout::Plain).await?;
         diesel::sql_query(ledger_ddl(&ledger))
@@ -23,13 +27,17 @@ pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
             .await?;
         Ok(())
     })
-    .await;
+    .await
+    .is_none()
+    {
+        return stopped_during_start_up();
+    }
     let pool = build_pool(
         &args.database_url,
         &PoolSettings::default().max_size(args.max_connections as usize)?,
     )?;
     let inbox = diesel_inbox(pool, &inbox_table, Layout::Plain);
-    consume(args, inbox, bill).await
+    consume(args, inbox, bill, stop).await
 }
 
 #[async_trait]

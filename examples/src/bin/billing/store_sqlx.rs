@@ -7,12 +7,16 @@ use txoutbox_postgres::Layout;
 use txoutbox_postgres::sqlx::{self, AssertSqlSafe, Postgres, Transaction};
 use txoutbox_postgres::{SqlxInbox, create_inbox_schema};
 
-use crate::{Args, Bill, BoxError, consume, ledger_ddl, tables, until_ready};
+use txoutbox_core::CancellationToken;
+
+use crate::{
+    Args, Bill, BoxError, consume, ledger_ddl, stopped_during_start_up, tables, until_ready,
+};
 
 /// Creates the tables and consumes.
-pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
+pub async fn run(args: &Args, bill: Bill, stop: &CancellationToken) -> Result<(), BoxError> {
     let (inbox_table, ledger) = tables(args)?;
-    let pool = until_ready("the database", || async {
+    let Some(pool) = until_ready("the database", stop, || async {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(args.max_connections)
             .connect(&args.database_url)
@@ -23,9 +27,12 @@ pub async fn run(args: &Args, bill: Bill) -> Result<(), BoxError> {
             .await?;
         Ok(pool)
     })
-    .await;
+    .await
+    else {
+        return stopped_during_start_up();
+    };
     let inbox = SqlxInbox::sqlx(pool, &inbox_table, Layout::Plain);
-    consume(args, inbox, bill).await
+    consume(args, inbox, bill, stop).await
 }
 
 #[async_trait]

@@ -148,27 +148,6 @@ fn install_prometheus(addr: Option<std::net::SocketAddr>) -> Result<()> {
     }
 }
 
-/// Cancels `token` on SIGINT or SIGTERM.
-fn on_signals(token: CancellationToken) {
-    tokio::spawn(async move {
-        let ctrl_c = tokio::signal::ctrl_c();
-        #[cfg(unix)]
-        {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
-            tokio::select! {
-                _ = ctrl_c => {}
-                _ = term.recv() => {}
-            }
-        }
-        #[cfg(not(unix))]
-        let _ = ctrl_c.await;
-        tracing::info!("signal received: finishing the cycle in flight and releasing the rest");
-        token.cancel();
-    });
-}
-
 /// The LISTEN task of the chosen store (kept alive while the relay runs).
 enum Listener {
     Sqlx(#[allow(dead_code)] txoutbox_postgres::WakeListener),
@@ -253,7 +232,7 @@ impl LoopHooks for Hooks {
 
 /// Runs `attempt` until it succeeds, waiting (250 ms doubling to 5 s) after each failure that
 /// is marked retryable and logging that it waits for `what` at `at` (password redacted); other
-/// failures end it. `None` when shutdown came first.
+/// failures end it. `None` when shutdown came first, before or during an attempt.
 async fn wait_for<T, F, Fut>(
     token: &CancellationToken,
     what: &str,
@@ -268,10 +247,12 @@ where
         .expect("valid constant back-off");
     let mut tries = 0u32;
     loop {
-        if token.is_cancelled() {
-            return Ok(None);
-        }
-        match attempt().await {
+        // A stop signal ends the wait, even in the middle of an attempt (a connect that hangs).
+        let tried = tokio::select! {
+            r = attempt() => r,
+            _ = token.cancelled() => return Ok(None),
+        };
+        match tried {
             Ok(v) => {
                 if tries > 0 {
                     tracing::info!(%at, "{what} is reachable");
@@ -329,6 +310,14 @@ async fn summary(
 }
 
 pub async fn run(a: RunArgs) -> Result<()> {
+    // The stop signal first: a SIGTERM while the relay checks its settings or waits for the
+    // database or the broker stops it cleanly (exit 0) instead of killing it (R197).
+    let token = txoutbox_core::signal::stop_on_signals().map_err(|e| {
+        CliError::new(
+            code::OTHER,
+            format!("could not install the SIGINT/SIGTERM handlers: {e}"),
+        )
+    })?;
     let ids = worker_ids(&a)?;
     let backoff = Backoff::new(
         a.retry_backoff_base.as_secs_f64(),
@@ -343,8 +332,6 @@ pub async fn run(a: RunArgs) -> Result<()> {
     check_settings(&a, &ids[0], backoff)?;
     install_prometheus(a.metrics_addr)?;
 
-    let token = CancellationToken::new();
-    on_signals(token.clone());
     let outage = LoopBackoff::new(a.outage_backoff_base, a.outage_backoff_cap)
         .map_err(usage("--outage-backoff-base/--outage-backoff-cap"))?;
     if !broker::compiled(a.broker.broker) {

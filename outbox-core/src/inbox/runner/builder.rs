@@ -36,7 +36,7 @@ pub struct RunnerConfig {
     pub(crate) require_message_id: bool,
     pub(crate) sources: Vec<String>,
     pub(crate) process_stored: bool,
-    pub(crate) breaker: Option<(u32, Duration)>,
+    pub(crate) breaker: Option<crate::breaker::BreakerConfig>,
 }
 
 impl RunnerConfig {
@@ -86,7 +86,7 @@ pub struct RunnerBuilder<B: InboxBackend> {
     pub(super) processor_poll: Duration,
     pub(super) hooks: Vec<Arc<dyn InboxHooks>>,
     pub(super) rng: Option<Box<dyn RandomSource>>,
-    pub(super) breaker: Option<(u32, Duration)>,
+    pub(super) breaker: Option<crate::breaker::BreakerConfig>,
 }
 
 impl<B: InboxBackend> RunnerBuilder<B> {
@@ -99,11 +99,10 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         failure_threshold: i64,
         recovery_timeout_seconds: f64,
     ) -> Result<Self, ConfigError> {
-        crate::relay::BreakerConfig::new(failure_threshold, recovery_timeout_seconds)?;
-        self.breaker = Some((
-            failure_threshold as u32,
-            Duration::from_secs_f64(recovery_timeout_seconds),
-        ));
+        self.breaker = Some(crate::breaker::BreakerConfig::new(
+            failure_threshold,
+            recovery_timeout_seconds,
+        )?);
         Ok(self)
     }
 

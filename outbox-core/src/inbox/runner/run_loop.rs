@@ -20,8 +20,10 @@
 //! back behind later messages of its key that a client already buffered (a RabbitMQ prefetch, a
 //! NATS pull, a Redis read the loop gave up on), and out of their order. Once a probe answers,
 //! the loop tries each kept delivery again and starts the next delivery of each key that waited,
-//! and reads again; R120's count goes back to 0.1 s. At a stop, kept deliveries go back as the
-//! other deliveries not started (R167).
+//! and reads again; R120's count goes back to 0.1 s once a delivery commits (while a kept
+//! delivery still cannot land although the database answers, a missing inbox table, the waits
+//! go on growing to 5 s, and each failed try is one warning, R197). At a stop, kept deliveries
+//! go back as the other deliveries not started (R167).
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
@@ -34,6 +36,7 @@ use futures::stream::FuturesUnordered;
 use tokio_util::sync::CancellationToken;
 
 use super::{DeliveryOutcome, DeliveryResult, Runner};
+use crate::breaker::Breaker;
 use crate::inbox::model::InboxKey;
 use crate::inbox::repository::{InboxBackend, InboxTransaction};
 use crate::inbox::subscription::{AckHandle, InboxDelivery};
@@ -48,14 +51,20 @@ pub const READ_WAIT: Duration = Duration::from_millis(100);
 /// while it waits out a persistence outage; a probe that takes longer has failed.
 pub const PROBE_TIMEOUT: Duration = LOOP_WAIT_MAX;
 
-/// Why [`Runner::run`] or [`Runner::run_until_stopped`] did not run.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+/// Why [`Runner::run`] or [`Runner::run_until_stopped`] did not run, or ended with an error.
+#[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RunnerError {
     /// `run_until_stopped` was called before `start` (R120); [`Runner::run`] starts the runner
     /// itself.
     #[error("Runner is not started.")]
     NotStarted,
+    /// The embedded processor (R121) stopped for good, so recorded failures would never be
+    /// tried again: the runner stopped too, as R167 says (R197). Checked by OP-13.
+    #[error(
+        "the runner stopped because its embedded processor stopped: {0}; restart the consumer once the cause is fixed"
+    )]
+    ProcessorStopped(#[source] crate::inbox::ProcessorError),
 }
 
 /// The wait after `n` consecutive failures (n ≥ 1): 0.1 s doubling up to 5.0 s (R120). Pure.
@@ -66,34 +75,22 @@ pub fn loop_wait(n: u32) -> Duration {
         .min(LOOP_WAIT_MAX)
 }
 
-/// The runner's circuit breaker (R62, R120): consecutive failed handler runs, and until when it
-/// is open.
-#[derive(Debug, Default)]
-struct Breaker {
-    run_failures: u32,
-    open_until: Option<tokio::time::Instant>,
-}
-
-impl Breaker {
-    /// Counts a delivery's handler run, if it had one, under `config` (threshold, recovery).
-    fn record(&mut self, config: Option<(u32, Duration)>, res: &DeliveryResult) {
-        let Some((threshold, recovery)) = config else {
-            return;
-        };
-        if res.handler_duration.is_none() {
-            return;
-        }
-        if matches!(
-            res.outcome,
-            DeliveryOutcome::Completed | DeliveryOutcome::Skipped
-        ) {
-            self.run_failures = 0;
-        } else {
-            self.run_failures = self.run_failures.saturating_add(1);
-            if self.run_failures >= threshold {
-                self.open_until = Some(tokio::time::Instant::now() + recovery);
-            }
-        }
+/// Counts a delivery's handler run, if it had one, in the runner's circuit breaker (R62, R120):
+/// a completed or skipped run closes it, any other run is a failure.
+fn breaker_record(breaker: Option<&mut Breaker>, res: &DeliveryResult) {
+    let Some(b) = breaker else {
+        return;
+    };
+    if res.handler_duration.is_none() {
+        return;
+    }
+    if matches!(
+        res.outcome,
+        DeliveryOutcome::Completed | DeliveryOutcome::Skipped
+    ) {
+        b.success();
+    } else {
+        b.failure(tokio::time::Instant::now());
     }
 }
 
@@ -121,7 +118,8 @@ struct LoopState<'a> {
     failures: u32,
     /// No read before this (R120, after a failed read).
     pause_until: Option<tokio::time::Instant>,
-    breaker: Breaker,
+    /// The circuit breaker of handler runs, when configured.
+    breaker: Option<Breaker>,
 }
 
 impl<B: InboxBackend> Runner<B> {
@@ -168,26 +166,45 @@ impl<B: InboxBackend> Runner<B> {
     /// states themselves: runs the loop until [`stop`](Runner::stop) (R120, R166, R167), with
     /// the embedded processor beside it (R121). Fails with `Runner is not started.` before
     /// [`start`](Runner::start) (R120).
+    ///
+    /// When the embedded processor stops for good (its fetch failed in a way retrying cannot
+    /// fix, [`ProcessorError::Repository`](crate::inbox::ProcessorError::Repository)), the
+    /// runner logs it at error, stops as [`stop`](Runner::stop) does, and ends with
+    /// [`RunnerError::ProcessorStopped`]: a consumer never goes on without the processor that
+    /// retries its recorded failures (R197). Checked by OP-13.
     pub async fn run_until_stopped(&self) -> Result<(), RunnerError> {
         if !self.started.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(RunnerError::NotStarted);
         }
         let processor = async {
-            if let Some(p) = &self.embedded
-                && let Err(e) = p.run(self.stop.child_token()).await
-            {
-                tracing::error!(error = %e, "the embedded inbox processor stopped");
+            match &self.embedded {
+                Some(p) => match p.run(self.stop.child_token()).await {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        tracing::error!(
+                            group = %self.config.group.as_str(),
+                            error = %crate::redact::secrets(&e.to_string()),
+                            "the embedded inbox processor stopped; the runner stops too and ends with an error"
+                        );
+                        self.stop.cancel();
+                        Err(RunnerError::ProcessorStopped(e))
+                    }
+                },
+                None => Ok(()),
             }
         };
-        futures::join!(self.delivery_loop(), processor);
-        Ok(())
+        let ((), processor) = futures::join!(self.delivery_loop(), processor);
+        processor
     }
 
     async fn delivery_loop(&self) {
         let renew_every = self.subscription.capabilities().renew_every;
         let mut renew =
             renew_every.map(|d| tokio::time::interval_at(tokio::time::Instant::now() + d, d));
-        let mut st = LoopState::default();
+        let mut st = LoopState {
+            breaker: self.config.breaker.map(Breaker::new),
+            ..LoopState::default()
+        };
         let mut next_id = 0u64;
         loop {
             if self.stop.is_cancelled() {
@@ -209,7 +226,9 @@ impl<B: InboxBackend> Runner<B> {
                         if up {
                             tracing::info!("the database answers again; the runner goes on");
                             st.outage = None;
-                            st.failures = 0;
+                            // R120's count stays until a delivery commits: a delivery that
+                            // still cannot land although the database answers (a missing
+                            // table) is tried at growing waits, up to 5 s, not every 0.1 s.
                             st.pause_until = None;
                             for k in std::mem::take(&mut st.stalled) {
                                 self.start_next(k, &mut st);
@@ -227,23 +246,21 @@ impl<B: InboxBackend> Runner<B> {
                 }
                 continue;
             }
-            if let Some(t) = st.breaker.open_until {
-                if tokio::time::Instant::now() >= t {
-                    // Half-open: the next run goes ahead.
-                    st.breaker.open_until = None;
-                } else {
-                    // Open: no read, no run; runs in flight finish.
-                    tokio::select! {
-                        biased;
-                        _ = self.stop.cancelled() => break,
-                        Some(done) = st.inflight.next(), if !st.inflight.is_empty() => {
-                            self.finished(&mut st, done).await;
-                        }
-                        _ = tick(&mut renew) => renew_all(&st.held).await,
-                        _ = tokio::time::sleep_until(t) => {}
+            if let Some(t) = st.breaker.as_ref().and_then(Breaker::reopens_at)
+                && tokio::time::Instant::now() < t
+            {
+                // Open: no read, no run; runs in flight finish. From `t` on it is half-open:
+                // the next run goes ahead.
+                tokio::select! {
+                    biased;
+                    _ = self.stop.cancelled() => break,
+                    Some(done) = st.inflight.next(), if !st.inflight.is_empty() => {
+                        self.finished(&mut st, done).await;
                     }
-                    continue;
+                    _ = tick(&mut renew) => renew_all(&st.held).await,
+                    _ = tokio::time::sleep_until(t) => {}
                 }
+                continue;
             }
             let taken = st.inflight.len()
                 + st.loose.len()
@@ -322,7 +339,7 @@ impl<B: InboxBackend> Runner<B> {
             st.failures = 0;
             st.pause_until = None;
         }
-        st.breaker.record(self.config.breaker, &res);
+        breaker_record(st.breaker.as_mut(), &res);
         if let Some(d) = kept {
             // Kept, still held and renewed: first of its key again, tried once the database
             // answers.

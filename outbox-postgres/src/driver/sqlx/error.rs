@@ -8,24 +8,29 @@ use crate::sql::{self, ErrorClass, TableName};
 /// [`RepositoryError::Unavailable`] (transient for the relay); constraint violations are
 /// [`RepositoryError::Constraint`] naming the rule; a missing table is
 /// [`RepositoryError::Schema`].
+///
+/// A database error is quoted by the server's message alone: sqlx's display of it appends the
+/// server's source line (`at line 1371`), which tells a user nothing.
 pub fn map_err(table: &TableName, e: sqlx::Error) -> RepositoryError {
     match e {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            let msg = db.message();
             match sql::classify(&code) {
                 ErrorClass::Transient => RepositoryError::Unavailable {
-                    message: format!("{db} (SQLSTATE {code})"),
+                    message: format!("{msg} (SQLSTATE {code})"),
                 },
                 ErrorClass::Constraint => RepositoryError::Constraint {
                     message: match db.constraint() {
-                        Some(c) => format!("{} ({db})", sql::constraint_rule(table, c)),
-                        None => format!("{db} (SQLSTATE {code})"),
+                        Some(c) => format!("{} ({msg})", sql::constraint_rule(table, c)),
+                        None => format!("{msg} (SQLSTATE {code})"),
                     },
                 },
                 ErrorClass::Schema => RepositoryError::Schema(format!(
-                    "{db} (SQLSTATE {code}); create the schema for table {table} first (create_schema)"
+                    "{msg} (SQLSTATE {code}); {}",
+                    sql::missing_table_hint(table, sql::TableRole::Outbox)
                 )),
-                ErrorClass::Other => RepositoryError::Other(format!("{db} (SQLSTATE {code})")),
+                ErrorClass::Other => RepositoryError::Other(format!("{msg} (SQLSTATE {code})")),
             }
         }
         e @ (sqlx::Error::Io(_)
