@@ -96,7 +96,8 @@ macro_rules! suite {
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
             writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
             maint::c_03, pipeline::p_09, pipeline::p_10, backoff::h_15, order::o_22,
-            order::o_23, runs::q_11, lease::l_16, pipeline::m_04
+            order::o_23, runs::q_11, lease::l_16, pipeline::m_04,
+            park::op_01, park::op_02, park::op_03, park::op_04, park::op_05, park::op_07
         );
     };
     // The scenarios about what the lease mode writes: a transient failure's last_error and

@@ -16,7 +16,7 @@ use txoutbox_core::inbox::repository::{
     InboxBackend, InboxFetchRequest, InboxRepository, InboxTransaction, RowLock, RowWrite,
 };
 use txoutbox_core::inbox::{ConsumerGroup, NewInboxEvent};
-use txoutbox_core::repository::Retry;
+use txoutbox_core::repository::{OnExhausted, Retry};
 use txoutbox_postgres::{Layout, SqlxInbox, TableName, create_inbox_schema};
 use uuid::Uuid;
 
@@ -146,6 +146,7 @@ async fn op_10(store: &str, layout: Layout) {
         failed,
         RowWrite::Terminal {
             error: "handler gave up".into(),
+            exhausted: OnExhausted::Release,
         },
     )
     .await;
@@ -157,6 +158,7 @@ async fn op_10(store: &str, layout: Layout) {
         RowWrite::Counted {
             error: "handler said no".into(),
             retry: Retry::After(std::time::Duration::from_secs(3600)),
+            exhausted: OnExhausted::Release,
         },
     )
     .await;
@@ -174,6 +176,7 @@ async fn op_10(store: &str, layout: Layout) {
         audit_failed,
         RowWrite::Terminal {
             error: "audit gave up".into(),
+            exhausted: OnExhausted::Release,
         },
     )
     .await;

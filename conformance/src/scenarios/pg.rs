@@ -283,6 +283,7 @@ async fn assert_invariants(c: &Ctx) -> usize {
            (completed_at IS NULL OR (completed_at >= created_at - interval '1 second' \
               AND completed_at >= scheduled_at - interval '1 second')) AS completed_time_ok, \
            updated_at IS NOT NULL AS updated_ok, \
+           last_error IS NOT NULL AS has_error, \
            scheduled_at BETWEEN created_at - interval '60 seconds' AND created_at + interval '31536000 seconds' AS window_ok \
          FROM {table}",
     )
@@ -296,7 +297,9 @@ async fn assert_invariants(c: &Ctx) -> usize {
         );
         assert!(a >= 0 && m >= 1 && a <= m, "{r}");
         if st == "pending" {
-            assert!(a < m, "{r}");
+            // R3 (added to by R191): a parked row is pending with every attempt spent and its
+            // last_error set.
+            assert!(a < m || (a == m && r["has_error"] == true), "{r}");
         }
         if st == "failed" {
             assert_eq!(a, m, "{r}");

@@ -40,7 +40,7 @@ use crate::inbox::repository::{
     DEFAULT_INBOX_MAX_PER_KEY, Guard, HandlerTx, InboxBackend, InboxFetchRequest, InboxFetched,
     InboxTransaction, RowWrite, UndecodableInboxRow,
 };
-use crate::repository::DEFAULT_LEASE_TTL;
+use crate::repository::{DEFAULT_LEASE_TTL, OnExhausted};
 
 /// Default processor batch size (R159).
 pub const DEFAULT_INBOX_BATCH: usize = 50;
@@ -169,6 +169,7 @@ pub struct ProcessorConfig {
     pub(crate) backoff: Backoff,
     pub(crate) key_order: bool,
     pub(crate) breaker: Option<(u32, Duration)>,
+    pub(crate) on_exhausted: OnExhausted,
 }
 
 impl ProcessorConfig {
@@ -219,6 +220,7 @@ pub struct ProcessorBuilder<B: InboxBackend> {
     rng: Option<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
     breaker: Option<(u32, Duration)>,
+    on_exhausted: OnExhausted,
 }
 
 impl<B: InboxBackend> ProcessorBuilder<B> {
@@ -288,6 +290,13 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
         self.key_order = on;
         self
     }
+    /// What the failure that spends a row's last attempt writes (R191, D41; default
+    /// [`OnExhausted::Release`]): with [`OnExhausted::Park`] the row stays pending and holds
+    /// its key until an operator redrives or discards it (R192).
+    pub fn on_exhausted(mut self, o: OnExhausted) -> Self {
+        self.on_exhausted = o;
+        self
+    }
     /// Adds hooks.
     pub fn hooks(mut self, h: Arc<dyn InboxHooks>) -> Self {
         self.hooks.push(h);
@@ -337,6 +346,7 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
                 backoff: self.backoff,
                 key_order: self.key_order,
                 breaker: self.breaker,
+                on_exhausted: self.on_exhausted,
             },
             hooks: self.hooks,
             rng: Mutex::new(
@@ -394,6 +404,7 @@ impl<B: InboxBackend> Processor<B> {
             rng: None,
             clock: Arc::new(TokioClock),
             breaker: None,
+            on_exhausted: OnExhausted::Release,
         }
     }
 
@@ -552,7 +563,13 @@ impl<B: InboxBackend> Processor<B> {
                 error: e.to_string(),
             },
             Ok(mut tx) => match tx
-                .fail_undecodable(u.id, &self.config.worker, &error, retry)
+                .fail_undecodable(
+                    u.id,
+                    &self.config.worker,
+                    &error,
+                    retry,
+                    self.config.on_exhausted,
+                )
                 .await
             {
                 Ok(Some(w)) => {
@@ -715,6 +732,7 @@ impl<B: InboxBackend> Processor<B> {
                     &self.config.backoff,
                     rng.as_mut(),
                     false,
+                    self.config.on_exhausted,
                 )
             }
         };
