@@ -45,12 +45,12 @@ macro_rules! suite {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
             pg::pg_06, pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12,
-            pg::p_08);
+            pg::p_08, park::op_12);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
-            pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08);
+            pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08, park::op_12);
     };
     (memory_transaction: $f:expr) => {
         $crate::suite!(@both $f);
@@ -60,13 +60,13 @@ macro_rules! suite {
     (postgres_transaction: $f:expr) => {
         $crate::suite!(@both $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
-            pg::pg_06, pg::pg_07, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12, pg::p_08,
+            pg::pg_06, pg::pg_07, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12, pg::p_08, park::op_12,
             tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_02_rollback, tx::tx_03, tx::tx_04, tx::tx_05);
     };
     (postgres_partitioned_transaction: $f:expr) => {
         $crate::suite!(@both $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
-            pg::pg_07, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08,
+            pg::pg_07, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08, park::op_12,
             tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_02_rollback, tx::tx_03, tx::tx_04, tx::tx_05);
     };
     (other: $f:expr) => {
