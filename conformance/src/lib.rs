@@ -181,7 +181,8 @@ macro_rules! inbox_suite {
             decoding::e_01, decoding::e_02, decoding::e_03, decoding::e_04, decoding::e_05,
             decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
             decoding::e_11, decoding::e_12, decoding::e_13, decoding::e_15, decoding::e_16, decoding::e_17,
-            visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02
+            visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02,
+            park::op_06
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

@@ -114,8 +114,7 @@ const KEY_ORDER: &str = "(consumer_group, source, partition_key, created_at) WHE
 const GROUP: &str = "(consumer_group, scheduled_at) WHERE ((status)::text = 'pending'::text)";
 const WINDOW: &str = "(consumer_group, scheduled_at, created_at, id) WHERE ((((status)::text COLLATE \"C\") = 'pending'::text) AND (locked_at IS NULL) AND (attempts_made < max_attempts))";
 /// The parked rows' index (R193).
-const PARKED: &str =
-    "(created_at, id) WHERE (((status)::text = 'pending'::text) AND (attempts_made >= max_attempts))";
+const PARKED: &str = "(created_at, id) WHERE (((status)::text = 'pending'::text) AND (attempts_made >= max_attempts))";
 
 /// Z-01: the plain and the partitioned table are Appendix D's, column for column, with the
 /// ancestor's constraint and index names, plus Appendix D's three additions (partition_key,

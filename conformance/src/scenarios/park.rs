@@ -318,7 +318,10 @@ pub async fn op_12(f: &dyn Factory) {
             ),
         )
         .await;
-        assert_eq!(p["n"], 0, "fetch {fetches} returned a row of the parked key");
+        assert_eq!(
+            p["n"], 0,
+            "fetch {fetches} returned a row of the parked key"
+        );
         sql(
             &c,
             &format!(
