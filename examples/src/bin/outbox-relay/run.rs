@@ -324,9 +324,10 @@ async fn summary(
         (last, last_n) = (Instant::now(), n);
         match metrics.update_backlog(repo.as_ref(), lease).await {
             Ok(b) if log => tracing::info!(
-                "summary: {rate:.1} events/s, backlog {}, blocked keys {}, oldest due {}",
+                "summary: {rate:.1} events/s, backlog {}, blocked keys {} ({} parked), oldest due {}",
                 b.pending,
                 b.blocked_keys,
+                b.parked_keys,
                 b.oldest_due
                     .map_or("-".to_string(), |d| format!("{:.1}s", d.as_secs_f64()))
             ),
