@@ -49,6 +49,8 @@ pub struct Cfg {
     pub peer: bool,
     /// The delivery mode; `None` takes the harness's ([`Harness::delivery`]).
     pub delivery: Option<txoutbox_core::DeliveryMode>,
+    /// on_exhausted (release, R191).
+    pub exhausted: txoutbox_core::repository::OnExhausted,
 }
 
 impl Default for Cfg {
@@ -67,6 +69,7 @@ impl Default for Cfg {
             steps: Vec::new(),
             delivery: None,
             peer: false,
+            exhausted: txoutbox_core::repository::OnExhausted::Release,
         }
     }
 }
@@ -296,7 +299,8 @@ impl Ctx {
             .filter(cfg.filter.clone())
             .random_source(Box::new(SeededRng::new(7)))
             .clock(Arc::new(self.relay_clock.clone()))
-            .delivery(cfg.delivery.unwrap_or_else(|| self.h.delivery()));
+            .delivery(cfg.delivery.unwrap_or_else(|| self.h.delivery()))
+            .on_exhausted(cfg.exhausted);
         if let Some(br) = cfg.breaker {
             b = b.breaker(br);
         }

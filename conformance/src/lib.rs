@@ -45,12 +45,12 @@ macro_rules! suite {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
             pg::pg_06, pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12,
-            pg::p_08);
+            pg::p_08, park::op_12);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::suite!(@all $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
-            pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08);
+            pg::pg_07, pg::pg_08, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08, park::op_12);
     };
     (memory_transaction: $f:expr) => {
         $crate::suite!(@both $f);
@@ -60,13 +60,13 @@ macro_rules! suite {
     (postgres_transaction: $f:expr) => {
         $crate::suite!(@both $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_02, pg::pg_03, pg::pg_04, pg::pg_05,
-            pg::pg_06, pg::pg_07, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12, pg::p_08,
+            pg::pg_06, pg::pg_07, pg::pg_09, pg::pg_10, pg::pg_11, pg::pg_12, pg::p_08, park::op_12,
             tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_02_rollback, tx::tx_03, tx::tx_04, tx::tx_05);
     };
     (postgres_partitioned_transaction: $f:expr) => {
         $crate::suite!(@both $f);
         $crate::suite!(@tests $f; pg::pg_01, pg::pg_03, pg::pg_04, pg::pg_05, pg::pg_06,
-            pg::pg_07, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08,
+            pg::pg_07, pg::pg_09, pg::pg_11, pg::pg_12, pg::p_08, park::op_12,
             tx::tx_01, tx::tx_02, tx::tx_02_commit, tx::tx_02_rollback, tx::tx_03, tx::tx_04, tx::tx_05);
     };
     (other: $f:expr) => {
@@ -96,7 +96,8 @@ macro_rules! suite {
             pipeline::m_02, pipeline::m_03, stand::s_01, stand::s_02,
             writing::w_06, validation::v_18, validation::v_19, order::o_20, order::o_21,
             maint::c_03, pipeline::p_09, pipeline::p_10, backoff::h_15, order::o_22,
-            order::o_23, runs::q_11, lease::l_16, pipeline::m_04
+            order::o_23, runs::q_11, lease::l_16, pipeline::m_04,
+            park::op_01, park::op_02, park::op_03, park::op_04, park::op_05, park::op_07
         );
     };
     // The scenarios about what the lease mode writes: a transient failure's last_error and
@@ -180,7 +181,8 @@ macro_rules! inbox_suite {
             decoding::e_01, decoding::e_02, decoding::e_03, decoding::e_04, decoding::e_05,
             decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
             decoding::e_11, decoding::e_12, decoding::e_13, decoding::e_15, decoding::e_16, decoding::e_17,
-            visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02
+            visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02,
+            park::op_06
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

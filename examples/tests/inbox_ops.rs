@@ -16,7 +16,7 @@ use txoutbox_core::inbox::repository::{
     InboxBackend, InboxFetchRequest, InboxRepository, InboxTransaction, RowLock, RowWrite,
 };
 use txoutbox_core::inbox::{ConsumerGroup, NewInboxEvent};
-use txoutbox_core::repository::Retry;
+use txoutbox_core::repository::{OnExhausted, Retry};
 use txoutbox_postgres::{Layout, SqlxInbox, TableName, create_inbox_schema};
 use uuid::Uuid;
 
@@ -146,6 +146,7 @@ async fn op_10(store: &str, layout: Layout) {
         failed,
         RowWrite::Terminal {
             error: "handler gave up".into(),
+            exhausted: OnExhausted::Release,
         },
     )
     .await;
@@ -157,6 +158,7 @@ async fn op_10(store: &str, layout: Layout) {
         RowWrite::Counted {
             error: "handler said no".into(),
             retry: Retry::After(std::time::Duration::from_secs(3600)),
+            exhausted: OnExhausted::Release,
         },
     )
     .await;
@@ -174,6 +176,7 @@ async fn op_10(store: &str, layout: Layout) {
         audit_failed,
         RowWrite::Terminal {
             error: "audit gave up".into(),
+            exhausted: OnExhausted::Release,
         },
     )
     .await;
@@ -554,4 +557,162 @@ async fn op_10_inbox_commands_on_a_missing_table_bad_names_and_no_database() {
         assert!(!text.contains("s3cret-pw"), "{text}");
     }
     db.drop_schema().await;
+}
+
+/// R192 on one store: a poison key of group `billing` parked (the processor's counted write
+/// with on_exhausted park spends the last of its 3 attempts), two rows behind it; `inbox
+/// blocked-keys` shows it PARKED; refusals (a pending row with attempts left, a discard without
+/// a reason, a row of another group) change nothing; `inbox redrive --source --key` makes the
+/// head due again ahead of its key; parked again, `inbox discard` fails it with the reason.
+async fn redrive_and_discard(store: &str, layout: Layout) {
+    let (db, inbox) = inbox_table(layout).await;
+    let head = land(&inbox, "billing", "k-poison", 0).await;
+    let behind = land(&inbox, "billing", "k-poison", 1).await;
+    land(&inbox, "billing", "k-poison", 2).await;
+    let park = |n: u32| RowWrite::Counted {
+        error: format!("poison {n}"),
+        retry: Retry::After(std::time::Duration::from_secs(1)),
+        exhausted: OnExhausted::Park,
+    };
+    for n in 1..=3 {
+        write(&inbox, head, park(n)).await;
+    }
+    assert_eq!(
+        row(&db, head).await,
+        ("pending".into(), 3, Some("poison 3".into()), None),
+        "parked"
+    );
+    let keys = json(
+        &run(
+            &db,
+            store,
+            &["blocked-keys", "--group", "billing", "--json"],
+        )
+        .await,
+    );
+    assert_eq!(keys[0]["head_id"], head.to_string(), "{keys}");
+    assert_eq!(keys[0]["parked"], true, "{keys}");
+    let text = run(&db, store, &["blocked-keys", "--group", "billing"]).await;
+    assert!(text.stdout.contains("PARKED"), "{}", text.stdout);
+
+    let before = db.digest().await;
+    let out = run(
+        &db,
+        store,
+        &["redrive", "--group", "billing", &behind.to_string()],
+    )
+    .await;
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert!(
+        out.stderr
+            .contains("is pending with 0 of 3 attempts spent, not parked"),
+        "{}",
+        out.stderr
+    );
+    let out = run(
+        &db,
+        store,
+        &["redrive", "--group", "audit", &head.to_string()],
+    )
+    .await;
+    assert_eq!(out.code, 1, "another group's row: {}", out.stderr);
+    let out = run(
+        &db,
+        store,
+        &[
+            "discard",
+            "--group",
+            "billing",
+            &head.to_string(),
+            "--reason",
+            " ",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 2, "{}", out.stderr);
+    let out = run(
+        &db,
+        store,
+        &["discard", "--group", "billing", &head.to_string()],
+    )
+    .await;
+    assert_eq!(out.code, 2, "--reason is required: {}", out.stderr);
+    let out = run(
+        &db,
+        store,
+        &["redrive", "--group", "billing", "--source", "none"],
+    )
+    .await;
+    assert_eq!(out.code, 1, "{}", out.stderr);
+    assert_eq!(
+        db.digest().await,
+        before,
+        "refused commands changed nothing"
+    );
+
+    let v = json(
+        &run(
+            &db,
+            store,
+            &[
+                "redrive", "--group", "billing", "--source", "orders", "--key", "k-poison",
+                "--json",
+            ],
+        )
+        .await,
+    );
+    assert_eq!(v["redriven"], serde_json::json!([head.to_string()]), "{v}");
+    assert_eq!(row(&db, head).await, ("pending".into(), 0, None, None));
+    assert_eq!(
+        fetch(&inbox, "billing", "p1").await[0],
+        head,
+        "the head goes first"
+    );
+    db.exec("UPDATE {t} SET locked_at = NULL, locked_by = NULL")
+        .await;
+
+    for n in 1..=3 {
+        write(&inbox, head, park(n)).await;
+    }
+    let out = run(
+        &db,
+        store,
+        &[
+            "discard",
+            "--group",
+            "billing",
+            &head.to_string(),
+            "--reason",
+            "bad payload",
+        ],
+    )
+    .await;
+    assert_eq!(out.code, 0, "{}", out.stderr);
+    assert!(out.stdout.contains("discarded 1"), "{}", out.stdout);
+    assert_eq!(
+        row(&db, head).await,
+        (
+            "failed".into(),
+            3,
+            Some("discarded: bad payload; poison 3".into()),
+            None
+        )
+    );
+    assert_eq!(
+        fetch(&inbox, "billing", "p1").await[0],
+        behind,
+        "the key goes on without the discarded row"
+    );
+    db.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn inbox_redrive_and_discard_sqlx_plain_table() {
+    redrive_and_discard("sqlx", Layout::Plain).await;
+}
+
+#[cfg(feature = "diesel")]
+#[tokio::test(flavor = "multi_thread")]
+async fn inbox_redrive_and_discard_diesel_partitioned_table() {
+    redrive_and_discard("diesel", Layout::Partitioned).await;
 }

@@ -595,3 +595,119 @@ async fn sigterm_mid_drain_records_what_was_published_and_releases_the_rest() {
     eprintln!("stopped after {printed} of 2000 events");
     db.drop_schema().await;
 }
+
+/// R192 on the outbox table, on each store: a parked head (pending, every attempt spent, as
+/// `run --on-exhausted park` leaves it) shows as PARKED; redrive and discard refuse other rows
+/// and bad input (exit 1 or 2, nothing changed); redrive by key makes it due with no attempts;
+/// discard by id fails it with `discarded: <reason>; ` and its old error.
+#[tokio::test(flavor = "multi_thread")]
+async fn redrive_and_discard_parked_rows_on_both_stores() {
+    let (db, w) = table_with_events(2, 3).await;
+    let stores: &[&str] = if cfg!(feature = "diesel") {
+        &["sqlx", "diesel"]
+    } else {
+        &["sqlx"]
+    };
+    for store in stores {
+        let park = |id: Uuid| {
+            format!(
+                "UPDATE {{t}} SET attempts_made = max_attempts, last_error = 'poison', \
+                 status = 'pending', completed_at = NULL WHERE id = '{id}'"
+            )
+        };
+        fn with_store<'a>(c: &[&'a str], store: &'a str) -> Vec<&'a str> {
+            let mut v = c.to_vec();
+            v.extend(["--store", store]);
+            v
+        }
+        let (head, behind) = (w["key-0"][0], w["key-0"][1]);
+        db.exec(&park(head)).await;
+        let out = relay(&args(&db, &with_store(&["blocked-keys", "--json"], store))).await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+        assert_eq!(v[0]["head_id"], head.to_string(), "{v}");
+        assert_eq!(v[0]["parked"], true, "{v}");
+        let out = relay(&args(&db, &with_store(&["blocked-keys"], store))).await;
+        assert!(out.stdout.contains("PARKED"), "{}", out.stdout);
+
+        let before = db.digest().await;
+        let out = relay(&args(
+            &db,
+            &with_store(&["redrive", &behind.to_string()], store),
+        ))
+        .await;
+        assert_eq!(out.code, 1, "{}", out.stderr);
+        assert!(
+            out.stderr
+                .contains("is pending with 0 of 6 attempts spent, not parked"),
+            "{}",
+            out.stderr
+        );
+        let out = relay(&args(
+            &db,
+            &with_store(&["discard", &head.to_string()], store),
+        ))
+        .await;
+        assert_eq!(out.code, 2, "--reason required: {}", out.stderr);
+        let out = relay(&args(
+            &db,
+            &with_store(&["discard", &head.to_string(), "--reason", ""], store),
+        ))
+        .await;
+        assert_eq!(out.code, 2, "{}", out.stderr);
+        let out = relay(&args(
+            &db,
+            &with_store(&["redrive", "--key", "key-0"], store),
+        ))
+        .await;
+        assert_eq!(out.code, 2, "--key needs --topic: {}", out.stderr);
+        let out = relay(&args(
+            &db,
+            &with_store(&["redrive", "--topic", "none"], store),
+        ))
+        .await;
+        assert_eq!(out.code, 1, "{}", out.stderr);
+        assert_eq!(
+            db.digest().await,
+            before,
+            "refused commands changed nothing"
+        );
+
+        let out = relay(&args(
+            &db,
+            &with_store(
+                &["redrive", "--topic", "ops", "--key", "key-0", "--json"],
+                store,
+            ),
+        ))
+        .await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        let v: serde_json::Value = serde_json::from_str(&out.stdout).expect("json");
+        assert_eq!(v["redriven"], serde_json::json!([head.to_string()]), "{v}");
+        assert_eq!(
+            db.scalar_i64(&format!("SELECT count(*) FROM {{t}} WHERE id = '{head}' AND status = 'pending' AND attempts_made = 0 AND last_error IS NULL AND scheduled_at <= now()")).await,
+            1
+        );
+
+        db.exec(&park(head)).await;
+        let out = relay(&args(
+            &db,
+            &with_store(
+                &["discard", &head.to_string(), "--reason", "bad payload"],
+                store,
+            ),
+        ))
+        .await;
+        assert_eq!(out.code, 0, "{}", out.stderr);
+        assert_eq!(
+            db.scalar_i64(&format!("SELECT count(*) FROM {{t}} WHERE id = '{head}' AND status = 'failed' AND last_error = 'discarded: bad payload; poison'")).await,
+            1
+        );
+        // Back for the next store.
+        db.exec(&format!(
+            "UPDATE {{t}} SET status = 'pending', attempts_made = 0, last_error = NULL WHERE id = '{head}'"
+        ))
+        .await;
+    }
+    db.drop_schema().await;
+}

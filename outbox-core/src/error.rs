@@ -179,6 +179,15 @@ pub enum RepositoryError {
     /// force_unlock on a row that is not held, or not there (R66).
     #[error("event {0} is not locked: nothing to force-unlock")]
     NotLocked(uuid::Uuid),
+    /// A redrive or discard of a row that is not parked (R192; OP-05): the message names the
+    /// row's state. Nothing was changed.
+    #[error("{message}")]
+    NotParked {
+        /// The row.
+        id: uuid::Uuid,
+        /// What was refused and the row's state.
+        message: String,
+    },
     /// The table or schema is missing or does not match; run the migrations.
     #[error("schema problem: {0}")]
     Schema(String),

@@ -22,9 +22,9 @@ use crate::event::{NewEvent, OutboxEvent, Status, WorkerId, force_unlock_text, n
 use crate::ordering;
 use crate::repository::{
     BLOCKED_WAITING_CAP, BlockedKey, Capabilities, DEFAULT_BACKEND_BATCH_SIZE, Delivery,
-    DeliveryBound, FetchRequest, Fetched, OutboxRepository, Outcome, OutcomeKind, OutcomeResult,
-    Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult, WrittenOutcome, args,
-    check_backend_batch_size,
+    DeliveryBound, FetchRequest, Fetched, OnExhausted, OutboxRepository, Outcome, OutcomeKind,
+    OutcomeResult, ParkedTarget, Retry, STALE_LOCK_MAX_BATCHES, StatusCount, WriteResult,
+    WrittenOutcome, args, check_backend_batch_size, check_discard_reason, discard_text, not_parked,
 };
 
 #[derive(Debug, Default)]
@@ -212,6 +212,42 @@ impl InMemoryRepository {
         v
     }
 
+    /// R64 on one row: pending, no attempts, no error, due now, released.
+    fn requeue(r: &mut OutboxEvent, now: DateTime<Utc>) {
+        r.status = Status::Pending;
+        r.attempts_made = 0;
+        r.last_error = None;
+        r.scheduled_at = now;
+        r.completed_at = None;
+        Self::release(r, now);
+    }
+
+    /// The parked rows `target` selects, in write order; by id, a row that is not parked is
+    /// refused (R192, OP-05).
+    fn parked_ids(
+        st: &State,
+        target: &ParkedTarget,
+        op: &str,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        if let ParkedTarget::Id(id) = target {
+            return match st.rows.get(id) {
+                Some(r) if ordering::is_parked(r) => Ok(vec![*id]),
+                r => Err(not_parked(
+                    *id,
+                    op,
+                    r.map(|r| (r.status, r.attempts_made, r.max_attempts)),
+                )),
+            };
+        }
+        let mut rows: Vec<&OutboxEvent> = st
+            .rows
+            .values()
+            .filter(|r| ordering::is_parked(r) && target.matches(r.id, &r.topic, &r.partition_key))
+            .collect();
+        rows.sort_by_key(|r| ordering::write_order(r));
+        Ok(rows.into_iter().map(|r| r.id).collect())
+    }
+
     fn release(row: &mut OutboxEvent, now: DateTime<Utc>) {
         row.locked_at = None;
         row.locked_by = None;
@@ -232,9 +268,13 @@ impl InMemoryRepository {
                 row.status = Status::Completed;
                 row.completed_at = Some(now);
             }
-            OutcomeKind::Counted { error, retry } => {
+            OutcomeKind::Counted {
+                error,
+                retry,
+                exhausted,
+            } => {
                 row.attempts_made += 1;
-                if row.attempts_made >= row.max_attempts {
+                if row.attempts_made >= row.max_attempts && *exhausted == OnExhausted::Release {
                     row.status = Status::Failed;
                 }
                 row.last_error = Some(normalize_error(error, max));
@@ -693,20 +733,52 @@ impl OutboxRepository for InMemoryRepository {
         let now = self.now_sync();
         let mut st = self.lock();
         Ok(
-            match st.rows.get_mut(&id).filter(|r| r.status == Status::Failed) {
+            match st
+                .rows
+                .get_mut(&id)
+                .filter(|r| r.status == Status::Failed || ordering::is_parked(r))
+            {
                 Some(r) => {
-                    r.status = Status::Pending;
-                    r.attempts_made = 0;
-                    r.last_error = None;
-                    r.scheduled_at = now;
-                    r.locked_at = None;
-                    r.locked_by = None;
-                    r.updated_at = Some(now);
+                    Self::requeue(r, now);
                     true
                 }
                 None => false,
             },
         )
+    }
+
+    async fn redrive(&self, target: &ParkedTarget) -> Result<Vec<Uuid>, RepositoryError> {
+        let now = self.now_sync();
+        let mut st = self.lock();
+        let ids = Self::parked_ids(&st, target, "redrive")?;
+        for id in &ids {
+            if let Some(r) = st.rows.get_mut(id) {
+                Self::requeue(r, now);
+            }
+        }
+        drop(st);
+        self.inner.released.notify_waiters();
+        Ok(ids)
+    }
+
+    async fn discard(
+        &self,
+        target: &ParkedTarget,
+        reason: &str,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        check_discard_reason(reason)?;
+        let now = self.now_sync();
+        let max = self.inner.error_max_length;
+        let mut st = self.lock();
+        let ids = Self::parked_ids(&st, target, "discard")?;
+        for id in &ids {
+            if let Some(r) = st.rows.get_mut(id) {
+                r.last_error = Some(discard_text(reason, r.last_error.as_deref(), max)?);
+                r.status = Status::Failed;
+                Self::release(r, now);
+            }
+        }
+        Ok(ids)
     }
 
     async fn delete_old_completed(
@@ -785,6 +857,8 @@ impl OutboxRepository for InMemoryRepository {
                     next_try: h.scheduled_at,
                     locked_by: h.locked_by.clone(),
                     locked_at: h.locked_at,
+                    parked: ordering::is_parked(h),
+                    parked_at: ordering::is_parked(h).then_some(h.updated_at).flatten(),
                     waiting,
                 }
             })

@@ -14,6 +14,7 @@
 //! | `outbox_write_to_ack_seconds` | histogram | | per acknowledged publish: from the row's `created_at` to the moment the relay observes the committed outcome (the acknowledgement plus the outcome commit) |
 //! | `outbox_pending_events` | gauge | | by [`MetricsStep::record_backlog`]: pending rows |
 //! | `outbox_blocked_keys` | gauge | | by [`MetricsStep::record_backlog`]: keys whose head waits for a retry or is held (R80) |
+//! | `outbox_parked_keys` | gauge | | by [`MetricsStep::record_backlog`]: of the blocked keys, those whose head is parked (R193) |
 //! | `outbox_oldest_due_age_seconds` | gauge | | by [`MetricsStep::record_backlog`]: age of the oldest due row (0 when none) |
 //!
 //! The contract's series (R70, the ancestor's names, kept for existing dashboards):
@@ -67,6 +68,8 @@ pub struct Backlog {
     /// Keys whose head waits for a retry or is held under a live lease (up to the query's
     /// limit).
     pub blocked_keys: u64,
+    /// Of those, keys whose head is parked (R193; `outbox_parked_keys`).
+    pub parked_keys: u64,
     /// Age of the oldest due row.
     pub oldest_due: Option<Duration>,
 }
@@ -90,6 +93,7 @@ impl Backlog {
         Ok(Self {
             pending: pending.max(0) as u64,
             blocked_keys: blocked.len() as u64,
+            parked_keys: blocked.iter().filter(|b| b.parked).count() as u64,
             oldest_due,
         })
     }
@@ -110,6 +114,7 @@ struct Names {
     write_to_ack: String,
     pending: String,
     blocked: String,
+    parked: String,
     oldest: String,
     batch: String,
     published: String,
@@ -158,6 +163,7 @@ impl MetricsStep {
                 write_to_ack: format!("{p}outbox_write_to_ack_seconds"),
                 pending: format!("{p}outbox_pending_events"),
                 blocked: format!("{p}outbox_blocked_keys"),
+                parked: format!("{p}outbox_parked_keys"),
                 oldest: format!("{p}outbox_oldest_due_age_seconds"),
                 batch: format!("{p}outbox_locked_batch_size"),
                 published: format!("{p}outbox_events_published_total"),
@@ -176,6 +182,7 @@ impl MetricsStep {
     pub fn record_backlog(&self, b: &Backlog) {
         metrics::gauge!(self.names.pending.clone()).set(b.pending as f64);
         metrics::gauge!(self.names.blocked.clone()).set(b.blocked_keys as f64);
+        metrics::gauge!(self.names.parked.clone()).set(b.parked_keys as f64);
         metrics::gauge!(self.names.oldest.clone())
             .set(b.oldest_due.map_or(0.0, |d| d.as_secs_f64()));
     }
@@ -386,6 +393,8 @@ pub(crate) mod tests {
         // c is pending (transient, retried later) and blocks its key.
         assert_eq!(gauge("svc_outbox_pending_events{}"), 1.0);
         assert_eq!(gauge("svc_outbox_blocked_keys{}"), 1.0);
+        // c waits for a retry: blocked, not parked.
+        assert_eq!(gauge("svc_outbox_parked_keys{}"), 0.0);
         assert_eq!(gauge("svc_outbox_oldest_due_age_seconds{}"), 0.0);
         assert!(MetricsStep::with_prefix("1x").is_err());
     }

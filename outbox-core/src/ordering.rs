@@ -174,6 +174,15 @@ pub fn select<'a>(
 
 /// Whether a key is blocked for the operator view (R80): its first in-line row waits for a
 /// retry or is held under a live lease.
+/// A parked head (R191, R193) is blocked too.
 pub fn head_is_blocked(head: &OutboxEvent, now: DateTime<Utc>, lease: Duration) -> bool {
-    (head.locked_at.is_some() && !lease_expired(head, now, lease)) || head.scheduled_at > now
+    (head.locked_at.is_some() && !lease_expired(head, now, lease))
+        || head.scheduled_at > now
+        || is_parked(head)
+}
+
+/// Whether the row is parked (R191): pending with attempts_made ≥ max_attempts. Parked rows are
+/// in line (their last_error is set) and never fetchable, so they hold their keys.
+pub fn is_parked(e: &OutboxEvent) -> bool {
+    crate::repository::is_parked(e.status, e.attempts_made, e.max_attempts)
 }

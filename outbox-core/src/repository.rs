@@ -226,12 +226,15 @@ pub enum Retry {
 pub enum OutcomeKind {
     /// Acknowledged: completed (R56).
     Completed,
-    /// Counted failure: attempts_made + 1, `failed` at max_attempts (R38).
+    /// Counted failure: attempts_made + 1; at max_attempts `failed` (R38) or, with
+    /// [`OnExhausted::Park`], parked: still `pending` (R191).
     Counted {
         /// The failure text (normalized by the backend, R9).
         error: String,
         /// Next try.
         retry: Retry,
+        /// What the failure that spends the last attempt writes (R191).
+        exhausted: OnExhausted,
     },
     /// Failure without an attempt (R43, R44).
     Transient {
@@ -247,6 +250,142 @@ pub enum OutcomeKind {
     },
     /// Released untouched (R77).
     Released,
+}
+
+/// What the failure that spends a row's last attempt writes (R191, D41; the relay's, the inbox
+/// processor's and the runner's setting `on_exhausted`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnExhausted {
+    /// R38: the row becomes `failed` and no longer holds its key (R31). The default.
+    #[default]
+    Release,
+    /// The row stays `pending` with attempts_made = max_attempts: it is *parked* (never
+    /// fetchable, in line, so it holds its key until an operator redrives or discards it,
+    /// R192). Checked by OP-01, OP-06, OP-07.
+    Park,
+}
+
+impl OnExhausted {
+    /// The setting as written in configuration: `release` or `park`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OnExhausted::Release => "release",
+            OnExhausted::Park => "park",
+        }
+    }
+}
+
+impl std::fmt::Display for OnExhausted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for OnExhausted {
+    type Err = crate::error::ConfigError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "release" => Ok(OnExhausted::Release),
+            "park" => Ok(OnExhausted::Park),
+            other => Err(crate::error::ConfigError(format!(
+                "unknown on_exhausted {other:?}: use release or park"
+            ))),
+        }
+    }
+}
+
+/// Whether a row is parked (R191): `pending` with attempts_made ≥ max_attempts.
+pub fn is_parked(status: Status, attempts_made: i32, max_attempts: i32) -> bool {
+    status == Status::Pending && attempts_made >= max_attempts
+}
+
+/// Which parked rows an operator's redrive or discard acts on (R192). For an inbox table the
+/// topic is the message's source, and the operation is of one consumer group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ParkedTarget {
+    /// One row; refused, naming its state, when it is not parked.
+    Id(Uuid),
+    /// Every parked row of a key.
+    Key {
+        /// Topic (the inbox: source).
+        topic: String,
+        /// Partition key.
+        partition_key: String,
+    },
+    /// Every parked row of a topic (the inbox: source).
+    Topic(String),
+}
+
+impl ParkedTarget {
+    /// The selection as the three optional filters the backends bind: ids, topics, keys.
+    #[allow(clippy::type_complexity)]
+    pub fn filters(&self) -> (Option<Vec<Uuid>>, Option<Vec<String>>, Option<Vec<String>>) {
+        match self {
+            ParkedTarget::Id(id) => (Some(vec![*id]), None, None),
+            ParkedTarget::Key {
+                topic,
+                partition_key,
+            } => (
+                None,
+                Some(vec![topic.clone()]),
+                Some(vec![partition_key.clone()]),
+            ),
+            ParkedTarget::Topic(t) => (None, Some(vec![t.clone()]), None),
+        }
+    }
+
+    /// Whether a row of this topic (source), key and id is selected.
+    pub fn matches(&self, id: Uuid, topic: &str, partition_key: &str) -> bool {
+        match self {
+            ParkedTarget::Id(i) => *i == id,
+            ParkedTarget::Key {
+                topic: t,
+                partition_key: k,
+            } => t == topic && k == partition_key,
+            ParkedTarget::Topic(t) => t == topic,
+        }
+    }
+}
+
+/// The last_error of a discarded row (R192): `discarded: {reason}; ` followed by its
+/// last_error, cut to `max_bytes` as R9 cuts. The reason is trimmed and must be 1 to 255
+/// characters (R66's rules); nothing changes otherwise (OP-05).
+pub fn discard_text(
+    reason: &str,
+    last_error: Option<&str>,
+    max_bytes: usize,
+) -> Result<String, ValidationError> {
+    let r = crate::event::trim_ancestor(reason);
+    let n = r.chars().count();
+    if n == 0 || n > crate::event::limits::FORCE_UNLOCK_REASON_MAX {
+        return Err(ValidationError::Argument(format!(
+            "a discard needs a reason of 1 to {} characters, got {n}; nothing was changed",
+            crate::event::limits::FORCE_UNLOCK_REASON_MAX
+        )));
+    }
+    let text = format!("discarded: {r}; {}", last_error.unwrap_or(""));
+    Ok(crate::event::normalize_error(&text, max_bytes))
+}
+
+/// Checks a discard reason before anything is read (OP-05).
+pub fn check_discard_reason(reason: &str) -> Result<(), ValidationError> {
+    discard_text(reason, None, crate::event::limits::ERROR_MAX_LENGTH_MAX).map(|_| ())
+}
+
+/// The refusal of a redrive or discard by id of a row that is not parked (R192, OP-05):
+/// names the row's state; nothing was changed.
+pub fn not_parked(id: Uuid, op: &str, state: Option<(Status, i32, i32)>) -> RepositoryError {
+    let state = match state {
+        None => "not in the table".to_owned(),
+        Some((status, a, m)) => format!("{status} with {a} of {m} attempts spent"),
+    };
+    RepositoryError::NotParked {
+        id,
+        message: format!(
+            "{op} refused: row {id} is {state}, not parked (pending with every attempt spent); nothing was changed"
+        ),
+    }
 }
 
 /// One outcome to write.
@@ -313,6 +452,10 @@ pub struct BlockedKey {
     pub locked_by: Option<String>,
     /// The lock time, when held.
     pub locked_at: Option<DateTime<Utc>>,
+    /// Whether the head is parked (R191, R193): it waits for an operator, not for a retry.
+    pub parked: bool,
+    /// When the head was parked (its updated_at), when parked.
+    pub parked_at: Option<DateTime<Utc>>,
     /// Pending rows behind the head, counted up to [`BLOCKED_WAITING_CAP`] (a value equal to
     /// the cap means at least that many), so listing keys costs what it returns (R85).
     pub waiting: i64,
@@ -551,8 +694,9 @@ pub trait OutboxRepository: Send + Sync {
     /// backend batch size, at most 1000 batches; returns the count (R63; L-01, L-02).
     async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError>;
 
-    /// Moves a `failed` row back to pending with attempts_made 0, last_error null and
-    /// scheduled_at = now; false for any other status or an unknown id (R64, O-10).
+    /// Moves a `failed` or parked row back to pending with attempts_made 0, last_error null and
+    /// scheduled_at = now, released; false for any other row or an unknown id (R64, R192;
+    /// O-10, OP-02).
     async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError>;
 
     /// Deletes up to `batch_size` completed rows with completed_at < now − retention_days
@@ -597,8 +741,38 @@ pub trait OutboxRepository: Send + Sync {
     /// O-13).
     async fn force_unlock(&self, id: Uuid, reason: &str) -> Result<(), RepositoryError>;
 
-    /// Keys whose first in-line row waits for a retry or is held under a live lease, oldest
-    /// head first, at most `limit` (R80; M-01, L-10).
+    /// Redrives parked rows (R192): R64 applied to each (pending, attempts_made 0, last_error
+    /// null, scheduled_at = now, released), so each is the head of its key again and goes out
+    /// before its successors. Returns the ids redriven, in write order. By id, a row that is
+    /// not parked is refused with [`RepositoryError::NotParked`] naming its state, and nothing
+    /// changes; by key or topic only parked rows are touched. Checked by OP-02, OP-05, OP-07.
+    async fn redrive(&self, target: &ParkedTarget) -> Result<Vec<Uuid>, RepositoryError> {
+        let _ = target;
+        Err(RepositoryError::Other(format!(
+            "the {} backend does not support redrive (R192)",
+            self.capabilities().name
+        )))
+    }
+
+    /// Discards parked rows (R192): each becomes `failed`, released, with last_error
+    /// [`discard_text`]; its key resumes without it. The reason is checked first (1 to 255
+    /// characters). Returns the ids discarded, in write order; refusals as
+    /// [`redrive`](Self::redrive). Checked by OP-03, OP-05.
+    async fn discard(
+        &self,
+        target: &ParkedTarget,
+        reason: &str,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let _ = (target, reason);
+        Err(RepositoryError::Other(format!(
+            "the {} backend does not support discard (R192)",
+            self.capabilities().name
+        )))
+    }
+
+    /// Keys whose first in-line row waits for a retry, is held under a live lease or is parked
+    /// (marked [`BlockedKey::parked`]), oldest head first, at most `limit` (R80, R193; M-01,
+    /// L-10, OP-01).
     async fn blocked_keys(
         &self,
         lease_ttl: Duration,

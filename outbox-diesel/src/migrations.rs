@@ -11,7 +11,7 @@
 //! `outbox_<table>_0001`, so it runs once per table. A second migration, `outbox_<table>_0002`,
 //! creates the additive indexes (`txoutbox_postgres::sql::additions`) with `CREATE INDEX IF NOT
 //! EXISTS`: a table migrated before they existed gets them, a new one finds them made by
-//! `0001`. For a large existing table, build them first with
+//! `0001`; `outbox_<table>_0003` runs them again for the parked-row index (R193) added later. For a large existing table, build them first with
 //! `txoutbox_postgres::sql::create_indexes_concurrently` (outside a transaction).
 //!
 //! # The partitioned layout
@@ -95,6 +95,16 @@ impl OutboxMigrations {
         match self.layout {
             Layout::Plain => format!("outbox_{}_0002", self.table.table()),
             Layout::Partitioned => format!("outbox_{}_p0002", self.table.table()),
+        }
+    }
+
+    /// The version of the third migration, which adds the parked-row index (R193) to a table
+    /// migrated before it existed: `outbox_<table>_0003` (plain) or `outbox_<table>_p0003`.
+    /// It runs the additions again (`IF NOT EXISTS`: only the missing ones are built).
+    pub fn parked_version(&self) -> String {
+        match self.layout {
+            Layout::Plain => format!("outbox_{}_0003", self.table.table()),
+            Layout::Partitioned => format!("outbox_{}_p0003", self.table.table()),
         }
     }
 
@@ -199,6 +209,11 @@ impl MigrationSource<Pg> for OutboxMigrations {
             migration(
                 self.additions_version(),
                 "add_outbox_indexes",
+                self.additions_sql(),
+            ),
+            migration(
+                self.parked_version(),
+                "add_outbox_parked_index",
                 self.additions_sql(),
             ),
         ])

@@ -192,6 +192,8 @@ pub(crate) struct BlockedRow {
     locked_at: Option<DateTime<Utc>>,
     #[diesel(sql_type = BigInt)]
     waiting: i64,
+    #[diesel(sql_type = Nullable<Timestamptz>)]
+    parked_at: Option<DateTime<Utc>>,
 }
 
 impl From<BlockedRow> for BlockedKey {
@@ -207,6 +209,9 @@ impl From<BlockedRow> for BlockedKey {
             locked_by: r.locked_by,
             locked_at: r.locked_at,
             waiting: r.waiting,
+            // Every blocked head is pending: it is parked when its attempts are spent.
+            parked: r.attempts_made >= r.max_attempts,
+            parked_at: r.parked_at,
         }
     }
 }

@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use txoutbox_core::error::RepositoryError;
 use txoutbox_core::event::{NewEvent, OutboxEvent, normalize_error};
 use txoutbox_core::repository::{
-    Fetched, Outcome, OutcomeKind, OutcomeResult, Retry, WriteResult, WrittenOutcome,
+    Fetched, OnExhausted, Outcome, OutcomeKind, OutcomeResult, Retry, WriteResult, WrittenOutcome,
 };
 use uuid::Uuid;
 
@@ -33,6 +33,8 @@ pub struct OutcomeBinds {
     pub fail_after_us: Vec<Option<i64>>,
     /// Each failure's explicit next try, if any (`$5`); neither means keep the schedule.
     pub fail_at: Vec<Option<DateTime<Utc>>>,
+    /// Whether each failure parks the row when it spends the last attempt (`$7`, R191).
+    pub fail_park: Vec<bool>,
 }
 
 impl OutcomeBinds {
@@ -40,7 +42,7 @@ impl OutcomeBinds {
     pub fn new(outcomes: &[Outcome], error_max_length: usize) -> Self {
         let mut b = Self::default();
         for o in outcomes {
-            let (counted, error, retry) = match &o.kind {
+            let (counted, error, retry, park) = match &o.kind {
                 OutcomeKind::Completed => {
                     b.done.push(o.id);
                     continue;
@@ -49,9 +51,13 @@ impl OutcomeBinds {
                     b.released.push(o.id);
                     continue;
                 }
-                OutcomeKind::Counted { error, retry } => (true, error, *retry),
-                OutcomeKind::Transient { error, retry } => (false, error, *retry),
-                OutcomeKind::Deferred { error } => (false, error, Retry::Keep),
+                OutcomeKind::Counted {
+                    error,
+                    retry,
+                    exhausted,
+                } => (true, error, *retry, *exhausted == OnExhausted::Park),
+                OutcomeKind::Transient { error, retry } => (false, error, *retry, false),
+                OutcomeKind::Deferred { error } => (false, error, Retry::Keep, false),
             };
             let (after, at) = match retry {
                 Retry::Keep => (None, None),
@@ -63,6 +69,7 @@ impl OutcomeBinds {
             b.fail_errors.push(normalize_error(error, error_max_length));
             b.fail_after_us.push(after);
             b.fail_at.push(at);
+            b.fail_park.push(park);
         }
         b
     }

@@ -113,6 +113,8 @@ const CLEANUP: &str =
 const KEY_ORDER: &str = "(consumer_group, source, partition_key, created_at) WHERE (((status)::text = 'pending'::text) AND (partition_key IS NOT NULL))";
 const GROUP: &str = "(consumer_group, scheduled_at) WHERE ((status)::text = 'pending'::text)";
 const WINDOW: &str = "(consumer_group, scheduled_at, created_at, id) WHERE ((((status)::text COLLATE \"C\") = 'pending'::text) AND (locked_at IS NULL) AND (attempts_made < max_attempts))";
+/// The parked rows' index (R193).
+const PARKED: &str = "(created_at, id) WHERE (((status)::text = 'pending'::text) AND (attempts_made >= max_attempts))";
 
 /// Z-01: the plain and the partitioned table are Appendix D's, column for column, with the
 /// ancestor's constraint and index names, plus Appendix D's three additions (partition_key,
@@ -185,6 +187,7 @@ async fn z_01() {
         want_ix.push(i("pending_key_order", KEY_ORDER));
         want_ix.push(i("pending_group", GROUP));
         want_ix.push(i("pending_window", WINDOW));
+        want_ix.push(i("parked", PARKED));
         want_ix.sort();
         let got: Vec<String> = indexes(&pool, &schema, name)
             .await
@@ -301,8 +304,13 @@ async fn z_03() {
         let added: Vec<&String> = ix_after.iter().filter(|i| !ix_before.contains(i)).collect();
         assert_eq!(
             added.len(),
-            3,
-            "{name}: exactly the three index additions: {added:?}"
+            4,
+            "{name}: exactly the four index additions: {added:?}"
+        );
+        assert!(
+            added
+                .iter()
+                .any(|i| i.starts_with(&format!("idx_{name}_parked:")))
         );
         assert!(
             added
@@ -319,7 +327,7 @@ async fn z_03() {
                 .iter()
                 .any(|i| i.starts_with(&format!("idx_{name}_pending_window:")))
         );
-        assert_eq!(ix_after.len(), ix_before.len() + 3);
+        assert_eq!(ix_after.len(), ix_before.len() + 4);
         create_inbox_schema(&pool, &t, Layout::Plain).await.unwrap();
         assert_eq!(
             indexes(&pool, &schema, name).await,

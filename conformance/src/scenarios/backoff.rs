@@ -311,6 +311,7 @@ pub async fn b_14(f: &dyn Factory) {
                     kind: OutcomeKind::Counted {
                         error: "x".into(),
                         retry: Retry::Keep,
+                        exhausted: txoutbox_core::repository::OnExhausted::Release,
                     },
                 },
                 Outcome {

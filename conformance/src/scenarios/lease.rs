@@ -442,6 +442,7 @@ pub async fn l_16(f: &dyn Factory) {
                     kind: OutcomeKind::Counted {
                         error: "late".into(),
                         retry: Retry::After(Duration::from_secs(10)),
+                        exhausted: txoutbox_core::repository::OnExhausted::Release,
                     },
                 },
                 Outcome {

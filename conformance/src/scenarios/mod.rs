@@ -8,6 +8,7 @@ pub mod lease;
 pub mod maint;
 pub mod order;
 pub mod outage;
+pub mod park;
 pub mod pg;
 pub mod pipeline;
 pub mod runs;

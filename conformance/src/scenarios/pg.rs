@@ -71,9 +71,12 @@ CREATE INDEX idx_outbox_events_updated_at ON outbox_events (updated_at);
 
 /// The additions to Appendix A that the Postgres backends create (contract Appendix A
 /// "Additions", R78), for table `outbox_events`, written out here as the scenarios' reference:
-/// the fetch window's index, ordered as the window's `ORDER BY`.
+/// the fetch window's index, ordered as the window's `ORDER BY`, and the parked rows' index
+/// (R193).
 pub const ADDITIONS_DDL: &str = r#"CREATE INDEX idx_outbox_events_pending_window ON outbox_events (scheduled_at, created_at, id)
     WHERE status COLLATE "C" = 'pending' AND locked_at IS NULL AND attempts_made < max_attempts;
+CREATE INDEX idx_outbox_events_parked ON outbox_events (created_at, id)
+    WHERE status = 'pending' AND attempts_made >= max_attempts;
 "#;
 
 /// The Appendix A DDL for `schema.table`: every `outbox_events` replaced by `table`, and the
@@ -213,8 +216,8 @@ pub async fn pg_02(f: &dyn Factory) {
     assert_eq!(ours["constraints"].as_array().unwrap().len(), 4);
     assert_eq!(
         ours["indexes"].as_array().unwrap().len(),
-        9,
-        "seven indexes, the addition and the primary key"
+        10,
+        "seven indexes, the two additions and the primary key"
     );
 }
 
@@ -264,6 +267,7 @@ pub async fn pg_03(f: &dyn Factory) {
         format!("idx_{long31}_pending_fetch"),
         format!("idx_{long31}_pending_key_order"),
         format!("idx_{long31}_pending_window"),
+        format!("idx_{long31}_parked"),
         format!("idx_{long31}_updated_at"),
     ] {
         assert!(
@@ -283,6 +287,7 @@ async fn assert_invariants(c: &Ctx) -> usize {
            (completed_at IS NULL OR (completed_at >= created_at - interval '1 second' \
               AND completed_at >= scheduled_at - interval '1 second')) AS completed_time_ok, \
            updated_at IS NOT NULL AS updated_ok, \
+           last_error IS NOT NULL AS has_error, \
            scheduled_at BETWEEN created_at - interval '60 seconds' AND created_at + interval '31536000 seconds' AS window_ok \
          FROM {table}",
     )
@@ -296,7 +301,9 @@ async fn assert_invariants(c: &Ctx) -> usize {
         );
         assert!(a >= 0 && m >= 1 && a <= m, "{r}");
         if st == "pending" {
-            assert!(a < m, "{r}");
+            // R3 (added to by R191): a parked row is pending with every attempt spent and its
+            // last_error set.
+            assert!(a < m || (a == m && r["has_error"] == true), "{r}");
         }
         if st == "failed" {
             assert_eq!(a, m, "{r}");
@@ -599,8 +606,12 @@ pub async fn pg_10(f: &dyn Factory) {
     let names: Vec<&str> = added.iter().map(|i| i["name"].as_str().unwrap()).collect();
     assert_eq!(
         names,
-        ["idx_<t>_pending_key_order", "idx_<t>_pending_window"],
-        "the missing key-order index and the addition: {added:?}"
+        [
+            "idx_<t>_parked",
+            "idx_<t>_pending_key_order",
+            "idx_<t>_pending_window"
+        ],
+        "the missing key-order index and the additions: {added:?}"
     );
     assert_eq!(second, first);
     assert_eq!(
@@ -611,7 +622,7 @@ pub async fn pg_10(f: &dyn Factory) {
 
 /// Inserts `n` due rows with plain SQL: row g on key `key_expr` (SQL over g), created_at =
 /// now() − `ago` + g ms, scheduled_at = created_at.
-async fn bulk(c: &Ctx, n: u32, key_expr: &str, ago: &str) {
+pub(crate) async fn bulk(c: &Ctx, n: u32, key_expr: &str, ago: &str) {
     sql(
         c,
         &format!(

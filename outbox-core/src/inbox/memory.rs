@@ -31,7 +31,10 @@ use crate::inbox::repository::{
     InboxRepository, InboxStatusCount, InboxTransaction, Landed, RowLock, RowWrite, WrittenState,
 };
 use crate::ordering;
-use crate::repository::{BLOCKED_WAITING_CAP, FetchFilter, Retry, args};
+use crate::repository::{
+    BLOCKED_WAITING_CAP, FetchFilter, OnExhausted, ParkedTarget, Retry, args, check_discard_reason,
+    discard_text, not_parked,
+};
 
 type DedupKey = (String, String);
 type Hook = Box<dyn FnOnce() + Send>;
@@ -219,9 +222,13 @@ impl InMemoryInbox {
                 row.status = Status::Completed;
                 row.completed_at = Some(now);
             }
-            RowWrite::Counted { error, retry } => {
+            RowWrite::Counted {
+                error,
+                retry,
+                exhausted,
+            } => {
                 row.attempts_made = row.attempts_made.saturating_add(1);
-                if row.attempts_made >= row.max_attempts {
+                if row.attempts_made >= row.max_attempts && *exhausted == OnExhausted::Release {
                     row.status = Status::Failed;
                 }
                 row.last_error = Some(text(error));
@@ -231,8 +238,10 @@ impl InMemoryInbox {
                 row.last_error = Some(text(error));
                 row.scheduled_at = retry_at(row, retry);
             }
-            RowWrite::Terminal { error } => {
-                row.status = Status::Failed;
+            RowWrite::Terminal { error, exhausted } => {
+                if *exhausted == OnExhausted::Release {
+                    row.status = Status::Failed;
+                }
                 row.attempts_made = row.max_attempts;
                 row.last_error = Some(text(error));
             }
@@ -540,6 +549,7 @@ impl InboxTransaction for MemInboxTx {
         worker: &WorkerId,
         error: &str,
         retry: Retry,
+        exhausted: OnExhausted,
     ) -> Result<Option<WrittenState>, RepositoryError> {
         // R152's guard (Guard::HeldBy), by id: this store finds rows by id alone.
         let held = matches!(
@@ -551,7 +561,16 @@ impl InboxTransaction for MemInboxTx {
             return Ok(None);
         }
         let error = error.to_owned();
-        let w = self.write(id, RowWrite::Counted { error, retry }).await?;
+        let w = self
+            .write(
+                id,
+                RowWrite::Counted {
+                    error,
+                    retry,
+                    exhausted,
+                },
+            )
+            .await?;
         Ok(Some(WrittenState::from(&w)))
     }
 
@@ -711,20 +730,60 @@ impl InboxRepository for InMemoryInbox {
         let now = self.now_sync();
         let mut st = self.lock();
         Ok(
-            match st.rows.get_mut(&id).filter(|r| r.status == Status::Failed) {
+            match st
+                .rows
+                .get_mut(&id)
+                .filter(|r| r.status == Status::Failed || inbox_parked(r))
+            {
                 Some(r) => {
-                    r.status = Status::Pending;
-                    r.attempts_made = 0;
-                    r.last_error = None;
-                    r.scheduled_at = now;
-                    r.locked_at = None;
-                    r.locked_by = None;
-                    r.updated_at = Some(now);
+                    requeue_row(r, now);
                     true
                 }
                 None => false,
             },
         )
+    }
+
+    async fn redrive(
+        &self,
+        group: &ConsumerGroup,
+        target: &ParkedTarget,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let now = self.now_sync();
+        let mut st = self.lock();
+        let ids = parked_ids(&st, group, target, "redrive")?;
+        for id in &ids {
+            if let Some(r) = st.rows.get_mut(id) {
+                requeue_row(r, now);
+            }
+        }
+        Ok(ids)
+    }
+
+    async fn discard(
+        &self,
+        group: &ConsumerGroup,
+        target: &ParkedTarget,
+        reason: &str,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        check_discard_reason(reason)?;
+        let now = self.now_sync();
+        let mut st = self.lock();
+        let ids = parked_ids(&st, group, target, "discard")?;
+        for id in &ids {
+            if let Some(r) = st.rows.get_mut(id) {
+                r.last_error = Some(discard_text(
+                    reason,
+                    r.last_error.as_deref(),
+                    limits::DEFAULT_ERROR_MAX_LENGTH,
+                )?);
+                r.status = Status::Failed;
+                r.locked_at = None;
+                r.locked_by = None;
+                r.updated_at = Some(now);
+            }
+        }
+        Ok(ids)
     }
 
     async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
@@ -832,6 +891,8 @@ impl InboxRepository for InMemoryInbox {
                         next_try: h.scheduled_at,
                         locked_by: h.locked_by.clone(),
                         locked_at: h.locked_at,
+                        parked: inbox_parked(h),
+                        parked_at: inbox_parked(h).then_some(h.updated_at).flatten(),
                         waiting,
                     },
                 )
@@ -872,4 +933,56 @@ impl InboxRepository for InMemoryInbox {
             .min()
             .map(|t| (now - t).to_std().unwrap_or_default()))
     }
+}
+
+/// Whether an inbox row is parked (R191): pending with every attempt spent.
+fn inbox_parked(r: &InboxEvent) -> bool {
+    crate::repository::is_parked(r.status, r.attempts_made, r.max_attempts)
+}
+
+/// R64 on one inbox row: pending, no attempts, no error, due now, released.
+fn requeue_row(r: &mut InboxEvent, now: DateTime<Utc>) {
+    r.status = Status::Pending;
+    r.attempts_made = 0;
+    r.last_error = None;
+    r.scheduled_at = now;
+    r.completed_at = None;
+    r.locked_at = None;
+    r.locked_by = None;
+    r.updated_at = Some(now);
+}
+
+/// The parked rows of `group` that `target` selects (the topic is the source), in write
+/// order; by id, a row that is not parked (or of another group) is refused (R192, OP-05).
+fn parked_ids(
+    st: &State,
+    group: &ConsumerGroup,
+    target: &ParkedTarget,
+    op: &str,
+) -> Result<Vec<Uuid>, RepositoryError> {
+    if let ParkedTarget::Id(id) = target {
+        let r = st
+            .rows
+            .get(id)
+            .filter(|r| r.consumer_group == group.as_str());
+        return match r {
+            Some(r) if inbox_parked(r) => Ok(vec![*id]),
+            r => Err(not_parked(
+                *id,
+                op,
+                r.map(|r| (r.status, r.attempts_made, r.max_attempts)),
+            )),
+        };
+    }
+    let mut rows: Vec<&InboxEvent> = st
+        .rows
+        .values()
+        .filter(|r| {
+            r.consumer_group == group.as_str()
+                && inbox_parked(r)
+                && target.matches(r.id, &r.source, r.partition_key.as_deref().unwrap_or(""))
+        })
+        .collect();
+    rows.sort_by_key(|r| (r.created_at, r.id));
+    Ok(rows.into_iter().map(|r| r.id).collect())
 }

@@ -22,7 +22,7 @@ use crate::error::ConfigError;
 use crate::event::limits;
 use crate::inbox::handler::{Failure, FailureClass};
 use crate::inbox::repository::RowWrite;
-use crate::repository::Retry;
+use crate::repository::{OnExhausted, Retry};
 
 /// Who retries a failed handler run (R123).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -177,7 +177,8 @@ pub fn backoff_retry(attempts_made: i32, backoff: &Backoff, rng: &mut dyn Random
 
 /// The write that records a failure in the row (R126, R154): counted as R38 (backoff R39,
 /// explicit time R44), transient as R43, not counted with a time as R44 and without one as R43
-/// (now + 1.0 s, D39). Under at_most_once every failure is counted (R129).
+/// (now + 1.0 s, D39). Under at_most_once every failure is counted (R129). `exhausted` is the
+/// worker's `on_exhausted` (R191), ignored under at_most_once.
 pub fn record_write(
     failure: &Failure,
     attempts_made: i32,
@@ -185,8 +186,15 @@ pub fn record_write(
     backoff: &Backoff,
     rng: &mut dyn RandomSource,
     at_most_once: bool,
+    exhausted: OnExhausted,
 ) -> RowWrite {
     let error = failure.error.clone();
+    // Under at_most_once a failure always writes `failed` (R129, R191).
+    let exhausted = if at_most_once {
+        OnExhausted::Release
+    } else {
+        exhausted
+    };
     let counted = |at: Option<DateTime<Utc>>, rng: &mut dyn RandomSource| {
         let retry = match at.and_then(|t| valid_explicit(t, created_at)) {
             Some(t) => Retry::At(t),
@@ -195,6 +203,7 @@ pub fn record_write(
         RowWrite::Counted {
             error: error.clone(),
             retry,
+            exhausted,
         }
     };
     if at_most_once {
@@ -388,6 +397,7 @@ mod tests {
             &b,
             &mut Fixed(0.0),
             false,
+            OnExhausted::Release,
         );
         assert_eq!(
             w,
@@ -403,8 +413,16 @@ mod tests {
             &b,
             &mut Fixed(0.0),
             true,
+            OnExhausted::Park,
         );
-        assert!(matches!(w, RowWrite::Counted { .. }));
+        // Under at_most_once a failure always writes `failed` (R129, R191).
+        assert!(matches!(
+            w,
+            RowWrite::Counted {
+                exhausted: OnExhausted::Release,
+                ..
+            }
+        ));
         let at = now + chrono::Duration::seconds(42);
         let w = record_write(
             &fail(FailureClass::NotCounted { at: Some(at) }),
@@ -413,6 +431,7 @@ mod tests {
             &b,
             &mut Fixed(0.0),
             false,
+            OnExhausted::Release,
         );
         assert_eq!(
             w,

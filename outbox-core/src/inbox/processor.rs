@@ -42,7 +42,7 @@ use crate::inbox::repository::{
     DEFAULT_INBOX_MAX_PER_KEY, Guard, HandlerTx, InboxBackend, InboxFetchRequest, InboxFetched,
     InboxTransaction, RowWrite, UndecodableInboxRow,
 };
-use crate::repository::DEFAULT_LEASE_TTL;
+use crate::repository::{DEFAULT_LEASE_TTL, OnExhausted};
 
 /// Default processor batch size (R159).
 pub const DEFAULT_INBOX_BATCH: usize = 50;
@@ -170,6 +170,7 @@ pub struct ProcessorConfig {
     pub(crate) handler_timeout: Duration,
     pub(crate) backoff: Backoff,
     pub(crate) key_order: bool,
+    pub(crate) on_exhausted: OnExhausted,
 }
 
 impl ProcessorConfig {
@@ -220,6 +221,7 @@ pub struct ProcessorBuilder<B: InboxBackend> {
     rng: Option<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
     breaker: Option<BreakerConfig>,
+    on_exhausted: OnExhausted,
 }
 
 impl<B: InboxBackend> ProcessorBuilder<B> {
@@ -288,6 +290,13 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
         self.key_order = on;
         self
     }
+    /// What the failure that spends a row's last attempt writes (R191, D41; default
+    /// [`OnExhausted::Release`]): with [`OnExhausted::Park`] the row stays pending and holds
+    /// its key until an operator redrives or discards it (R192).
+    pub fn on_exhausted(mut self, o: OnExhausted) -> Self {
+        self.on_exhausted = o;
+        self
+    }
     /// Adds hooks.
     pub fn hooks(mut self, h: Arc<dyn InboxHooks>) -> Self {
         self.hooks.push(h);
@@ -336,6 +345,7 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
                 handler_timeout: self.handler_timeout,
                 backoff: self.backoff,
                 key_order: self.key_order,
+                on_exhausted: self.on_exhausted,
             },
             hooks: self.hooks,
             rng: Mutex::new(
@@ -393,6 +403,7 @@ impl<B: InboxBackend> Processor<B> {
             rng: None,
             clock: Arc::new(TokioClock),
             breaker: None,
+            on_exhausted: OnExhausted::Release,
         }
     }
 
@@ -547,7 +558,13 @@ impl<B: InboxBackend> Processor<B> {
                 error: e.to_string(),
             },
             Ok(mut tx) => match tx
-                .fail_undecodable(u.id, &self.config.worker, &error, retry)
+                .fail_undecodable(
+                    u.id,
+                    &self.config.worker,
+                    &error,
+                    retry,
+                    self.config.on_exhausted,
+                )
                 .await
             {
                 Ok(Some(w)) => {
@@ -732,6 +749,7 @@ impl<B: InboxBackend> Processor<B> {
                     &self.config.backoff,
                     rng.as_mut(),
                     false,
+                    self.config.on_exhausted,
                 )
             }
         };

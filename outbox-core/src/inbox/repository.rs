@@ -16,7 +16,7 @@ use uuid::Uuid;
 use crate::error::{RepositoryError, ValidationError};
 use crate::event::{Status, WorkerId};
 use crate::inbox::model::{ConsumerGroup, InboxEvent, InboxKey, NewInboxEvent};
-use crate::repository::{DEFAULT_LEASE_TTL, Retry, args};
+use crate::repository::{DEFAULT_LEASE_TTL, OnExhausted, ParkedTarget, Retry, args};
 
 /// Default processor max_per_key (R151).
 pub const DEFAULT_INBOX_MAX_PER_KEY: usize = 16;
@@ -208,12 +208,15 @@ pub enum RowLock {
 pub enum RowWrite {
     /// status completed, completed_at = now; attempts_made and last_error kept (R56, R155).
     Complete,
-    /// attempts_made + 1, `failed` when it reaches max_attempts, last_error, next try (R38).
+    /// attempts_made + 1, last_error, next try (R38); when it reaches max_attempts `failed`,
+    /// or with [`OnExhausted::Park`] still `pending`: parked (R191).
     Counted {
         /// The failure text.
         error: String,
         /// The next try.
         retry: Retry,
+        /// What spending the last attempt writes (R191).
+        exhausted: OnExhausted,
     },
     /// No attempt spent; last_error, next try (R43, R44).
     NotCounted {
@@ -222,10 +225,13 @@ pub enum RowWrite {
         /// The next try.
         retry: Retry,
     },
-    /// `failed` with attempts_made = max_attempts, last_error set (R128).
+    /// attempts_made = max_attempts, last_error set, `failed` (R128), or with
+    /// [`OnExhausted::Park`] still `pending`: parked (R191).
     Terminal {
         /// The failure text.
         error: String,
+        /// What spending the last attempt writes (R191).
+        exhausted: OnExhausted,
     },
     /// Only the release of an expired lease (a runner's takeover, R116).
     ClearLease,
@@ -287,6 +293,10 @@ pub struct InboxBlockedKey {
     pub locked_by: Option<String>,
     /// The lock time, when held.
     pub locked_at: Option<DateTime<Utc>>,
+    /// Whether the head is parked (R191, R193).
+    pub parked: bool,
+    /// When the head was parked (its updated_at), when parked.
+    pub parked_at: Option<DateTime<Utc>>,
     /// Pending rows behind the head (capped as the outbox's, R85).
     pub waiting: i64,
 }
@@ -339,9 +349,43 @@ pub trait InboxRepository: Send + Sync {
     /// Y-13); returns how many it released.
     async fn release_locks(&self, ids: &[Uuid], worker: &WorkerId) -> Result<u64, RepositoryError>;
 
-    /// Moves a `failed` row back to pending, attempts 0, last_error null, scheduled_at = now;
-    /// false otherwise (R162, R64; Y-14, Y-18).
+    /// Moves a `failed` or parked row back to pending, attempts 0, last_error null,
+    /// scheduled_at = now, released; false otherwise (R162, R64, R192; Y-14, Y-18).
     async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError>;
+
+    /// Redrives the parked rows of `group` that `target` selects (its topic is the source):
+    /// R64 applied to each, so each is the head of its key again and runs before its
+    /// successors (R192). Returns the ids, in write order. By id, a row that is not a parked row
+    /// of the group is refused with [`RepositoryError::NotParked`] naming its state, and
+    /// nothing changes. Checked by OP-06, OP-05.
+    async fn redrive(
+        &self,
+        group: &ConsumerGroup,
+        target: &ParkedTarget,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let _ = (group, target);
+        Err(RepositoryError::Other(format!(
+            "the {} inbox store does not support redrive (R192)",
+            self.capabilities().name
+        )))
+    }
+
+    /// Discards the parked rows of `group` that `target` selects (R192): each becomes
+    /// `failed`, released, with last_error [`discard_text`](crate::repository::discard_text);
+    /// its key resumes without it. Refusals as [`redrive`](Self::redrive). Checked by OP-05,
+    /// OP-06.
+    async fn discard(
+        &self,
+        group: &ConsumerGroup,
+        target: &ParkedTarget,
+        reason: &str,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let _ = (group, target, reason);
+        Err(RepositoryError::Other(format!(
+            "the {} inbox store does not support discard (R192)",
+            self.capabilities().name
+        )))
+    }
 
     /// Releases pending rows whose lease is older than `timeout` (≥ 1 s) (R63).
     async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError>;
@@ -467,6 +511,7 @@ pub trait InboxTransaction: Send + Sized {
         worker: &WorkerId,
         error: &str,
         retry: Retry,
+        exhausted: OnExhausted,
     ) -> Result<Option<WrittenState>, RepositoryError>;
 
     /// Commits (F-14, Y-11 inject a failure here).

@@ -244,6 +244,7 @@ impl<B: InboxBackend> Runner<B> {
             hooks: Vec::new(),
             rng: None,
             breaker: None,
+            on_exhausted: crate::repository::OnExhausted::Release,
         }
     }
 
@@ -608,6 +609,7 @@ impl<B: InboxBackend> Runner<B> {
                         RewindDecision::Record => self.record_write(&failure, &row, false),
                         RewindDecision::Terminal => RowWrite::Terminal {
                             error: failure.error.clone(),
+                            exhausted: self.config.on_exhausted,
                         },
                     }
                 }
@@ -685,6 +687,7 @@ impl<B: InboxBackend> Runner<B> {
             &self.config.backoff,
             rng.as_mut(),
             at_most_once,
+            self.config.on_exhausted,
         )
     }
 

@@ -13,7 +13,7 @@ use crate::clock::{RelayClock, TokioClock};
 use crate::error::{ConfigError, ValidationError};
 use crate::event::{WorkerId, limits};
 use crate::repository::{
-    DEFAULT_LEASE_TTL, DEFAULT_MAX_PER_KEY, DeliveryBound, DeliveryMode, FetchFilter,
+    DEFAULT_LEASE_TTL, DEFAULT_MAX_PER_KEY, DeliveryBound, DeliveryMode, FetchFilter, OnExhausted,
     OutboxRepository,
 };
 use crate::step::PipelineStep;
@@ -52,6 +52,7 @@ pub struct RelayConfig {
     pub(super) backoff: Backoff,
     pub(super) filter: FetchFilter,
     pub(super) delivery: DeliveryMode,
+    pub(super) on_exhausted: OnExhausted,
 }
 
 /// The longest publish timeout delivery in one transaction accepts: its transaction may stay
@@ -76,6 +77,11 @@ impl RelayConfig {
         DeliveryBound {
             server_timeout: self.publish_timeout * 2 + TRANSACTION_OUTCOME_MARGIN,
         }
+    }
+
+    /// What the failure that spends a row's last attempt writes (R191).
+    pub fn on_exhausted(&self) -> OnExhausted {
+        self.on_exhausted
     }
 
     /// The worker id.
@@ -133,6 +139,7 @@ pub struct RelayBuilder {
     filter: FetchFilter,
     breaker: Option<BreakerConfig>,
     delivery: DeliveryMode,
+    on_exhausted: OnExhausted,
     rng: Option<Box<dyn RandomSource>>,
     clock: Arc<dyn RelayClock>,
 }
@@ -152,6 +159,14 @@ impl RelayBuilder {
     /// and a publish timeout of at most [`MAX_TRANSACTION_PUBLISH_TIMEOUT`].
     pub fn delivery(mut self, mode: DeliveryMode) -> Self {
         self.delivery = mode;
+        self
+    }
+
+    /// What the failure that spends a row's last attempt writes (R191, D41; default
+    /// [`OnExhausted::Release`], R38). [`OnExhausted::Park`] keeps the row pending so it holds
+    /// its key until an operator redrives or discards it (R192).
+    pub fn on_exhausted(mut self, o: OnExhausted) -> Self {
+        self.on_exhausted = o;
         self
     }
 
@@ -306,6 +321,7 @@ impl RelayBuilder {
                 backoff: self.backoff,
                 filter: self.filter,
                 delivery: self.delivery,
+                on_exhausted: self.on_exhausted,
             },
             rng: Mutex::new(
                 self.rng
@@ -337,6 +353,7 @@ impl Relay {
             filter: FetchFilter::default(),
             breaker: None,
             delivery: DeliveryMode::Lease,
+            on_exhausted: OnExhausted::Release,
             rng: None,
             clock: Arc::new(TokioClock),
         }

@@ -145,6 +145,7 @@ impl Relay {
                         OutcomeKind::Counted {
                             error: format!("undecodable row: {}", u.reason),
                             retry,
+                            exhausted: self.config.on_exhausted,
                         },
                         None,
                     );
@@ -166,7 +167,15 @@ impl Relay {
                 }) => {
                     let retry =
                         self.retry_for_counted(Some(row.created_at), row.attempts_made, retry_at);
-                    decide(row.id, OutcomeKind::Counted { error, retry }, None);
+                    decide(
+                        row.id,
+                        OutcomeKind::Counted {
+                            error,
+                            retry,
+                            exhausted: self.config.on_exhausted,
+                        },
+                        None,
+                    );
                     return;
                 }
                 Ok(StepDecision::Fail {
@@ -200,6 +209,7 @@ impl Relay {
                         OutcomeKind::Counted {
                             error: e.to_string(),
                             retry,
+                            exhausted: self.config.on_exhausted,
                         },
                         None,
                     );
@@ -237,7 +247,15 @@ impl Relay {
                     tracing::warn!(parent: &span, error = %text, "publish rejected (counted)");
                     let retry =
                         self.retry_for_counted(Some(row.created_at), row.attempts_made, None);
-                    decide(row.id, OutcomeKind::Counted { error: text, retry }, None);
+                    decide(
+                        row.id,
+                        OutcomeKind::Counted {
+                            error: text,
+                            retry,
+                            exhausted: self.config.on_exhausted,
+                        },
+                        None,
+                    );
                     if self.breaker_record(false) {
                         stop(Stop::Other);
                     }

@@ -152,7 +152,8 @@ pub fn ancestor_indexes(table: &TableName, layout: Layout) -> Vec<InboxIndex> {
 }
 
 /// The indexes the library adds to both tables, in creation order: Appendix D's two, the key
-/// order's and the group's, then the fetch window's ([`window_index`]).
+/// order's and the group's, then the fetch window's ([`window_index`]), then the parked rows'
+/// (`idx_<p>_parked`, R193: the blocked keys, gauges, redrive and discard read parked rows from it).
 pub fn addition_indexes(table: &TableName) -> Vec<InboxIndex> {
     let p = prefix(table);
     vec![
@@ -173,6 +174,11 @@ pub fn addition_indexes(table: &TableName) -> Vec<InboxIndex> {
                 "(consumer_group, scheduled_at, created_at, id) WHERE {}",
                 fragments::fragment("window", "")
             ),
+        },
+        InboxIndex {
+            name: format!("idx_{p}_parked"),
+            unique: false,
+            body: crate::sql::PARKED_INDEX_BODY.into(),
         },
     ]
 }
@@ -401,6 +407,11 @@ mod text {
     // The outbox's statements whose rule is the same on the inbox table.
     pub const GET: &str = include_str!("../sql/statements/get.sql");
     pub const REQUEUE: &str = include_str!("../sql/statements/requeue.sql");
+    pub const PARKED_ROWS: &str = include_str!("../sql/inbox/parked_rows.sql");
+    pub const PARKED_STATS: &str = include_str!("../sql/inbox/parked_stats.sql");
+    pub const PARKED_KEYS: &str = include_str!("../sql/inbox/parked_keys.sql");
+    pub const REDRIVE: &str = include_str!("../sql/statements/redrive.sql");
+    pub const DISCARD: &str = include_str!("../sql/statements/discard.sql");
     pub const RELEASE_LOCKS: &str = include_str!("../sql/statements/release_locks.sql");
     pub const RELEASE_STALE: &str = include_str!("../sql/statements/release_stale.sql");
     pub const FORCE_UNLOCK: &str = include_str!("../sql/statements/force_unlock.sql");
@@ -511,8 +522,18 @@ pub struct InboxStatements {
     pub oldest_due_age: String,
     /// The outbox's `get.sql` with the inbox columns.
     pub get: String,
-    /// The outbox's `requeue.sql`.
+    /// The outbox's `requeue.sql` (failed or parked rows, R192).
     pub requeue: String,
+    /// `parked_rows.sql` (R192).
+    pub parked_rows: String,
+    /// `parked_stats.sql`: the group's parked rows (R193).
+    pub parked_stats: String,
+    /// `parked_keys.sql`: the group's parked keys (R193).
+    pub parked_keys: String,
+    /// The outbox's `redrive.sql` (R192).
+    pub redrive: String,
+    /// The outbox's `discard.sql` (R192).
+    pub discard: String,
     /// The outbox's `release_locks.sql`.
     pub release_locks: String,
     /// The outbox's `release_stale.sql` (one batch).
@@ -570,6 +591,11 @@ impl InboxStatements {
             oldest_due_age: r(text::OLDEST_DUE_AGE),
             get: r(text::GET),
             requeue: r(text::REQUEUE),
+            parked_rows: r(text::PARKED_ROWS),
+            parked_stats: r(text::PARKED_STATS),
+            parked_keys: r(text::PARKED_KEYS),
+            redrive: r(text::REDRIVE),
+            discard: r(text::DISCARD),
             release_locks: r(text::RELEASE_LOCKS),
             release_stale: r(text::RELEASE_STALE),
             force_unlock: r(text::FORCE_UNLOCK),
@@ -607,6 +633,11 @@ mod tests {
             &s.window_overflow,
             &s.get,
             &s.requeue,
+            &s.parked_rows,
+            &s.parked_stats,
+            &s.parked_keys,
+            &s.redrive,
+            &s.discard,
             &s.release_stale,
             &s.waiting,
             &s.counts,

@@ -24,6 +24,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use txoutbox_core::error::RepositoryError;
+use txoutbox_core::event::limits;
 use txoutbox_core::event::{Status, WorkerId, force_unlock_text};
 use txoutbox_core::inbox::ordering as inbox_order;
 use txoutbox_core::inbox::repository::{
@@ -32,7 +33,9 @@ use txoutbox_core::inbox::repository::{
 };
 use txoutbox_core::inbox::{ConsumerGroup, InboxEvent};
 use txoutbox_core::ordering;
-use txoutbox_core::repository::{BLOCKED_WAITING_CAP, args};
+use txoutbox_core::repository::{
+    BLOCKED_WAITING_CAP, ParkedTarget, args, check_discard_reason, discard_text, not_parked,
+};
 use uuid::Uuid;
 
 use crate::driver::inbox::{InboxDriver, InboxRawRow, InboxRows};
@@ -162,6 +165,100 @@ where
     #[cfg(feature = "test-hooks")]
     pub fn faults(&self) -> &InboxFaults {
         &self.faults
+    }
+
+    /// The parked gauges of a group (R193): parked keys and parked rows (keyless included).
+    pub async fn parked_stats(&self, group: &ConsumerGroup) -> Result<(i64, i64), RepositoryError> {
+        let group = group.clone();
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move {
+                let g = [Bind::Text(String::from(group.as_str()))];
+                let keys = tx.int8(&s.parked_keys, &g).await?.unwrap_or(0);
+                let rows = tx.int8(&s.parked_stats, &g).await?.unwrap_or(0);
+                Ok((keys, rows))
+            })
+        })
+        .await
+    }
+
+    /// Redrive (`reason` none) or discard of the parked rows of `group` that `target` selects
+    /// (R192), in one transaction: read and row-locked, then written.
+    async fn operate_parked(
+        &self,
+        group: &ConsumerGroup,
+        target: &ParkedTarget,
+        reason: Option<&str>,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let group = group.clone();
+        let target = target.clone();
+        let reason = reason.map(str::to_owned);
+        self.in_tx(|mut tx, s| {
+            Box::pin(async move {
+                let op = if reason.is_some() {
+                    "discard"
+                } else {
+                    "redrive"
+                };
+                let (ids, sources, keys) = target.filters();
+                let rows = tx
+                    .rows(
+                        &s.parked_rows,
+                        &[
+                            Bind::Text(String::from(group.as_str())),
+                            Bind::OptUuids(ids),
+                            Bind::OptTexts(sources),
+                            Bind::OptTexts(keys),
+                        ],
+                    )
+                    .await?;
+                if rows.is_empty()
+                    && let ParkedTarget::Id(id) = target
+                {
+                    let found = tx.rows(&s.get, &[Bind::Uuid(id)]).await?;
+                    let state = found
+                        .first()
+                        .filter(|r| r.consumer_group == group.as_str())
+                        .map(|r| {
+                            (
+                                r.status.parse().unwrap_or(Status::Failed),
+                                r.attempts_made,
+                                r.max_attempts,
+                            )
+                        });
+                    return Err(not_parked(id, op, state));
+                }
+                let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+                if ids.is_empty() {
+                    return Ok(ids);
+                }
+                let n = match &reason {
+                    None => tx.execute(&s.redrive, &[Bind::Uuids(ids.clone())]).await?,
+                    Some(reason) => {
+                        let texts = rows
+                            .iter()
+                            .map(|r| {
+                                discard_text(
+                                    reason,
+                                    r.last_error.as_deref(),
+                                    limits::DEFAULT_ERROR_MAX_LENGTH,
+                                )
+                            })
+                            .collect::<Result<Vec<_>, _>>()?;
+                        tx.execute(&s.discard, &[Bind::Uuids(ids.clone()), Bind::Texts(texts)])
+                            .await?
+                    }
+                };
+                // The rows are row-locked by parked_rows in this transaction: each is written.
+                if n != ids.len() as u64 {
+                    return Err(RepositoryError::Other(format!(
+                        "{op} wrote {n} of {} parked rows; rolled back, nothing changed",
+                        ids.len()
+                    )));
+                }
+                Ok(ids)
+            })
+        })
+        .await
     }
 
     /// Runs `f` in a transaction of its own: committed when it succeeds, else rolled back.
@@ -332,6 +429,24 @@ where
         .await
     }
 
+    async fn redrive(
+        &self,
+        group: &ConsumerGroup,
+        target: &ParkedTarget,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        self.operate_parked(group, target, None).await
+    }
+
+    async fn discard(
+        &self,
+        group: &ConsumerGroup,
+        target: &ParkedTarget,
+        reason: &str,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        check_discard_reason(reason)?;
+        self.operate_parked(group, target, Some(reason)).await
+    }
+
     async fn release_stale_locks(&self, timeout: Duration) -> Result<u64, RepositoryError> {
         args::stale_timeout(timeout)?;
         let mut total = 0;
@@ -435,6 +550,10 @@ where
                         next_try: h.scheduled_at,
                         locked_by: h.locked_by.clone(),
                         locked_at: h.locked_at,
+                        parked: h.attempts_made >= h.max_attempts,
+                        parked_at: (h.attempts_made >= h.max_attempts)
+                            .then_some(h.updated_at)
+                            .flatten(),
                         waiting,
                     });
                 }

@@ -11,8 +11,8 @@ use txoutbox_core::error::RepositoryError;
 use txoutbox_core::event::{OutboxEvent, Status, WorkerId, force_unlock_text};
 use txoutbox_core::repository::{
     BlockedKey, Capabilities, Delivery, DeliveryBound, EmptyDelivery, FetchRequest, Fetched,
-    OutboxRepository, Outcome, OutcomeResult, STALE_LOCK_MAX_BATCHES, StatusCount, WrittenOutcome,
-    args,
+    OutboxRepository, Outcome, OutcomeResult, ParkedTarget, STALE_LOCK_MAX_BATCHES, StatusCount,
+    WrittenOutcome, args, check_discard_reason, discard_text, not_parked,
 };
 use uuid::Uuid;
 
@@ -133,6 +133,7 @@ pub(crate) async fn write_outcome_rows<C: OutboxRows + ?Sized>(
             Bind::NullableInt8s(b.fail_after_us),
             Bind::NullableTimestamps(b.fail_at),
             Bind::Text(worker.to_owned()),
+            Bind::Bools(b.fail_park),
         ];
         applied.extend(c.applied(sql, binds).await.map_err(err)?);
     }
@@ -178,6 +179,95 @@ impl<D: OutboxDriver> Repository<D> {
     async fn exec(&self, sql: &str, binds: Vec<Bind>) -> Result<u64, RepositoryError> {
         let mut c = self.conn().await?;
         c.execute(sql, binds).await.map_err(|e| self.err(e))
+    }
+
+    /// Redrive (`reason` none) or discard of the parked rows `target` selects (R192), in one
+    /// transaction: the rows are read and row-locked, then written while still parked.
+    async fn operate_parked(
+        &self,
+        target: &ParkedTarget,
+        reason: Option<&str>,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        if let Some(r) = reason {
+            check_discard_reason(r)?;
+        }
+        let mut tx = self.driver.begin(&self.cfg.table).await?;
+        let result = self.operate_parked_in(&mut tx, target, reason).await;
+        finish::<D, _>(&self.cfg.table, tx, result).await
+    }
+
+    async fn operate_parked_in(
+        &self,
+        c: &mut D::Conn,
+        target: &ParkedTarget,
+        reason: Option<&str>,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        let op = if reason.is_some() {
+            "discard"
+        } else {
+            "redrive"
+        };
+        let (ids, topics, keys) = target.filters();
+        let binds = vec![
+            Bind::OptUuids(ids),
+            Bind::OptTexts(topics),
+            Bind::OptTexts(keys),
+        ];
+        let rows = c
+            .events(&self.stmts.parked_rows, binds)
+            .await
+            .map_err(|e| self.err(e))?;
+        if rows.is_empty()
+            && let ParkedTarget::Id(id) = target
+        {
+            let found = c
+                .events(&self.stmts.get, vec![Bind::Uuid(*id)])
+                .await
+                .map_err(|e| self.err(e))?;
+            let state = found.first().map(|r| {
+                (
+                    r.status.parse().unwrap_or(Status::Failed),
+                    r.attempts_made,
+                    r.max_attempts,
+                )
+            });
+            return Err(not_parked(*id, op, state));
+        }
+        let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+        if ids.is_empty() {
+            return Ok(ids);
+        }
+        let binds = match reason {
+            None => vec![Bind::Uuids(ids.clone())],
+            Some(reason) => {
+                let texts = rows
+                    .iter()
+                    .map(|r| {
+                        discard_text(reason, r.last_error.as_deref(), self.cfg.error_max_length)
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                vec![Bind::Uuids(ids.clone()), Bind::Texts(texts)]
+            }
+        };
+        let sql = if reason.is_some() {
+            &self.stmts.discard
+        } else {
+            &self.stmts.redrive
+        };
+        let written = c.applied(sql, binds).await.map_err(|e| self.err(e))?;
+        let written: std::collections::HashSet<Uuid> = written.iter().map(|a| a.id).collect();
+        Ok(ids.into_iter().filter(|id| written.contains(id)).collect())
+    }
+
+    /// The parked gauges (R193): parked keys and parked rows (keyless rows included).
+    pub async fn parked_stats(&self) -> Result<(i64, i64), RepositoryError> {
+        let mut c = self.conn().await?;
+        let rows = c
+            .counts(&self.stmts.parked_stats)
+            .await
+            .map_err(|e| self.err(e))?;
+        let get = |name: &str| rows.iter().find(|r| r.topic == name).map_or(0, |r| r.count);
+        Ok((get("keys"), get("rows")))
     }
 
     async fn write_outcome_binds(
@@ -399,6 +489,18 @@ impl<D: OutboxDriver> OutboxRepository for Repository<D> {
 
     async fn requeue_failed(&self, id: Uuid) -> Result<bool, RepositoryError> {
         Ok(self.exec(&self.stmts.requeue, vec![Bind::Uuid(id)]).await? == 1)
+    }
+
+    async fn redrive(&self, target: &ParkedTarget) -> Result<Vec<Uuid>, RepositoryError> {
+        self.operate_parked(target, None).await
+    }
+
+    async fn discard(
+        &self,
+        target: &ParkedTarget,
+        reason: &str,
+    ) -> Result<Vec<Uuid>, RepositoryError> {
+        self.operate_parked(target, Some(reason)).await
     }
 
     async fn delete_old_completed(

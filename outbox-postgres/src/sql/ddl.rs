@@ -60,16 +60,31 @@ pub fn indexes(table: &TableName) -> Vec<IndexDef> {
 /// the only index the window can use). Maintained by PostgreSQL like any index; a row that
 /// omni-box 0.3.1 or plain SQL writes is indexed like any other, and omni-box's relay does not
 /// depend on it.
+///
+/// And `idx_<t>_parked` on `(created_at, id)` over the parked rows (pending with attempts_made
+/// ≥ max_attempts, R191, R193): the blocked keys, the parked gauges and the operator's redrive
+/// and discard find parked rows in it within R85's bound, whatever the backlog.
 pub fn additions(table: &TableName) -> Vec<IndexDef> {
-    vec![IndexDef {
-        name: window_index(table),
-        unique: false,
-        body: format!(
-            "(scheduled_at, created_at, id) WHERE {}",
-            fragments::fragment("window", "")
-        ),
-    }]
+    vec![
+        IndexDef {
+            name: window_index(table),
+            unique: false,
+            body: format!(
+                "(scheduled_at, created_at, id) WHERE {}",
+                fragments::fragment("window", "")
+            ),
+        },
+        IndexDef {
+            name: table.derived("idx_", "_parked"),
+            unique: false,
+            body: PARKED_INDEX_BODY.to_owned(),
+        },
+    ]
 }
+
+/// The columns and predicate of `idx_<t>_parked` (R193), on the outbox and the inbox tables.
+pub const PARKED_INDEX_BODY: &str =
+    "(created_at, id) WHERE status = 'pending' AND attempts_made >= max_attempts";
 
 /// The name of the window index ([`additions`]).
 pub fn window_index(table: &TableName) -> String {

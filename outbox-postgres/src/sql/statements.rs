@@ -149,8 +149,26 @@ pub struct Statements {
     /// 1000 times.
     pub release_stale: String,
 
-    /// requeue_failed (R64): `$1 uuid`. Affects 1 row when the row was `failed`, else 0.
+    /// requeue_failed (R64, R192): `$1 uuid`. Affects 1 row when the row was `failed` or
+    /// parked, else 0.
     pub requeue: String,
+
+    /// The parked rows a redrive or discard selects (R192): `statements/parked_rows.sql`,
+    /// `$1 uuid[]` ids, `$2 text[]` topics, `$3 text[]` partition keys (each NULL for any).
+    /// Returns [`COLUMNS`] in write order, row-locked.
+    pub parked_rows: String,
+
+    /// Redrive (R192): `statements/redrive.sql`, `$1 uuid[]` ids. Returns the outcome
+    /// statements' `id, status, attempts_made, scheduled_at` of the rows written.
+    pub redrive: String,
+
+    /// Discard (R192): `statements/discard.sql`, `$1 uuid[]` ids, `$2 text[]` last_error.
+    /// Returns as [`Statements::redrive`].
+    pub discard: String,
+
+    /// The parked gauges (R193): `statements/parked_stats.sql`, no parameters. Returns one
+    /// row `keys int8, rows int8`.
+    pub parked_stats: String,
 
     /// One round of delete_old_completed (R65): `$1 int4` retention days, `$2 int8` batch size.
     /// Affected-row count = rows deleted.
@@ -214,6 +232,10 @@ pub(super) mod text {
     pub const RELEASE_LOCKS: &str = include_str!("statements/release_locks.sql");
     pub const RELEASE_STALE: &str = include_str!("statements/release_stale.sql");
     pub const REQUEUE: &str = include_str!("statements/requeue.sql");
+    pub const PARKED_ROWS: &str = include_str!("statements/parked_rows.sql");
+    pub const REDRIVE: &str = include_str!("statements/redrive.sql");
+    pub const DISCARD: &str = include_str!("statements/discard.sql");
+    pub const PARKED_STATS: &str = include_str!("statements/parked_stats.sql");
     pub const DELETE_OLD_COMPLETED: &str = include_str!("statements/delete_old_completed.sql");
     pub const FORCE_UNLOCK: &str = include_str!("statements/force_unlock.sql");
     pub const BLOCKED_KEYS: &str = include_str!("statements/blocked_keys.sql");
@@ -320,6 +342,10 @@ impl Statements {
             release_locks: r(text::RELEASE_LOCKS),
             release_stale: r(text::RELEASE_STALE),
             requeue: r(text::REQUEUE),
+            parked_rows: r(text::PARKED_ROWS),
+            redrive: r(text::REDRIVE),
+            discard: r(text::DISCARD),
+            parked_stats: r(text::PARKED_STATS),
             delete_old_completed: r(text::DELETE_OLD_COMPLETED),
             force_unlock: r(text::FORCE_UNLOCK),
             blocked_keys: r(text::BLOCKED_KEYS),

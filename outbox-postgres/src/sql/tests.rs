@@ -32,6 +32,9 @@ fn statement_files_render_completely() {
         ("oldest_due_age", &s.oldest_due_age),
         ("drained", &s.drained),
         ("failed_ids", &s.failed_ids),
+        ("parked_rows", &s.parked_rows),
+        ("redrive", &s.redrive),
+        ("discard", &s.discard),
     ];
     #[cfg(feature = "test-hooks")]
     all.push(("shift_clock", &s.shift_clock));

@@ -5,6 +5,7 @@ pub mod dedup;
 pub mod failures;
 pub mod groups;
 pub mod paced;
+pub mod park;
 pub mod pg;
 pub mod policies;
 pub mod processor;

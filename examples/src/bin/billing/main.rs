@@ -164,6 +164,19 @@ struct Args {
     /// Fraction of handler runs that fail on purpose (a counted failure), 0 to 1.
     #[arg(long, default_value_t = 0.0)]
     fail_rate: f64,
+    /// Every order of this customer fails (a poison key, to watch `--on-exhausted park`).
+    #[arg(long)]
+    poison_customer: Option<String>,
+    /// What the failure that spends a message's last attempt writes: `release` (failed; the
+    /// customer's later orders go on) or `park` (the row stays pending and holds the customer's
+    /// later orders until `outbox-relay inbox redrive` or `discard`).
+    #[arg(long, default_value = "release", value_parser = parse_exhausted)]
+    on_exhausted: txoutbox_core::repository::OnExhausted,
+}
+
+fn parse_exhausted(s: &str) -> Result<txoutbox_core::repository::OnExhausted, String> {
+    s.parse()
+        .map_err(|e: txoutbox_core::ConfigError| e.to_string())
 }
 
 fn parse_dur(s: &str) -> Result<Duration, String> {
@@ -213,6 +226,7 @@ struct Order {
 struct Bill {
     ledger: TableName,
     fail_rate: f64,
+    poison_customer: Option<String>,
 }
 
 impl Bill {
@@ -223,6 +237,14 @@ impl Bill {
         let (Some(customer), Some(seq)) = (p["customer"].as_str(), p["seq"].as_i64()) else {
             return Ok(None);
         };
+        if self.poison_customer.as_deref() == Some(customer) {
+            println!(
+                "billing: poison customer {customer}: {} fails (#{seq}, attempt {})",
+                row.message_id,
+                row.attempts_made + 1
+            );
+            return Err(HandlerError::new(format!("poison customer {customer}")));
+        }
         if self.fail_rate > 0.0 && rand::rng().random_range(0.0..1.0) < self.fail_rate {
             println!(
                 "billing: injected failure for {} ({customer} #{seq}, attempt {})",
@@ -283,6 +305,7 @@ async fn main() -> Result<(), BoxError> {
     let bill = Bill {
         ledger,
         fail_rate: args.fail_rate,
+        poison_customer: args.poison_customer.clone(),
     };
     match args.store {
         StoreKind::Sqlx => store_sqlx::run(&args, bill, &stop).await,
@@ -349,6 +372,7 @@ where
         .handler(Arc::new(bill))
         .worker_id(worker.clone())
         .max_attempts(args.max_attempts)
+        .on_exhausted(args.on_exhausted)
         .backoff(Backoff::new(
             args.retry_base.as_secs_f64(),
             args.retry_cap.as_secs_f64(),

@@ -90,6 +90,7 @@ impl CliError {
                 code::DATABASE,
                 format!("{m}; {}", role.create_advice(table)),
             ),
+            RepositoryError::NotParked { message, .. } => Self::refused(message),
             RepositoryError::NotLocked(id) => Self::refused(format!(
                 "{} {id} is not locked (or does not exist in {table}): nothing to force-unlock; nothing changed",
                 role.row()

@@ -91,6 +91,41 @@ pub enum InboxCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Redrives parked rows of the group (pending with every attempt spent, kept by a runner or
+    /// processor with on_exhausted park): each is due now, ahead of its key's later rows. One
+    /// id, every parked row of --source and --key, or of --source. Any other row is refused
+    /// with its state (exit 1, nothing changed).
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["id", "source"])))]
+    Redrive {
+        #[command(flatten)]
+        db: InboxDbArgs,
+        /// The consumer group.
+        #[arg(long, env = "INBOX_GROUP", value_parser = parse_group)]
+        group: ConsumerGroup,
+        #[command(flatten)]
+        rows: InboxParkedArgs,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Discards parked rows of the group: each becomes failed with last error
+    /// `discarded: <reason>; ` and its old error; its key goes on without it. Rows as `redrive`.
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["id", "source"])))]
+    Discard {
+        #[command(flatten)]
+        db: InboxDbArgs,
+        /// The consumer group.
+        #[arg(long, env = "INBOX_GROUP", value_parser = parse_group)]
+        group: ConsumerGroup,
+        #[command(flatten)]
+        rows: InboxParkedArgs,
+        /// Why (1 to 255 characters after trimming).
+        #[arg(long)]
+        reason: String,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Releases pending rows of every group locked longer ago than --older-than (processors
     /// that died).
     ReleaseStaleLocks {
@@ -136,6 +171,20 @@ pub enum InboxCommand {
     },
 }
 
+/// The parked rows of `inbox redrive` and `inbox discard` (R192).
+#[derive(Debug, Clone, Args)]
+pub struct InboxParkedArgs {
+    /// The row id (the inbox row's `id`, not its message id).
+    #[arg(conflicts_with_all = ["source", "key"])]
+    pub id: Option<Uuid>,
+    /// Every parked row of the group from this source (with --key: of that key only).
+    #[arg(long)]
+    pub source: Option<String>,
+    /// With --source: every parked row of this partition key.
+    #[arg(long, requires = "source")]
+    pub key: Option<String>,
+}
+
 /// Runs one inbox command.
 pub async fn dispatch(cmd: InboxCommand) -> Result<()> {
     match cmd {
@@ -169,6 +218,19 @@ pub async fn dispatch(cmd: InboxCommand) -> Result<()> {
             batch_size,
             json,
         } => cleanup(&db, older_than, batch_size, json).await,
+        InboxCommand::Redrive {
+            db,
+            group,
+            rows,
+            json,
+        } => parked(&db, &group, rows, None, json).await,
+        InboxCommand::Discard {
+            db,
+            group,
+            rows,
+            reason,
+            json,
+        } => parked(&db, &group, rows, Some(&reason), json).await,
         InboxCommand::ForceUnlock {
             db,
             id,
@@ -286,6 +348,7 @@ async fn blocked_keys(
                 locked_by: k.locked_by.as_deref(),
                 waiting: k.waiting,
                 last_error: k.last_error.as_deref(),
+                parked: k.parked,
             })
             .collect();
         ops::blocked_text(
@@ -321,6 +384,69 @@ async fn requeue_failed(
         .map_err(repo_err(&t))?
         .map(|r| r.status);
     Err(ops::not_requeued(TableRole::Inbox, &t, id, status))
+}
+
+/// `inbox redrive` (no reason) and `inbox discard` (R192).
+async fn parked(
+    db: &InboxDbArgs,
+    group: &ConsumerGroup,
+    rows: InboxParkedArgs,
+    reason: Option<&str>,
+    json: bool,
+) -> Result<()> {
+    let (target, what) = ops::parked_target(rows.id, rows.source, rows.key)?;
+    let what = what.replacen("topic", "source", 1);
+    if let Some(r) = reason {
+        ops::check_discard(r)?;
+    }
+    let s = open(db).await?;
+    let t = s.table.to_string();
+    let ids = match reason {
+        None => s.repo.redrive(group, &target).await,
+        Some(r) => s.repo.discard(group, &target, r).await,
+    }
+    .map_err(repo_err(&t))?;
+    let op = if reason.is_some() {
+        "discard"
+    } else {
+        "redrive"
+    };
+    if ids.is_empty() {
+        return Err(ops::nothing_parked(
+            op,
+            &format!("{what} of consumer group {group}"),
+            &t,
+        ));
+    }
+    let n = ids.len();
+    match reason {
+        None => report(
+            json,
+            &ops::RedrivenOut {
+                table: t,
+                redriven: ids,
+            },
+            || {
+                format!(
+                    "redrove {n} parked rows of {what} (consumer group {group}); each is due now, ahead of its key's later rows"
+                )
+            },
+        ),
+        Some(r) => report(
+            json,
+            &ops::DiscardedOut {
+                table: t,
+                discarded: ids,
+                reason: r.trim().to_owned(),
+            },
+            || {
+                format!(
+                    "discarded {n} parked rows of {what} (consumer group {group}; now failed); their keys go on without them"
+                )
+            },
+        ),
+    }
+    Ok(())
 }
 
 async fn release_stale_locks(db: &InboxDbArgs, older_than: Duration, json: bool) -> Result<()> {

@@ -160,6 +160,35 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Redrives parked rows (pending with every attempt spent, kept by `run --on-exhausted
+    /// park`): each is due now with no attempts, ahead of its key's later rows, so the key
+    /// resumes in write order. One id, every parked row of --topic and --key, or of --topic.
+    /// Any other row is refused with its state (exit 1, nothing changed).
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["id", "topic"])))]
+    Redrive {
+        #[command(flatten)]
+        db: DbArgs,
+        #[command(flatten)]
+        rows: ParkedArgs,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Discards parked rows: each becomes failed with last error `discarded: <reason>; ` and
+    /// its old error, and its key goes on without it. Rows as `redrive`.
+    #[command(group(clap::ArgGroup::new("which").required(true).multiple(true).args(["id", "topic"])))]
+    Discard {
+        #[command(flatten)]
+        db: DbArgs,
+        #[command(flatten)]
+        rows: ParkedArgs,
+        /// Why (1 to 255 characters after trimming).
+        #[arg(long)]
+        reason: String,
+        /// Prints JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Releases pending rows locked longer ago than --older-than (relays that died).
     ReleaseStaleLocks {
         #[command(flatten)]
@@ -203,6 +232,20 @@ enum Command {
     /// group (`outbox-relay inbox <command> --help`).
     #[command(subcommand, after_help = EXIT_CODES_HELP)]
     Inbox(inbox::InboxCommand),
+}
+
+/// The parked rows `redrive` and `discard` act on (R192).
+#[derive(Debug, Clone, clap::Args)]
+pub struct ParkedArgs {
+    /// The row id.
+    #[arg(conflicts_with_all = ["topic", "key"])]
+    pub id: Option<Uuid>,
+    /// Every parked row of this topic (with --key: of that key only).
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// With --topic: every parked row of this partition key.
+    #[arg(long, requires = "topic")]
+    pub key: Option<String>,
 }
 
 /// Which broker `run` publishes to.
@@ -266,6 +309,15 @@ async fn dispatch(cmd: Command) -> Result<(), CliError> {
             key,
             json,
         } => ops::requeue_failed(&db, id, topic, key, json).await,
+        Command::Redrive { db, rows, json } => {
+            ops::redrive(&db, rows.id, rows.topic, rows.key, json).await
+        }
+        Command::Discard {
+            db,
+            rows,
+            reason,
+            json,
+        } => ops::discard(&db, rows.id, rows.topic, rows.key, &reason, json).await,
         Command::ReleaseStaleLocks {
             db,
             older_than,

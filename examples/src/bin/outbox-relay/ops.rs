@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use txoutbox_core::event::Status;
-use txoutbox_core::repository::{DEFAULT_CLEANUP_MAX_ITERATIONS, check_backend_batch_size};
+use txoutbox_core::repository::{
+    DEFAULT_CLEANUP_MAX_ITERATIONS, ParkedTarget, check_backend_batch_size,
+};
 use uuid::Uuid;
 
 use txoutbox_postgres::{Layout, TableKind};
@@ -226,6 +228,8 @@ pub struct BlockedRow<'a> {
     pub locked_by: Option<&'a str>,
     pub waiting: i64,
     pub last_error: Option<&'a str>,
+    /// Parked (R193): shown as `PARKED` in the HELD BY column.
+    pub parked: bool,
 }
 
 /// The text of `blocked-keys`: a table under `scope` (`TOPIC`, `SOURCE`), or `none` when
@@ -246,7 +250,11 @@ pub fn blocked_text(scope: &str, rows: Vec<BlockedRow<'_>>, none: String) -> Str
             k.head,
             format!("{}/{}", k.attempts_made, k.max_attempts),
             k.next_try.format("%Y-%m-%d %H:%M:%S%.3f"),
-            k.locked_by.unwrap_or("-"),
+            if k.parked {
+                "PARKED"
+            } else {
+                k.locked_by.unwrap_or("-")
+            },
             k.waiting,
             k.last_error.unwrap_or("").replace('\n', " ")
         ));
@@ -388,6 +396,7 @@ pub async fn blocked_keys(db: &DbArgs, json: bool, limit: usize, lease: Duration
                 locked_by: k.locked_by.as_deref(),
                 waiting: k.waiting,
                 last_error: k.last_error.as_deref(),
+                parked: k.parked,
             })
             .collect();
         blocked_text("TOPIC", rows, format!("no blocked keys in {t}"))
@@ -443,6 +452,123 @@ pub async fn requeue_failed(
     };
     report(json, &out, || {
         format!("requeued {} failed rows for {what}", out.requeued.len())
+    });
+    Ok(())
+}
+
+/// What `redrive` prints with `--json`.
+#[derive(serde::Serialize)]
+pub struct RedrivenOut {
+    pub table: String,
+    pub redriven: Vec<Uuid>,
+}
+
+/// What `discard` prints with `--json`.
+#[derive(serde::Serialize)]
+pub struct DiscardedOut {
+    pub table: String,
+    pub discarded: Vec<Uuid>,
+    pub reason: String,
+}
+
+/// The rows of `redrive` and `discard` (R192): one id, every parked row of a key (topic or
+/// source, and partition key), or of a topic (source). clap makes the id exclusive and the key
+/// need its topic.
+pub fn parked_target(
+    id: Option<Uuid>,
+    topic: Option<String>,
+    key: Option<String>,
+) -> Result<(ParkedTarget, String)> {
+    match (id, topic, key) {
+        (Some(id), None, None) => Ok((ParkedTarget::Id(id), format!("row {id}"))),
+        (None, Some(t), Some(k)) => Ok((
+            ParkedTarget::Key {
+                topic: t.clone(),
+                partition_key: k.clone(),
+            },
+            format!("topic {t:?}, key {k:?}"),
+        )),
+        (None, Some(t), None) => Ok((ParkedTarget::Topic(t.clone()), format!("topic {t:?}"))),
+        _ => Err(CliError::usage(
+            "give a row id, or --topic (and --key for one key of it)",
+        )),
+    }
+}
+
+/// The refusal of a redrive or discard by key or topic that found no parked row.
+pub fn nothing_parked(op: &str, what: &str, table: &str) -> CliError {
+    CliError::refused(format!(
+        "{op}: no parked rows for {what} in {table}; nothing changed"
+    ))
+}
+
+/// Checks a discard reason before connecting (1 to 255 characters after trimming).
+pub fn check_discard(reason: &str) -> Result<()> {
+    txoutbox_core::repository::check_discard_reason(reason)
+        .map_err(|e| CliError::usage(format!("--reason: {e}")))
+}
+
+pub async fn redrive(
+    db: &DbArgs,
+    id: Option<Uuid>,
+    topic: Option<String>,
+    key: Option<String>,
+    json: bool,
+) -> Result<()> {
+    let (target, what) = parked_target(id, topic, key)?;
+    let s = open(db).await?;
+    let t = s.table.to_string();
+    let ids = s
+        .repo
+        .redrive(&target)
+        .await
+        .map_err(|e| CliError::repo(&t, e))?;
+    if ids.is_empty() {
+        return Err(nothing_parked("redrive", &what, &t));
+    }
+    let out = RedrivenOut {
+        table: t,
+        redriven: ids,
+    };
+    report(json, &out, || {
+        format!(
+            "redrove {} parked rows of {what}; each is due now, ahead of its key's later rows",
+            out.redriven.len()
+        )
+    });
+    Ok(())
+}
+
+pub async fn discard(
+    db: &DbArgs,
+    id: Option<Uuid>,
+    topic: Option<String>,
+    key: Option<String>,
+    reason: &str,
+    json: bool,
+) -> Result<()> {
+    let (target, what) = parked_target(id, topic, key)?;
+    check_discard(reason)?;
+    let s = open(db).await?;
+    let t = s.table.to_string();
+    let ids = s
+        .repo
+        .discard(&target, reason)
+        .await
+        .map_err(|e| CliError::repo(&t, e))?;
+    if ids.is_empty() {
+        return Err(nothing_parked("discard", &what, &t));
+    }
+    let out = DiscardedOut {
+        table: t,
+        discarded: ids,
+        reason: reason.trim().to_owned(),
+    };
+    report(json, &out, || {
+        format!(
+            "discarded {} parked rows of {what} (now failed); their keys go on without them",
+            out.discarded.len()
+        )
     });
     Ok(())
 }

@@ -52,6 +52,11 @@ pub struct RunArgs {
     /// the README, "Choosing the delivery mode".
     #[arg(long, env = "OUTBOX_DELIVERY", default_value = "lease", value_parser = parse_delivery)]
     pub delivery: txoutbox_core::DeliveryMode,
+    /// What the failure that spends a row's last attempt writes: `release` (the row becomes
+    /// failed and its key goes on without it) or `park` (the row stays pending and holds its
+    /// key until `outbox-relay redrive` or `discard`).
+    #[arg(long, env = "OUTBOX_ON_EXHAUSTED", default_value = "release", value_parser = parse_exhausted)]
+    pub on_exhausted: txoutbox_core::repository::OnExhausted,
     #[arg(long, env = "OUTBOX_LEASE", default_value = "300s", value_parser = parse_dur)]
     pub lease: Duration,
     /// How long an idle relay waits between fetches when no NOTIFY wakes it.
@@ -94,6 +99,11 @@ pub struct RunArgs {
 }
 
 fn parse_delivery(s: &str) -> std::result::Result<txoutbox_core::DeliveryMode, String> {
+    s.parse()
+        .map_err(|e: txoutbox_core::ConfigError| e.to_string())
+}
+
+fn parse_exhausted(s: &str) -> std::result::Result<txoutbox_core::repository::OnExhausted, String> {
     s.parse()
         .map_err(|e: txoutbox_core::ConfigError| e.to_string())
 }
@@ -295,9 +305,10 @@ async fn summary(
         (last, last_n) = (Instant::now(), n);
         match metrics.update_backlog(repo.as_ref(), lease).await {
             Ok(b) if log => tracing::info!(
-                "summary: {rate:.1} events/s, backlog {}, blocked keys {}, oldest due {}",
+                "summary: {rate:.1} events/s, backlog {}, blocked keys {} ({} parked), oldest due {}",
                 b.pending,
                 b.blocked_keys,
+                b.parked_keys,
                 b.oldest_due
                     .map_or("-".to_string(), |d| format!("{:.1}s", d.as_secs_f64()))
             ),
@@ -402,6 +413,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
             .poll_interval(poll)
             .publish_timeout(a.publish_timeout)
             .delivery(a.delivery)
+            .on_exhausted(a.on_exhausted)
             .backoff(backoff)
             .step(Arc::new(metrics.clone()))
             .build()
@@ -510,6 +522,7 @@ fn check_settings(a: &RunArgs, id: &str, backoff: Backoff) -> Result<()> {
         .poll_interval(a.poll_interval)
         .publish_timeout(a.publish_timeout)
         .delivery(a.delivery)
+        .on_exhausted(a.on_exhausted)
         .backoff(backoff)
         .build()
         .map(drop)

@@ -17,6 +17,7 @@ use crate::inbox::policy::{self, AncestorAckSettings, FailurePolicy, OnFailure};
 use crate::inbox::processor::{Processor, check_timeouts};
 use crate::inbox::repository::{HandlerTx, InboxBackend};
 use crate::inbox::subscription::Subscription;
+use crate::repository::OnExhausted;
 
 use super::{Runner, duplicates};
 
@@ -37,6 +38,7 @@ pub struct RunnerConfig {
     pub(crate) sources: Vec<String>,
     pub(crate) process_stored: bool,
     pub(crate) breaker: Option<crate::breaker::BreakerConfig>,
+    pub(crate) on_exhausted: OnExhausted,
 }
 
 impl RunnerConfig {
@@ -87,6 +89,7 @@ pub struct RunnerBuilder<B: InboxBackend> {
     pub(super) hooks: Vec<Arc<dyn InboxHooks>>,
     pub(super) rng: Option<Box<dyn RandomSource>>,
     pub(super) breaker: Option<crate::breaker::BreakerConfig>,
+    pub(super) on_exhausted: OnExhausted,
 }
 
 impl<B: InboxBackend> RunnerBuilder<B> {
@@ -128,6 +131,13 @@ impl<B: InboxBackend> RunnerBuilder<B> {
     /// Who retries a failed run (R123; default record).
     pub fn on_failure(mut self, p: OnFailure) -> Self {
         self.on_failure = Some(p);
+        self
+    }
+    /// What the failure that spends a row's last attempt writes, for the failures the runner
+    /// records (R126, R128, R154) and its embedded processor's (R121) (R191, D41; default
+    /// [`OnExhausted::Release`]). Under at_most_once a failure always writes `failed` (R129).
+    pub fn on_exhausted(mut self, o: OnExhausted) -> Self {
+        self.on_exhausted = o;
         self
     }
     /// Commit before handling (R129).
@@ -276,6 +286,7 @@ impl<B: InboxBackend> RunnerBuilder<B> {
             .handler_timeout(self.handler_timeout)
             .backoff(self.backoff)
             .key_order(self.key_order)
+            .on_exhausted(self.on_exhausted)
             .poll_interval(self.processor_poll);
             for h in &self.hooks {
                 b = b.hooks(h.clone());
@@ -301,6 +312,7 @@ impl<B: InboxBackend> RunnerBuilder<B> {
                 sources,
                 process_stored,
                 breaker: self.breaker,
+                on_exhausted: self.on_exhausted,
             },
             embedded: embedded.map(Arc::new),
             hooks: self.hooks,

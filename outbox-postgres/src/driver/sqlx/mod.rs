@@ -183,17 +183,22 @@ impl OutboxRows for PgConnection {
             .await?
             .iter()
             .map(|r| {
+                let attempts_made: i32 = r.try_get(3)?;
+                let max_attempts: i32 = r.try_get(4)?;
                 Ok(BlockedKey {
                     topic: r.try_get(0)?,
                     partition_key: r.try_get(1)?,
                     head_id: r.try_get(2)?,
-                    attempts_made: r.try_get(3)?,
-                    max_attempts: r.try_get(4)?,
+                    attempts_made,
+                    max_attempts,
                     last_error: r.try_get(5)?,
                     next_try: r.try_get(6)?,
                     locked_by: r.try_get(7)?,
                     locked_at: r.try_get(8)?,
                     waiting: r.try_get(9)?,
+                    // Every blocked head is pending: it is parked when its attempts are spent.
+                    parked: attempts_made >= max_attempts,
+                    parked_at: r.try_get(10)?,
                 })
             })
             .collect()

@@ -14,7 +14,7 @@ use txoutbox_core::inbox::repository::{
     Guard, InboxTransaction, Landed, RowLock, RowWrite, WrittenState,
 };
 use txoutbox_core::inbox::{InboxEvent, InboxKey, NewInboxEvent};
-use txoutbox_core::repository::Retry;
+use txoutbox_core::repository::{OnExhausted, Retry};
 use uuid::Uuid;
 
 use super::{Conn, InboxFaults, decoded, one};
@@ -129,14 +129,26 @@ where
         let s = self.stmts.clone();
         let (kind, error, (after, at)) = match write {
             RowWrite::Complete => ("complete", None, retry_binds(&Retry::Keep)),
-            RowWrite::Counted { error, retry } => {
-                ("counted", Some(error_text(error)), retry_binds(retry))
-            }
+            RowWrite::Counted {
+                error,
+                retry,
+                exhausted,
+            } => (
+                match exhausted {
+                    OnExhausted::Release => "counted",
+                    OnExhausted::Park => "counted_park",
+                },
+                Some(error_text(error)),
+                retry_binds(retry),
+            ),
             RowWrite::NotCounted { error, retry } => {
                 ("not_counted", Some(error_text(error)), retry_binds(retry))
             }
-            RowWrite::Terminal { error } => (
-                "terminal",
+            RowWrite::Terminal { error, exhausted } => (
+                match exhausted {
+                    OnExhausted::Release => "terminal",
+                    OnExhausted::Park => "terminal_park",
+                },
                 Some(error_text(error)),
                 retry_binds(&Retry::Keep),
             ),
@@ -494,6 +506,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         worker: &WorkerId,
         error: &str,
         retry: Retry,
+        exhausted: OnExhausted,
     ) -> Result<Option<WrittenState>, RepositoryError> {
         let s = self.stmts.clone();
         let held = self
@@ -511,7 +524,14 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         }
         let error = error.to_owned();
         let w = self
-            .write_raw(id, &RowWrite::Counted { error, retry })
+            .write_raw(
+                id,
+                &RowWrite::Counted {
+                    error,
+                    retry,
+                    exhausted,
+                },
+            )
             .await?;
         let status = w.status.parse().map_err(|_| {
             RepositoryError::Other(format!(
