@@ -375,6 +375,8 @@ mod text {
     pub const LOCK_ROW_RUN: &str = include_str!("../sql/inbox/lock_row_run.sql");
     pub const BY_MESSAGE_ID: &str = include_str!("../sql/inbox/by_message_id.sql");
     pub const DEDUP_LOCK: &str = include_str!("../sql/inbox/dedup_lock.sql");
+    pub const DEDUP_LOCKS: &str = include_str!("../sql/inbox/dedup_locks.sql");
+    pub const LOCK_ROWS: &str = include_str!("../sql/inbox/lock_rows.sql");
     pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
     pub const LOCK_ROW: &str = include_str!("../sql/inbox/lock_row.sql");
     pub const EXISTS: &str = include_str!("../sql/inbox/exists.sql");
@@ -459,6 +461,10 @@ pub struct InboxStatements {
     pub by_message_id: String,
     /// `dedup_lock.sql`.
     pub dedup_lock: String,
+    /// `dedup_locks.sql`: several dedup keys' locks in hash order (R189).
+    pub dedup_locks: String,
+    /// `lock_rows.sql`: a processor transaction's row locks at once (R189).
+    pub lock_rows: String,
     /// `key_lock.sql`.
     pub key_lock: String,
     /// `lock_row.sql` by id alone.
@@ -543,6 +549,8 @@ impl InboxStatements {
             land_run: r(&text::LAND_RUN.replace("{land}", &fragments::strip(text::LAND))),
             by_message_id: r(text::BY_MESSAGE_ID),
             dedup_lock: r(text::DEDUP_LOCK),
+            dedup_locks: r(text::DEDUP_LOCKS),
+            lock_rows: r(text::LOCK_ROWS),
             key_lock: r(text::KEY_LOCK),
             lock_row: by_id(text::LOCK_ROW),
             lock_row_at: at(text::LOCK_ROW, "AND created_at = $2::timestamptz"),
@@ -594,6 +602,8 @@ mod tests {
             &s.lock_row_run,
             &s.lock_row,
             &s.lock_row_at,
+            &s.lock_rows,
+            &s.dedup_locks,
             &s.exists_at,
             &s.write_at,
             &s.by_message_id,

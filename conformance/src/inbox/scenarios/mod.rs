@@ -8,5 +8,6 @@ pub mod paced;
 pub mod pg;
 pub mod policies;
 pub mod processor;
+pub mod processor_batches;
 pub mod stand;
 pub mod visibility;

@@ -486,6 +486,48 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         }
     }
 
+    /// One statement for all the rows (`lock_rows.sql`), then R152's guard on each row it
+    /// locked (BT-11).
+    async fn guard_held(
+        &mut self,
+        rows: &[(Uuid, DateTime<Utc>)],
+        worker: &WorkerId,
+    ) -> Result<Vec<Option<InboxEvent>>, RepositoryError> {
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Uuids(rows.iter().map(|(id, _)| *id).collect()),
+            Bind::NullableTimestamps(rows.iter().map(|(_, at)| Some(*at)).collect()),
+        ];
+        let mut locked: HashMap<Uuid, InboxEvent> = HashMap::with_capacity(rows.len());
+        for raw in self.c().rows(&s.lock_rows, &binds).await? {
+            let r = decoded(raw)?;
+            locked.insert(r.id, r);
+        }
+        Ok(rows
+            .iter()
+            .map(|(id, at)| {
+                self.known.insert(*id, *at);
+                locked.remove(id).filter(|r| {
+                    r.status == Status::Pending && r.locked_by.as_deref() == Some(worker.as_str())
+                })
+            })
+            .collect())
+    }
+
+    async fn lock_dedup_keys(&mut self, keys: &[(String, String)]) -> Result<(), RepositoryError> {
+        if self.stmts.layout != Layout::Partitioned || keys.is_empty() {
+            // The unique index serializes landings on the plain table (R111).
+            return Ok(());
+        }
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Texts(keys.iter().map(|(m, _)| m.clone()).collect()),
+            Bind::Texts(keys.iter().map(|(_, g)| g.clone()).collect()),
+        ];
+        self.c().execute(&s.dedup_locks, &binds).await?;
+        Ok(())
+    }
+
     /// Reads the row undecoded: the guard on its raw status and lease, then the write, whose
     /// returned row is read for its state only (R106; Y-16).
     async fn fail_undecodable(
