@@ -181,7 +181,7 @@ macro_rules! inbox_suite {
             decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
             decoding::e_11, decoding::e_12, decoding::e_13, decoding::e_15, decoding::e_16, decoding::e_17,
             visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02,
-            processor_batches::bt_11
+            processor_batches::bt_11, processor_batches::bt_11_commit
         );
         $crate::inbox_suite!(@one_row $f;
             processor::p_01, processor::b_09, processor::b_11, processor::t_09, processor::h_02,

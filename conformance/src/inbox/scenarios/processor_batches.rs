@@ -170,3 +170,44 @@ pub async fn bt_11<F: InboxFactory>(f: &F) {
     }
     assert_eq!(effects.len(), 100);
 }
+
+/// BT-11 (a failed commit, R189): a T_b whose commit fails applies nothing, and each of its rows
+/// is handled again at once, in the same cycle, in a T_row of its own under R152's guard (not
+/// left to its lease): every row completed once, per key in order, no T_b counted.
+pub async fn bt_11_commit<F: InboxFactory>(f: &F) {
+    let c = Ictx::new(f).await;
+    let mut rows = Vec::new();
+    for i in 0..3 {
+        for k in ["a", "b"] {
+            rows.push(c.land(&format!("{k}{i}"), Some(k)).await.id);
+        }
+    }
+    c.h.fail_next_row_commit();
+    let p = c
+        .processor()
+        .max_per_key(10)
+        .rows_per_transaction(16)
+        .build()
+        .unwrap();
+    let rep = c.cycle(&p).await;
+    assert!(
+        rep.transactions.is_empty(),
+        "BT-11: the failed T_b is not counted: {rep:?}"
+    );
+    let mut done = rep.completed();
+    done.sort();
+    rows.sort();
+    assert_eq!(
+        done, rows,
+        "BT-11: every row handled again at once: {rep:?}"
+    );
+    let effects = c.effects().await;
+    for k in ["a", "b"] {
+        let mine: Vec<&String> = effects.iter().filter(|e| e.starts_with(k)).collect();
+        assert_eq!(
+            mine,
+            vec![&format!("{k}0"), &format!("{k}1"), &format!("{k}2")]
+        );
+    }
+    assert_eq!(effects.len(), 6);
+}
