@@ -16,6 +16,12 @@
 //!    rows behind it untouched (R151);
 //! 4. releases the rows it did not run (R77); hooks run after each commit (R158).
 //!
+//! With `rows_per_transaction` above 1 (the default is 16, R183), step 3 runs the keys in
+//! transactions T_b of several rows instead, each holding whole keys, up to
+//! `handler_concurrency` T_b at once (R189; `processor/batch.rs`): the rows' guards first, a savepoint per
+//! run (R186), one commit; a T_b that cannot finish as a batch hands its rows to the T_row path
+//! above, at once. With 1, step 3 is exactly as written above.
+//!
 //! [`Processor::run`] loops cycles: at once after a cycle that fetched rows and had a run that
 //! did not fail transient or not counted, else after the poll interval (R159, D39).
 

@@ -479,6 +479,16 @@ pub trait InboxTransaction: Send + Sized {
         Ok(out)
     }
 
+    /// Writes [`RowWrite::Complete`] to these rows the transaction holds, in as few statements
+    /// as the store can (R154; R189: a processor transaction completes its rows together
+    /// before its commit); an error when a row is not found. The default writes each (BT-11).
+    async fn complete_rows(&mut self, ids: &[Uuid]) -> Result<(), RepositoryError> {
+        for id in ids {
+            self.write(*id, RowWrite::Complete).await?;
+        }
+        Ok(())
+    }
+
     /// Takes the dedup advisory locks of R111 of these dedup keys `(message_id,
     /// consumer_group)` for the rest of the transaction, in ascending order of
     /// (hashtext(message_id), hashtext(consumer_group)), so that two transactions sharing keys

@@ -377,6 +377,7 @@ mod text {
     pub const DEDUP_LOCK: &str = include_str!("../sql/inbox/dedup_lock.sql");
     pub const DEDUP_LOCKS: &str = include_str!("../sql/inbox/dedup_locks.sql");
     pub const LOCK_ROWS: &str = include_str!("../sql/inbox/lock_rows.sql");
+    pub const COMPLETE_ROWS: &str = include_str!("../sql/inbox/complete_rows.sql");
     pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
     pub const LOCK_ROW: &str = include_str!("../sql/inbox/lock_row.sql");
     pub const EXISTS: &str = include_str!("../sql/inbox/exists.sql");
@@ -465,6 +466,8 @@ pub struct InboxStatements {
     pub dedup_locks: String,
     /// `lock_rows.sql`: a processor transaction's row locks at once (R189).
     pub lock_rows: String,
+    /// `complete_rows.sql`: a processor transaction's completions at once (R189).
+    pub complete_rows: String,
     /// `key_lock.sql`.
     pub key_lock: String,
     /// `lock_row.sql` by id alone.
@@ -551,6 +554,7 @@ impl InboxStatements {
             dedup_lock: r(text::DEDUP_LOCK),
             dedup_locks: r(text::DEDUP_LOCKS),
             lock_rows: r(text::LOCK_ROWS),
+            complete_rows: r(text::COMPLETE_ROWS),
             key_lock: r(text::KEY_LOCK),
             lock_row: by_id(text::LOCK_ROW),
             lock_row_at: at(text::LOCK_ROW, "AND created_at = $2::timestamptz"),
@@ -603,6 +607,7 @@ mod tests {
             &s.lock_row,
             &s.lock_row_at,
             &s.lock_rows,
+            &s.complete_rows,
             &s.dedup_locks,
             &s.exists_at,
             &s.write_at,

@@ -7,7 +7,9 @@
 //! hash order ([`InboxTransaction::lock_dedup_keys`]); then per row in fetch order: the
 //! shutdown signal, the breaker and R153's lease margin (the batch's elapsed time counted, since
 //! the margin runs from the fetch), R164's sibling check, the run with a savepoint of its own
-//! ([`run_handler`], R181, R186), the outcome write. A row behind a row of its key that failed
+//! ([`run_handler`], R181, R186), the outcome write of a failure; the completions of the runs
+//! that succeeded or skipped, and of rows whose sibling completed, in one write before the
+//! commit ([`InboxTransaction::complete_rows`]). A row behind a row of its key that failed
 //! or was not run is released untouched (R151, R77). The commit; then the hooks (R158) and the
 //! breaker, which count only outcomes that committed (R190).
 //!
@@ -21,7 +23,7 @@
 //! `rows_per_transaction` (`max_per_key` above it) has transactions of its own, one after the
 //! other; a later one is released untouched once an earlier one stopped the key.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
@@ -30,7 +32,7 @@ use uuid::Uuid;
 use super::{Processor, RowReport, outcome_report};
 use crate::inbox::handler::run_handler;
 use crate::inbox::model::InboxEvent;
-use crate::inbox::repository::{InboxBackend, InboxFetched, InboxTransaction, RowWrite};
+use crate::inbox::repository::{InboxBackend, InboxFetched, InboxTransaction};
 
 /// What one job of a cycle does, run up to `handler_concurrency` at once.
 pub(super) enum Job {
@@ -185,6 +187,7 @@ impl<B: InboxBackend> Processor<B> {
             .begin()
             .await
             .map_err(|e| fallback("begin", &e))?;
+        tx.plan_handler_timeout(self.config.handler_timeout);
         let pks: Vec<_> = keys
             .iter()
             .flatten()
@@ -207,6 +210,10 @@ impl<B: InboxBackend> Processor<B> {
             }
         }
         let mut entries = Vec::with_capacity(pks.len());
+        // The rows to complete, in one write before the commit (R154, R189), and their dedup
+        // keys.
+        let mut completions: Vec<Uuid> = Vec::new();
+        let mut done: HashSet<(String, String)> = HashSet::new();
         for key in keys {
             let mut stop = false;
             for r in key {
@@ -240,12 +247,18 @@ impl<B: InboxBackend> Processor<B> {
                     stop = true;
                     continue;
                 };
+                let dedup = (row.message_id.clone(), row.consumer_group.clone());
                 if siblings {
-                    match tx.completed_sibling(&row).await {
+                    // A sibling completed in this T_b (its completion written at the end) or
+                    // before it (R164).
+                    let sibling = if done.contains(&dedup) {
+                        Ok(true)
+                    } else {
+                        tx.completed_sibling(&row).await
+                    };
+                    match sibling {
                         Ok(true) => {
-                            if let Err(e) = tx.write(id, RowWrite::Complete).await {
-                                return Err(rolled_back(tx, "sibling completion", &e).await);
-                            }
+                            completions.push(id);
                             entries.push(Entry {
                                 id,
                                 report: RowReport::Duplicate {
@@ -284,12 +297,18 @@ impl<B: InboxBackend> Processor<B> {
                     );
                     return Err(Fallback);
                 }
-                let write = self.outcome_write(&run.result, &row);
-                let written = match tx.write(id, write).await {
-                    Ok(w) => w,
-                    Err(e) => return Err(rolled_back(tx, "outcome write", &e).await),
+                let report = if run.result.is_failure() {
+                    let write = self.outcome_write(&run.result, &row);
+                    match tx.write(id, write).await {
+                        Ok(written) => outcome_report(run.result, &written),
+                        Err(e) => return Err(rolled_back(tx, "outcome write", &e).await),
+                    }
+                } else {
+                    // A success or a skip: completed with the others before the commit.
+                    completions.push(id);
+                    done.insert(dedup);
+                    outcome_report(run.result, &row)
                 };
-                let report = outcome_report(run.result, &written);
                 stop = !goes_on(&report);
                 entries.push(Entry {
                     id,
@@ -298,6 +317,11 @@ impl<B: InboxBackend> Processor<B> {
                     duration: Some(run.duration),
                 });
             }
+        }
+        if !completions.is_empty()
+            && let Err(e) = tx.complete_rows(&completions).await
+        {
+            return Err(rolled_back(tx, "completions", &e).await);
         }
         if let Err(e) = tx.commit().await {
             return Err(fallback("commit", &e));
