@@ -1116,7 +1116,7 @@ pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
         let vs_one = med(&|x| x.2.map_or(f64::NAN, |o| x.0 / o));
         let s = *s;
         let vs = scripted_vs
-            .get(s)
+            .get(&s)
             .and_then(|v| crate::suite::median(v.clone()))
             .map(|r| format!("{r:.2}"))
             .unwrap_or_else(|| "-".into());
