@@ -122,6 +122,9 @@ pub struct InboxArgs {
     /// its `rows_per_transaction` (comma-separated, each 1 to 64).
     #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
     pub per_transaction: Vec<usize>,
+    /// The processor's batch_size in `drain` (its fetch limit, R159; the library default is 50).
+    #[arg(long, default_value_t = 50)]
+    pub drain_batch: usize,
     /// Messages (rows) per transaction of the batched plain-SQL references.
     #[arg(long, default_value_t = 50)]
     pub ref_batch: usize,
@@ -842,6 +845,7 @@ async fn drain_library(
         .worker_id("bench")
         .handler_concurrency(c)
         .rows_per_transaction(rows_per_transaction)
+        .batch_size(a.drain_batch)
         .hooks(ended.clone())
         .build()
         .map_err(|e| BenchError(format!("processor: {e}")))?;
@@ -1009,6 +1013,7 @@ async fn drain(a: &InboxArgs, lib_first: bool) -> Result<Vec<Measured>, BenchErr
                 label: format!("rows_per_transaction={n}"),
                 extra: json!({"rows": a.rows, "keys": a.keys,
                     "handler_concurrency": a.concurrency, "rows_per_transaction": n,
+                    "batch_size": a.drain_batch,
                     "ref_batch": a.ref_batch, "library_s": secs, "reference_s": batched,
                     "reference_one_s": one, "ended": ended}),
             })
