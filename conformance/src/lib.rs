@@ -182,8 +182,32 @@ macro_rules! inbox_suite {
             decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
             decoding::e_11, decoding::e_12, decoding::e_13, decoding::e_15, decoding::e_16, decoding::e_17,
             visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02,
-            park::op_06
+            park::op_06, processor_batches::bt_11, processor_batches::bt_11_commit
         );
+        $crate::inbox_suite!(@one_row $f;
+            processor::p_01, processor::b_09, processor::b_11, processor::t_09, processor::h_02,
+            processor::h_03, processor::h_04, processor::h_07, processor::y_01, processor::y_02,
+            processor::y_04, processor::y_05, processor::y_06, processor::y_07, processor::y_08,
+            processor::y_09, processor::y_11, processor::y_12, processor::y_13, processor::y_14,
+            processor::y_15, processor::y_17, processor::y_18, processor::y_21, processor::y_22,
+            groups::g_05, groups::g_06, groups::g_07
+        );
+    };
+    // The processor scenarios again with one row per transaction (R183: Part II word for
+    // word), in a module of their own.
+    (@one_row $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
+        mod one_row_per_transaction {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    $crate::inbox::ctx::ROWS_PER_TRANSACTION
+                        .scope(1, $crate::inbox::scenarios::$m::$name(&$f))
+                        .await;
+                }
+            )*
+        }
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {
         $(

@@ -1,5 +1,6 @@
 //! The row transaction's lookups by id go through the primary key on both layouts (issue 21):
-//! the runner's T and the processor's T_row find their row by (created_at, id), the partitioned
+//! the runner's T, the processor's T_row and its T_b of several rows (`lock_rows`,
+//! `complete_rows`) find their rows by (created_at, id), the partitioned
 //! table's primary key (Appendix D: the ancestor's `(created_at, id)`, no index leading with
 //! id), which on the plain table is the id's primary key with one more condition. Each
 //! statement is explained with `EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)` by
@@ -23,6 +24,11 @@ use uuid::Uuid;
 
 /// No node may read more rows than this: a lookup of one row.
 const ROW_BOUND: f64 = 4.0;
+
+/// No node of a statement of a processor transaction of several rows (`lock_rows`,
+/// `complete_rows`, given one row here) may read more rows than such a transaction holds (R183):
+/// a lookup of its rows, not of the table.
+const BATCH_ROW_BOUND: f64 = 64.0;
 
 /// No scan may read more buffers than this (a descent of the primary key and the heap page;
 /// the whole primary key of 20,000 rows is far more).
@@ -95,6 +101,16 @@ async fn check(layout: Layout, stats: Stats) -> (Vec<String>, Vec<(String, bool)
             vec![id.clone(), "'1000'".into(), at.clone()],
         ),
         ("write_at", &s.write_at, write_args(true)),
+        (
+            "lock_rows",
+            &s.lock_rows,
+            vec![format!("ARRAY[{id}]"), format!("ARRAY[{at}]")],
+        ),
+        (
+            "complete_rows",
+            &s.complete_rows,
+            vec![format!("ARRAY[{id}]"), format!("ARRAY[{at}]")],
+        ),
     ];
     let by_id_alone: Vec<(&str, &String, Vec<String>)> = vec![
         ("lock_row", &s.lock_row, vec![id.clone()]),
@@ -112,6 +128,11 @@ async fn check(layout: Layout, stats: Stats) -> (Vec<String>, Vec<(String, bool)
         for (set, out_alone) in [(&keyed, false), (&by_id_alone, true)] {
             for (name, text, args) in set.iter() {
                 exec(&mut tx, "SAVEPOINT row").await;
+                plans.bound = if name.ends_with("_rows") {
+                    BATCH_ROW_BOUND
+                } else {
+                    ROW_BOUND
+                };
                 let rules = Rules {
                     statement: name,
                     by_id: &[],

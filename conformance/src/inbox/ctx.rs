@@ -105,6 +105,14 @@ impl txoutbox_core::inbox::InboxHooks for Recorder {
     }
 }
 
+tokio::task_local! {
+    /// The `rows_per_transaction` (R183) of the processors [`Ictx::processor`] builds in a
+    /// trial run inside [`ROWS_PER_TRANSACTION`]`.scope(n, …)`; outside, the default (16). The
+    /// suite runs the processor scenarios again with 1 this way (`inbox_suite!`'s
+    /// `one_row_per_transaction` module).
+    pub static ROWS_PER_TRANSACTION: usize;
+}
+
 /// The group of every scenario.
 pub fn g() -> ConsumerGroup {
     ConsumerGroup::new("g").expect("group")
@@ -197,6 +205,11 @@ impl<H: InboxHarness> Ictx<H> {
             .batch_size(100)
             .max_per_key(1)
             .handler_concurrency(1)
+            .rows_per_transaction(
+                ROWS_PER_TRANSACTION
+                    .try_with(|n| *n)
+                    .unwrap_or(txoutbox_core::inbox::processor::DEFAULT_ROWS_PER_TRANSACTION),
+            )
             .hooks(self.rec.clone())
             .random_source(Box::new(SeededRng::new(11)))
     }

@@ -16,6 +16,12 @@
 //!    rows behind it untouched (R151);
 //! 4. releases the rows it did not run (R77); hooks run after each commit (R158).
 //!
+//! With `rows_per_transaction` above 1 (the default is 16, R183), step 3 runs the keys in
+//! transactions T_b of several rows instead, each holding whole keys, up to
+//! `handler_concurrency` T_b at once (R189; `processor/batch.rs`): the rows' guards first, a savepoint per
+//! run (R186), one commit; a T_b that cannot finish as a batch hands its rows to the T_row path
+//! above, at once. With 1, step 3 is exactly as written above.
+//!
 //! [`Processor::run`] loops cycles: at once after a cycle that fetched rows and had a run that
 //! did not fail transient or not counted, else after the poll interval (R159, D39).
 
@@ -52,6 +58,13 @@ pub const DEFAULT_INBOX_POLL: Duration = Duration::from_secs(5);
 pub const DEFAULT_HANDLER_CONCURRENCY: usize = 16;
 /// Default handler timeout (R165).
 pub const DEFAULT_HANDLER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default rows per processor transaction (R183).
+pub const DEFAULT_ROWS_PER_TRANSACTION: usize = 16;
+/// The most rows a processor transaction may hold (R183, R186: PostgreSQL keeps 64
+/// subtransaction ids per transaction in shared memory, one savepoint per run).
+pub const MAX_ROWS_PER_TRANSACTION: usize = 64;
+
+mod batch;
 
 /// What happened to one fetched row (R157).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,6 +137,10 @@ pub struct InboxCycleReport {
     pub fetched: Vec<Uuid>,
     /// Per row, in fetch order.
     pub outcomes: Vec<(Uuid, RowReport)>,
+    /// The rows of each processor transaction T_b that committed (R189), in commit order; empty
+    /// with `rows_per_transaction` 1, where every row has a T_row of its own (BT-11 counts
+    /// these).
+    pub transactions: Vec<Vec<Uuid>>,
 }
 
 impl InboxCycleReport {
@@ -171,9 +188,14 @@ pub struct ProcessorConfig {
     pub(crate) backoff: Backoff,
     pub(crate) key_order: bool,
     pub(crate) on_exhausted: OnExhausted,
+    pub(crate) rows_per_transaction: usize,
 }
 
 impl ProcessorConfig {
+    /// Rows per transaction (R183).
+    pub fn rows_per_transaction(&self) -> usize {
+        self.rows_per_transaction
+    }
     /// The group.
     pub fn group(&self) -> &ConsumerGroup {
         &self.group
@@ -222,9 +244,18 @@ pub struct ProcessorBuilder<B: InboxBackend> {
     clock: Arc<dyn RelayClock>,
     breaker: Option<BreakerConfig>,
     on_exhausted: OnExhausted,
+    rows_per_transaction: usize,
 }
 
 impl<B: InboxBackend> ProcessorBuilder<B> {
+    /// Rows per transaction T_b (R183, R189; 1 to 64, default 16): the rows of one fetch are
+    /// handled in transactions of at most this many rows, each holding whole keys, with a
+    /// savepoint per run (R186). With 1 every row has a T_row of its own (R152) exactly as
+    /// before.
+    pub fn rows_per_transaction(mut self, n: usize) -> Self {
+        self.rows_per_transaction = n;
+        self
+    }
     /// Enables the circuit breaker of R62 (R158): it opens after `failure_threshold`
     /// consecutive failed handler runs, counted or not, and keeps cycles from fetching until
     /// `recovery_timeout_seconds` passed; values are checked as the relay's.
@@ -329,6 +360,12 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
         if self.handler_concurrency == 0 {
             return Err(ConfigError::new("handler_concurrency must be at least 1"));
         }
+        if !(1..=MAX_ROWS_PER_TRANSACTION).contains(&self.rows_per_transaction) {
+            return Err(ConfigError::new(format!(
+                "rows_per_transaction must be between 1 and {MAX_ROWS_PER_TRANSACTION} (R183), got {}; use 1 for one row per transaction",
+                self.rows_per_transaction
+            )));
+        }
         check_timeouts(self.handler_timeout, self.lease_ttl)?;
         Ok(Processor {
             backend: self.backend,
@@ -346,6 +383,7 @@ impl<B: InboxBackend> ProcessorBuilder<B> {
                 backoff: self.backoff,
                 key_order: self.key_order,
                 on_exhausted: self.on_exhausted,
+                rows_per_transaction: self.rows_per_transaction,
             },
             hooks: self.hooks,
             rng: Mutex::new(
@@ -404,6 +442,7 @@ impl<B: InboxBackend> Processor<B> {
             clock: Arc::new(TokioClock),
             breaker: None,
             on_exhausted: OnExhausted::Release,
+            rows_per_transaction: DEFAULT_ROWS_PER_TRANSACTION,
         }
     }
 
@@ -472,11 +511,26 @@ impl<B: InboxBackend> Processor<B> {
                 }
             }
         }
-        let results: Vec<Vec<(Uuid, RowReport)>> = futures::stream::iter(runs)
-            .map(|run| self.run_key(run, shutdown, fetched_at))
-            .buffer_unordered(self.config.handler_concurrency)
-            .collect()
-            .await;
+        let results: Vec<Vec<(Uuid, RowReport)>> = if self.config.rows_per_transaction == 1 {
+            futures::stream::iter(runs)
+                .map(|run| self.run_key(run, shutdown, fetched_at))
+                .buffer_unordered(self.config.handler_concurrency)
+                .collect()
+                .await
+        } else {
+            let jobs = batch::plan(runs, self.config.rows_per_transaction);
+            let done: Vec<batch::JobResult> = futures::stream::iter(jobs)
+                .map(|job| self.run_job(job, shutdown, fetched_at))
+                .buffer_unordered(self.config.handler_concurrency)
+                .collect()
+                .await;
+            let mut out = Vec::with_capacity(done.len());
+            for d in done {
+                report.transactions.extend(d.transactions);
+                out.push(d.reports);
+            }
+            out
+        };
         let mut by_id: HashMap<Uuid, RowReport> = results.into_iter().flatten().collect();
         let released: Vec<Uuid> = by_id
             .iter()
@@ -597,43 +651,7 @@ impl<B: InboxBackend> Processor<B> {
     /// Postgres layouts, by which T_row finds it. Checked by Y-02, Y-11, Y-12, Y-15, G-06.
     pub async fn run_row(&self, id: Uuid, created_at: DateTime<Utc>) -> RowReport {
         let report = self.run_row_inner(id, created_at).await;
-        if let Some(before) = &report.1 {
-            let failed = match &report.0 {
-                RowReport::Counted {
-                    error,
-                    next_try,
-                    terminal,
-                } => Some((true, error, *next_try, *terminal)),
-                RowReport::NotCounted { error, next_try } => Some((false, error, *next_try, false)),
-                _ => None,
-            };
-            if let Some((counted, error, next_try, terminal)) = failed {
-                logs::recorded(&logs::Recorded {
-                    by: logs::Recorder::Processor,
-                    group: self.config.group.as_str(),
-                    row: before,
-                    counted,
-                    next_try,
-                    terminal,
-                    error,
-                });
-            }
-        }
-        let event_type = report.1.as_ref().map(|r| r.event_type.as_str());
-        hooks::each(&self.hooks, |h| {
-            h.on_row(id, event_type, &report.0, report.2)
-        });
-        if let (
-            RowReport::Counted {
-                terminal: true,
-                error,
-                ..
-            },
-            Some(before),
-        ) = (&report.0, &report.1)
-        {
-            hooks::each(&self.hooks, |h| h.on_terminal_failure(before, error));
-        }
+        self.row_hooks(id, &report.0, report.1.as_ref(), report.2);
         report.0
     }
 
@@ -738,21 +756,7 @@ impl<B: InboxBackend> Processor<B> {
             }
         };
         crate::inbox::spans::record_result(&span, &run.result);
-        let write = match &run.result {
-            RunResult::Completed { .. } | RunResult::Skipped { .. } => RowWrite::Complete,
-            RunResult::Failed(f) => {
-                let mut rng = self.rng.lock().expect("rng poisoned");
-                policy::record_write(
-                    f,
-                    row.attempts_made,
-                    row.created_at,
-                    &self.config.backoff,
-                    rng.as_mut(),
-                    false,
-                    self.config.on_exhausted,
-                )
-            }
-        };
+        let write = self.outcome_write(&run.result, &row);
         if !run.usable && !run.result.is_failure() {
             // The run succeeded but T_row broke before its outcome could commit with its
             // writes (a connection lost after the handler returned): the writes are gone with
@@ -814,22 +818,74 @@ impl<B: InboxBackend> Processor<B> {
                 );
             }
         };
-        let report = match run.result {
-            RunResult::Completed { status } => RowReport::Completed { status },
-            RunResult::Skipped { reason, .. } => RowReport::Skipped { reason },
-            RunResult::Failed(f) => match f.class {
-                FailureClass::Counted { .. } => RowReport::Counted {
-                    error: written.last_error.clone().unwrap_or_default(),
-                    next_try: written.scheduled_at,
-                    terminal: written.status == Status::Failed,
-                },
-                _ => RowReport::NotCounted {
-                    error: written.last_error.clone().unwrap_or_default(),
-                    next_try: written.scheduled_at,
-                },
-            },
-        };
+        let report = outcome_report(run.result, &written);
         (commit(tx, report).await, Some(row), Some(run.duration))
+    }
+
+    /// The outcome write of a run (R154): a completion for a success or a skip, else the
+    /// failure's write by its class and the backoff (R38, R43, R44).
+    fn outcome_write(&self, result: &RunResult, row: &InboxEvent) -> RowWrite {
+        match result {
+            RunResult::Completed { .. } | RunResult::Skipped { .. } => RowWrite::Complete,
+            RunResult::Failed(f) => {
+                let mut rng = self.rng.lock().expect("rng poisoned");
+                policy::record_write(
+                    f,
+                    row.attempts_made,
+                    row.created_at,
+                    &self.config.backoff,
+                    rng.as_mut(),
+                    false,
+                    self.config.on_exhausted,
+                )
+            }
+        }
+    }
+
+    /// The hooks of one row after its transaction ended (R158): the row hook, and the
+    /// terminal-failure hook of a row the outcome made `failed`.
+    fn row_hooks(
+        &self,
+        id: Uuid,
+        report: &RowReport,
+        row: Option<&InboxEvent>,
+        duration: Option<Duration>,
+    ) {
+        if let Some(before) = row {
+            let failed = match report {
+                RowReport::Counted {
+                    error,
+                    next_try,
+                    terminal,
+                } => Some((true, error, *next_try, *terminal)),
+                RowReport::NotCounted { error, next_try } => Some((false, error, *next_try, false)),
+                _ => None,
+            };
+            if let Some((counted, error, next_try, terminal)) = failed {
+                logs::recorded(&logs::Recorded {
+                    by: logs::Recorder::Processor,
+                    group: self.config.group.as_str(),
+                    row: before,
+                    counted,
+                    next_try,
+                    terminal,
+                    error,
+                });
+            }
+        }
+        let event_type = row.map(|r| r.event_type.as_str());
+        hooks::each(&self.hooks, |h| h.on_row(id, event_type, report, duration));
+        if let (
+            RowReport::Counted {
+                terminal: true,
+                error,
+                ..
+            },
+            Some(before),
+        ) = (report, row)
+        {
+            hooks::each(&self.hooks, |h| h.on_terminal_failure(before, error));
+        }
     }
 
     /// Runs cycles until `shutdown` is set (R159): at once after a cycle with a run that did
@@ -888,6 +944,25 @@ pub enum ProcessorError {
         #[source]
         source: RepositoryError,
     },
+}
+
+/// The report of a run whose outcome was written as `written` (R157).
+fn outcome_report(result: RunResult, written: &InboxEvent) -> RowReport {
+    match result {
+        RunResult::Completed { status } => RowReport::Completed { status },
+        RunResult::Skipped { reason, .. } => RowReport::Skipped { reason },
+        RunResult::Failed(f) => match f.class {
+            FailureClass::Counted { .. } => RowReport::Counted {
+                error: written.last_error.clone().unwrap_or_default(),
+                next_try: written.scheduled_at,
+                terminal: written.status == Status::Failed,
+            },
+            _ => RowReport::NotCounted {
+                error: written.last_error.clone().unwrap_or_default(),
+                next_try: written.scheduled_at,
+            },
+        },
+    }
 }
 
 async fn commit<T: InboxTransaction>(tx: T, report: RowReport) -> RowReport {

@@ -500,6 +500,49 @@ pub trait InboxTransaction: Send + Sized {
     /// the row changed meanwhile.
     async fn guard(&mut self, guard: &Guard) -> Result<Option<InboxEvent>, RepositoryError>;
 
+    /// R152's guard of several rows at once, for a processor transaction T_b (R189): each row
+    /// `(id, created_at)` row-locked without waiting (`FOR UPDATE SKIP LOCKED`) and returned
+    /// when it is pending and held by `worker`, else none for that row alone (one it cannot
+    /// lock, one another worker holds, one no longer pending). The answer is in `rows`' order.
+    /// The default runs [`guard`](Self::guard) with [`Guard::HeldBy`] for each row; a store may
+    /// lock them in one statement (BT-11).
+    async fn guard_held(
+        &mut self,
+        rows: &[(Uuid, DateTime<Utc>)],
+        worker: &WorkerId,
+    ) -> Result<Vec<Option<InboxEvent>>, RepositoryError> {
+        let mut out = Vec::with_capacity(rows.len());
+        for (id, created_at) in rows {
+            let g = Guard::HeldBy {
+                id: *id,
+                created_at: *created_at,
+                worker: worker.clone(),
+            };
+            out.push(self.guard(&g).await?);
+        }
+        Ok(out)
+    }
+
+    /// Writes [`RowWrite::Complete`] to these rows the transaction holds, in as few statements
+    /// as the store can (R154; R189: a processor transaction completes its rows together
+    /// before its commit); an error when a row is not found. The default writes each (BT-11).
+    async fn complete_rows(&mut self, ids: &[Uuid]) -> Result<(), RepositoryError> {
+        for id in ids {
+            self.write(*id, RowWrite::Complete).await?;
+        }
+        Ok(())
+    }
+
+    /// Takes the dedup advisory locks of R111 of these dedup keys `(message_id,
+    /// consumer_group)` for the rest of the transaction, in ascending order of
+    /// (hashtext(message_id), hashtext(consumer_group)), so that two transactions sharing keys
+    /// wait in one order (R189, R185 step 2; BT-11 on the partitioned table). The default does
+    /// nothing: a table that cannot hold siblings serializes landings by its unique index.
+    async fn lock_dedup_keys(&mut self, keys: &[(String, String)]) -> Result<(), RepositoryError> {
+        let _ = keys;
+        Ok(())
+    }
+
     /// The processor's write of a row it holds that cannot be decoded (R106), without decoding
     /// it: when the row is still pending and held by `worker` (the guard of R152), the write of
     /// [`RowWrite::Counted`] with `error` and `retry`; returns the row's state as written, or

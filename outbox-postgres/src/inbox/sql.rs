@@ -381,6 +381,9 @@ mod text {
     pub const LOCK_ROW_RUN: &str = include_str!("../sql/inbox/lock_row_run.sql");
     pub const BY_MESSAGE_ID: &str = include_str!("../sql/inbox/by_message_id.sql");
     pub const DEDUP_LOCK: &str = include_str!("../sql/inbox/dedup_lock.sql");
+    pub const DEDUP_LOCKS: &str = include_str!("../sql/inbox/dedup_locks.sql");
+    pub const LOCK_ROWS: &str = include_str!("../sql/inbox/lock_rows.sql");
+    pub const COMPLETE_ROWS: &str = include_str!("../sql/inbox/complete_rows.sql");
     pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
     pub const LOCK_ROW: &str = include_str!("../sql/inbox/lock_row.sql");
     pub const EXISTS: &str = include_str!("../sql/inbox/exists.sql");
@@ -470,6 +473,12 @@ pub struct InboxStatements {
     pub by_message_id: String,
     /// `dedup_lock.sql`.
     pub dedup_lock: String,
+    /// `dedup_locks.sql`: several dedup keys' locks in hash order (R189).
+    pub dedup_locks: String,
+    /// `lock_rows.sql`: a processor transaction's row locks at once (R189).
+    pub lock_rows: String,
+    /// `complete_rows.sql`: a processor transaction's completions at once (R189).
+    pub complete_rows: String,
     /// `key_lock.sql`.
     pub key_lock: String,
     /// `lock_row.sql` by id alone.
@@ -564,6 +573,9 @@ impl InboxStatements {
             land_run: r(&text::LAND_RUN.replace("{land}", &fragments::strip(text::LAND))),
             by_message_id: r(text::BY_MESSAGE_ID),
             dedup_lock: r(text::DEDUP_LOCK),
+            dedup_locks: r(text::DEDUP_LOCKS),
+            lock_rows: r(text::LOCK_ROWS),
+            complete_rows: r(text::COMPLETE_ROWS),
             key_lock: r(text::KEY_LOCK),
             lock_row: by_id(text::LOCK_ROW),
             lock_row_at: at(text::LOCK_ROW, "AND created_at = $2::timestamptz"),
@@ -620,6 +632,9 @@ mod tests {
             &s.lock_row_run,
             &s.lock_row,
             &s.lock_row_at,
+            &s.lock_rows,
+            &s.complete_rows,
+            &s.dedup_locks,
             &s.exists_at,
             &s.write_at,
             &s.by_message_id,

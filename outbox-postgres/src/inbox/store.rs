@@ -628,6 +628,8 @@ impl<D: InboxDriver> InboxBackend for PgInbox<D> {
             run_timeout: None,
             inserted: None,
             known: HashMap::new(),
+            planned_long: false,
+            batch: false,
         })
     }
 }

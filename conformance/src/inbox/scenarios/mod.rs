@@ -9,5 +9,6 @@ pub mod park;
 pub mod pg;
 pub mod policies;
 pub mod processor;
+pub mod processor_batches;
 pub mod stand;
 pub mod visibility;

@@ -320,7 +320,15 @@ pub async fn y_20<F: InboxFactory>(f: &F) {
         c.land("d", Some("k3")).await,
     ];
     c.handler.always(Act::Transient("down".into()));
-    let p = c.processor().breaker(2, 10.0).unwrap().build().unwrap();
+    // One row per transaction: the breaker counts outcomes that committed (R190), and the
+    // runs of one T_b commit together (conformance README).
+    let p = c
+        .processor()
+        .rows_per_transaction(1)
+        .breaker(2, 10.0)
+        .unwrap()
+        .build()
+        .unwrap();
     let rep = c.cycle(&p).await;
     let failed = rep.outcomes.iter().filter(|(_, r)| r.is_failure()).count();
     assert_eq!((failed, rep.released().len()), (2, 1), "{rep:?}");

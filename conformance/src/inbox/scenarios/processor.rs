@@ -414,7 +414,9 @@ pub async fn y_11<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let row = c.land("m1", None).await;
     c.h.fail_next_row_commit();
-    let p = c.processor().build().unwrap();
+    // One row per transaction: a T_b whose commit fails hands its rows again at once (R189,
+    // BT-11), not after the lease (conformance README).
+    let p = c.processor().rows_per_transaction(1).build().unwrap();
     let rep = c.cycle(&p).await;
     assert!(
         matches!(rep.of(row.id), Some(RowReport::CommitFailed { .. })),
@@ -438,7 +440,9 @@ pub async fn y_21<F: InboxFactory>(f: &F) {
     let c = Ictx::new(f).await;
     let row = c.land("m1", None).await;
     c.script("m1", vec![Act::BreakTxOk, Act::Write]);
-    let p = c.processor().build().unwrap();
+    // One row per transaction: a broken T_b hands its rows again at once (R189, the principle
+    // of batches.md), not after the lease (conformance README).
+    let p = c.processor().rows_per_transaction(1).build().unwrap();
     let rep = c.cycle(&p).await;
     assert!(
         matches!(rep.of(row.id), Some(RowReport::CommitFailed { .. })),
@@ -506,8 +510,11 @@ pub async fn y_13<F: InboxFactory>(f: &F) {
             self.0.cancel();
         }
     }
+    // One row per transaction: the hook that sets the signal runs after each commit, which
+    // in a T_b of several rows comes after every run of it (R158, conformance README).
     let w1 = c
         .processor()
+        .rows_per_transaction(1)
         .worker_id("w1")
         .hooks(Arc::new(Cancel(t2)))
         .build()
@@ -580,8 +587,11 @@ pub async fn y_15<F: InboxFactory>(f: &F) {
         if fail_commit {
             c.h.fail_next_row_commit();
         }
+        // One row per transaction: after a T_b's failed commit its rows run again at once in
+        // T_rows of their own (R189), whose terminal failure is then reported (README).
         let p = c
             .processor()
+            .rows_per_transaction(1)
             .backoff(Ictx::<F::Harness>::backoff(0.0))
             .build()
             .unwrap();

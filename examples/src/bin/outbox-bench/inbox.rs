@@ -8,11 +8,18 @@
 //! * `land`: the runner (`txoutbox_core::inbox::Runner`, the sqlx store) handling deliveries of
 //!   the scripted subscription, a handler writing one row of its own, against plain SQL doing
 //!   `INSERT … ON CONFLICT DO NOTHING`, the handler's insert and the completion in one
-//!   transaction per message on as many connections as the runner's concurrency (target 0.7 ×);
+//!   transaction per message on as many connections as the runner's concurrency, and against
+//!   the batched plain SQL of batches.md (target 0.7 × of it): per transaction `--ref-batch`
+//!   (50) messages landed by one multi-row `INSERT … ON CONFLICT DO NOTHING`, each handler's
+//!   insert as a statement of its own, one completion `UPDATE`, one commit;
 //! * `drain`: the processor (`txoutbox_core::inbox::Processor`) draining stored rows with
-//!   handler_concurrency C, against plain SQL doing per row on C connections what R152 does:
-//!   fetch and lock one due row (`FOR UPDATE SKIP LOCKED`), the handler's insert, the
-//!   completion, one commit (target 0.7 ×);
+//!   handler_concurrency C, once per `rows_per_transaction` of the sweep (`--per-transaction`,
+//!   default 1, 4, 16, 64; R183, R189), against two plain-SQL references on C connections: the
+//!   batched one (target 0.7 ×, batches.md): per transaction fetch and lock up to
+//!   `--ref-batch` (50) due rows (`FOR UPDATE SKIP LOCKED`), each handler's insert as a
+//!   statement of its own, one completion `UPDATE`, one commit; and beside it the one-row one,
+//!   what R152 does per row: fetch and lock one due row, the handler's insert, the completion,
+//!   one commit;
 //! * `duplicates`: the same deliveries again after `land`, every one a redelivery of a completed
 //!   message, against the same `INSERT … ON CONFLICT DO NOTHING` alone per message on C
 //!   connections (target 0.9 ×);
@@ -111,6 +118,16 @@ pub struct InboxArgs {
     /// connections (or acks in flight).
     #[arg(long, default_value_t = 16)]
     pub concurrency: usize,
+    /// The sweep of rows per transaction (R183): `drain` runs the processor once per value as
+    /// its `rows_per_transaction` (comma-separated, each 1 to 64).
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64")]
+    pub per_transaction: Vec<usize>,
+    /// The processor's batch_size in `drain` (its fetch limit, R159; the library default is 50).
+    #[arg(long, default_value_t = 50)]
+    pub drain_batch: usize,
+    /// Messages (rows) per transaction of the batched plain-SQL references.
+    #[arg(long, default_value_t = 50)]
+    pub ref_batch: usize,
     /// Repetitions; the library goes first in odd runs and the reference in even ones.
     #[arg(long, default_value_t = 1)]
     pub runs: usize,
@@ -125,10 +142,17 @@ pub struct InboxArgs {
 
 /// What one shape measured: the library's and the reference's rate (messages or rows per
 /// second) and anything else worth printing.
+#[derive(Default)]
 pub struct Measured {
     pub library: f64,
+    /// The reference the ratio and the target are taken against.
     pub reference: f64,
     pub extra: Value,
+    /// The library's setting in a sweep (`rows_per_transaction=16`), empty outside one.
+    pub label: String,
+    /// The one-message-per-transaction reference of the same run, where the target's
+    /// reference is the batched one.
+    pub reference_one: Option<f64>,
 }
 
 fn db(during: &'static str) -> impl Fn(sqlx::Error) -> BenchError {
@@ -216,6 +240,19 @@ impl Bed {
             .count(format!("SELECT count(*) FROM {}", effects(t)))
             .await?;
         Ok((completed, effects))
+    }
+
+    /// Empties inbox table `t` and its effect table.
+    pub async fn truncate(&self, t: &TableName) -> Result<(), BenchError> {
+        sqlx::query(AssertSqlSafe(format!(
+            "TRUNCATE {}, {}",
+            t.qualified(),
+            effects(t)
+        )))
+        .execute(&self.pool)
+        .await
+        .map_err(db("TRUNCATE"))?;
+        Ok(())
     }
 
     pub async fn analyze(&self) -> Result<(), BenchError> {
@@ -479,6 +516,14 @@ fn ref_complete_sql(t: &TableName) -> String {
     )
 }
 
+fn ref_complete_many_sql(t: &TableName) -> String {
+    format!(
+        "UPDATE {} SET status = 'completed', completed_at = now(), updated_at = now() \
+         WHERE id = ANY($1::uuid[])",
+        t.qualified()
+    )
+}
+
 /// Runs `work(i)` for i in 0..n on `c` connections of a pool of their own; returns the
 /// seconds.
 async fn on_connections<F>(conn: &Conn, c: usize, n: usize, work: F) -> Result<f64, BenchError>
@@ -568,6 +613,70 @@ async fn reference_land(
     .await
 }
 
+/// The batched reference of `land` (batches.md): per transaction `batch` messages landed by
+/// one multi-row `INSERT … ON CONFLICT DO NOTHING`, each handler's insert as a statement of its
+/// own, one completion `UPDATE` of the rows it inserted, one commit; on `c` connections.
+async fn reference_land_batched(
+    bed: &Bed,
+    conn: &Conn,
+    n: usize,
+    keys: usize,
+    c: usize,
+    batch: usize,
+) -> Result<f64, BenchError> {
+    let t = &bed.reference;
+    let land = Arc::new(format!(
+        "INSERT INTO {} (id, event_type, payload, status, attempts_made, max_attempts, \
+         scheduled_at, created_at, updated_at, message_id, consumer_group, source, partition_key) \
+         SELECT u.id, 'bench', u.p::jsonb, 'pending', 0, 10, now(), now(), now(), u.m, '{GROUP}', \
+                '{SOURCE}', u.k \
+           FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[]) \
+                WITH ORDINALITY AS u(id, p, m, k, o) ORDER BY u.o \
+         ON CONFLICT DO NOTHING RETURNING id, message_id",
+        t.qualified()
+    ));
+    let effect = Arc::new(format!(
+        "INSERT INTO {} (message_id) VALUES ($1)",
+        effects(t)
+    ));
+    let complete = Arc::new(ref_complete_many_sql(t));
+    let batch = batch.max(1);
+    on_connections(conn, c, n.div_ceil(batch), move |cn, j| {
+        let (land, effect, complete) = (land.clone(), effect.clone(), complete.clone());
+        Box::pin(async move {
+            let (mut ids, mut bodies, mut mids, mut ks) = (vec![], vec![], vec![], vec![]);
+            for i in j * batch..((j + 1) * batch).min(n) {
+                let (id, key) = attrs(i, keys);
+                ids.push(Uuid::now_v7());
+                bodies.push(body(i));
+                mids.push(id);
+                ks.push(key);
+            }
+            let mut tx = cn.begin().await?;
+            let rows: Vec<(Uuid, String)> = sqlx::query_as(AssertSqlSafe(land.to_string()))
+                .bind(&ids)
+                .bind(&bodies)
+                .bind(&mids)
+                .bind(&ks)
+                .fetch_all(&mut *tx)
+                .await?;
+            for (_, message_id) in &rows {
+                sqlx::query(AssertSqlSafe(effect.to_string()))
+                    .bind(message_id)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            let done: Vec<Uuid> = rows.into_iter().map(|(id, _)| id).collect();
+            sqlx::query(AssertSqlSafe(complete.to_string()))
+                .bind(&done)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        })
+    })
+    .await
+}
+
 /// The reference of `duplicates`: the same `INSERT … ON CONFLICT DO NOTHING` alone per message.
 async fn reference_duplicates(
     bed: &Bed,
@@ -626,13 +735,28 @@ async fn land_and_duplicates(
         check(a.messages, lib_done, "land (library)")?;
         check(a.messages, ref_done, "land (reference)")?;
         if with_land {
+            // The batched reference on the same table after the one above: the rows it lands
+            // are new (their message ids follow the first run's), so the table's size matches
+            // what the duplicates below see.
+            bed.truncate(&bed.reference).await?;
+            let batched_secs =
+                reference_land_batched(&bed, &a.conn, a.messages, a.keys, c, a.ref_batch).await?;
+            check(
+                a.messages,
+                bed.done(&bed.reference).await?,
+                "land (batched reference)",
+            )?;
             out.push((
                 InboxShape::Land,
                 Measured {
                     library: a.messages as f64 / lib_secs,
-                    reference: a.messages as f64 / ref_secs,
+                    reference: a.messages as f64 / batched_secs,
+                    reference_one: Some(a.messages as f64 / ref_secs),
                     extra: json!({"messages": a.messages, "keys": a.keys, "concurrency": c,
-                        "library_s": lib_secs, "reference_s": ref_secs, "ended": ended.json()}),
+                        "library_s": lib_secs, "reference_s": batched_secs,
+                        "reference_one_s": ref_secs, "ref_batch": a.ref_batch,
+                        "ended": ended.json()}),
+                    label: String::new(),
                 },
             ));
         }
@@ -668,6 +792,7 @@ async fn land_and_duplicates(
                     reference: a.messages as f64 / ref_secs,
                     extra: json!({"messages": a.messages, "keys": a.keys, "concurrency": c,
                         "library_s": lib_secs, "reference_s": ref_secs}),
+                    ..Measured::default()
                 },
             ));
         }
@@ -708,13 +833,19 @@ async fn preload(bed: &Bed, t: &TableName, rows: usize, keys: usize) -> Result<(
     Ok(())
 }
 
-async fn drain_library(bed: &Bed, a: &InboxArgs) -> Result<(f64, Value), BenchError> {
+async fn drain_library(
+    bed: &Bed,
+    a: &InboxArgs,
+    rows_per_transaction: usize,
+) -> Result<(f64, Value), BenchError> {
     let c = a.concurrency;
     let (store, pool) = bed.store(&a.conn, (c + 4) as u32, a.pool_ping).await?;
     let ended = Arc::new(Ended::default());
     let p = Processor::builder(store, GROUP, WriteOne::new(&bed.lib))
         .worker_id("bench")
         .handler_concurrency(c)
+        .rows_per_transaction(rows_per_transaction)
+        .batch_size(a.drain_batch)
         .hooks(ended.clone())
         .build()
         .map_err(|e| BenchError(format!("processor: {e}")))?;
@@ -778,32 +909,115 @@ async fn drain_reference(bed: &Bed, a: &InboxArgs) -> Result<f64, BenchError> {
     .await
 }
 
-async fn drain(a: &InboxArgs, lib_first: bool) -> Result<Measured, BenchError> {
+/// The batched reference of `drain` (batches.md): on C connections, each transaction fetches
+/// and locks up to `batch` due rows (`FOR UPDATE SKIP LOCKED`), writes each handler's row as a
+/// statement of its own, completes them in one `UPDATE` and commits; a connection stops at a
+/// fetch that finds nothing (every row left is locked by another connection, which finishes
+/// it).
+async fn drain_reference_batched(bed: &Bed, a: &InboxArgs) -> Result<f64, BenchError> {
+    let t = &bed.reference;
+    let fetch = Arc::new(format!(
+        "SELECT id, message_id FROM {} WHERE consumer_group = '{GROUP}' AND status = 'pending' \
+         AND scheduled_at <= now() ORDER BY scheduled_at LIMIT $1 FOR UPDATE SKIP LOCKED",
+        t.qualified()
+    ));
+    let effect = Arc::new(format!(
+        "INSERT INTO {} (message_id) VALUES ($1)",
+        effects(t)
+    ));
+    let complete = Arc::new(ref_complete_many_sql(t));
+    let batch = a.ref_batch.max(1) as i64;
+    on_connections(&a.conn, a.concurrency, a.concurrency, move |cn, _| {
+        let (fetch, effect, complete) = (fetch.clone(), effect.clone(), complete.clone());
+        Box::pin(async move {
+            loop {
+                let mut tx = cn.begin().await?;
+                let rows: Vec<(Uuid, String)> = sqlx::query_as(AssertSqlSafe(fetch.to_string()))
+                    .bind(batch)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                if rows.is_empty() {
+                    return tx.commit().await;
+                }
+                for (_, message_id) in &rows {
+                    sqlx::query(AssertSqlSafe(effect.to_string()))
+                        .bind(message_id)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                let ids: Vec<Uuid> = rows.into_iter().map(|(id, _)| id).collect();
+                sqlx::query(AssertSqlSafe(complete.to_string()))
+                    .bind(&ids)
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+            }
+        })
+    })
+    .await
+}
+
+/// Empties `t`, stores `rows` due rows in it and vacuums it: every drain starts alike.
+async fn fresh(bed: &Bed, t: &TableName, a: &InboxArgs) -> Result<(), BenchError> {
+    bed.truncate(t).await?;
+    preload(bed, t, a.rows, a.keys).await?;
+    sqlx::query(AssertSqlSafe(format!("VACUUM ANALYZE {}", t.qualified())))
+        .execute(&bed.pool)
+        .await
+        .map_err(db("VACUUM ANALYZE"))?;
+    Ok(())
+}
+
+/// `drain`: both references, then the processor once per `rows_per_transaction` of the sweep
+/// (the references last in even runs); one [`Measured`] per setting, each against the batched
+/// reference with the one-row reference beside it.
+async fn drain(a: &InboxArgs, lib_first: bool) -> Result<Vec<Measured>, BenchError> {
     let bed = Bed::create(&a.conn, 2).await?;
     let res = async {
-        preload(&bed, &bed.lib, a.rows, a.keys).await?;
-        preload(&bed, &bed.reference, a.rows, a.keys).await?;
-        for t in [&bed.lib, &bed.reference] {
-            sqlx::query(AssertSqlSafe(format!("VACUUM ANALYZE {}", t.qualified())))
-                .execute(&bed.pool)
-                .await
-                .map_err(db("VACUUM ANALYZE"))?;
-        }
-        let ((lib_secs, ended), ref_secs) = if lib_first {
-            let l = drain_library(&bed, a).await?;
-            (l, drain_reference(&bed, a).await?)
-        } else {
-            let r = drain_reference(&bed, a).await?;
-            (drain_library(&bed, a).await?, r)
+        let references = async {
+            fresh(&bed, &bed.reference, a).await?;
+            let one = drain_reference(&bed, a).await?;
+            check(a.rows, bed.done(&bed.reference).await?, "drain (reference)")?;
+            fresh(&bed, &bed.reference, a).await?;
+            let batched = drain_reference_batched(&bed, a).await?;
+            check(
+                a.rows,
+                bed.done(&bed.reference).await?,
+                "drain (batched reference)",
+            )?;
+            Ok::<_, BenchError>((one, batched))
         };
-        check(a.rows, bed.done(&bed.lib).await?, "drain (library)")?;
-        check(a.rows, bed.done(&bed.reference).await?, "drain (reference)")?;
-        Ok(Measured {
-            library: a.rows as f64 / lib_secs,
-            reference: a.rows as f64 / ref_secs,
-            extra: json!({"rows": a.rows, "keys": a.keys, "handler_concurrency": a.concurrency,
-                "library_s": lib_secs, "reference_s": ref_secs, "ended": ended}),
-        })
+        let library = async {
+            let mut out = Vec::new();
+            for &n in &a.per_transaction {
+                fresh(&bed, &bed.lib, a).await?;
+                let (secs, ended) = drain_library(&bed, a, n).await?;
+                check(a.rows, bed.done(&bed.lib).await?, "drain (library)")?;
+                out.push((n, secs, ended));
+            }
+            Ok::<_, BenchError>(out)
+        };
+        let (lib, (one, batched)) = if lib_first {
+            let l = library.await?;
+            (l, references.await?)
+        } else {
+            let r = references.await?;
+            (library.await?, r)
+        };
+        Ok(lib
+            .into_iter()
+            .map(|(n, secs, ended)| Measured {
+                library: a.rows as f64 / secs,
+                reference: a.rows as f64 / batched,
+                reference_one: Some(a.rows as f64 / one),
+                label: format!("rows_per_transaction={n}"),
+                extra: json!({"rows": a.rows, "keys": a.keys,
+                    "handler_concurrency": a.concurrency, "rows_per_transaction": n,
+                    "batch_size": a.drain_batch,
+                    "ref_batch": a.ref_batch, "library_s": secs, "reference_s": batched,
+                    "reference_one_s": one, "ended": ended}),
+            })
+            .collect())
     }
     .await;
     bed.drop().await;
@@ -830,7 +1044,13 @@ pub async fn scripted_rate(a: &InboxArgs, n: usize) -> Result<f64, BenchError> {
 }
 
 pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
-    let mut results: BTreeMap<InboxShape, Vec<(f64, f64)>> = BTreeMap::new();
+    if let Some(bad) = a.per_transaction.iter().find(|n| !(1..=64).contains(*n)) {
+        return Err(BenchError(format!(
+            "--per-transaction: {bad} is not between 1 and 64 (R183)"
+        )));
+    }
+    type Rates = (f64, f64, Option<f64>);
+    let mut results: BTreeMap<(InboxShape, String), Vec<Rates>> = BTreeMap::new();
     let mut scripted_vs: BTreeMap<InboxShape, Vec<f64>> = BTreeMap::new();
     let mut shapes = a.shapes.clone();
     shapes.dedup();
@@ -847,7 +1067,9 @@ pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
                         measured.extend(land_and_duplicates(&a, lib_first, land, dups).await?);
                     }
                 }
-                InboxShape::Drain => measured.push((*s, drain(&a, lib_first).await?)),
+                InboxShape::Drain => {
+                    measured.extend(drain(&a, lib_first).await?.into_iter().map(|m| (*s, m)));
+                }
                 InboxShape::Nats | InboxShape::Redis => {
                     let m = crate::inbox_brokers::measure(*s, &a, lib_first).await?;
                     measured.push((*s, m));
@@ -857,8 +1079,9 @@ pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
         for (s, m) in measured {
             let ratio = m.library / m.reference;
             let mut line = json!({
-                "shape": s.name(), "run": run + 1, "library_first": lib_first,
+                "shape": s.name(), "setting": m.label, "run": run + 1, "library_first": lib_first,
                 "library_per_s": m.library.round(), "reference_per_s": m.reference.round(),
+                "reference_one_per_s": m.reference_one.map(f64::round),
                 "ratio": (ratio * 1000.0).round() / 1000.0, "target": s.target(),
                 "load": crate::suite::load_avg(), "pool_ping": a.pool_ping,
             });
@@ -869,32 +1092,54 @@ pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
                 o.extend(e);
             }
             println!("{line}");
-            results.entry(s).or_default().push((m.library, m.reference));
+            results.entry((s, m.label)).or_default().push((
+                m.library,
+                m.reference,
+                m.reference_one,
+            ));
         }
     }
     eprintln!();
     eprintln!(
-        "{:<11} {:>6} {:>14} {:>14} {:>7} {:>7} {:>13}",
-        "shape", "runs", "library/s", "reference/s", "ratio", "target", "vs scripted"
+        "{:<36} {:>4} {:>10} {:>12} {:>7} {:>7} {:>12} {:>7} {:>11}",
+        "shape",
+        "runs",
+        "library/s",
+        "reference/s",
+        "ratio",
+        "target",
+        "1-per-tx/s",
+        "vs 1",
+        "vs scripted"
     );
-    for (s, v) in &results {
-        let med = |f: &dyn Fn(&(f64, f64)) -> f64| {
+    for ((s, label), v) in &results {
+        let med = |f: &dyn Fn(&Rates) -> f64| {
             crate::suite::median(v.iter().map(f).collect()).unwrap_or(f64::NAN)
         };
         let ratio = med(&|x| x.0 / x.1);
+        let one = med(&|x| x.2.unwrap_or(f64::NAN));
+        let vs_one = med(&|x| x.2.map_or(f64::NAN, |o| x.0 / o));
+        let s = *s;
         let vs = scripted_vs
-            .get(s)
+            .get(&s)
             .and_then(|v| crate::suite::median(v.clone()))
             .map(|r| format!("{r:.2}"))
             .unwrap_or_else(|| "-".into());
+        let name = if label.is_empty() {
+            s.name().to_owned()
+        } else {
+            format!("{} {label}", s.name())
+        };
         eprintln!(
-            "{:<11} {:>6} {:>14.0} {:>14.0} {:>7.2} {:>7.2} {:>13}  {}",
-            s.name(),
+            "{:<36} {:>4} {:>10.0} {:>12.0} {:>7.2} {:>7.2} {:>12.0} {:>7.2} {:>11}  {}",
+            name,
             v.len(),
             med(&|x| x.0),
             med(&|x| x.1),
             ratio,
             s.target(),
+            one,
+            vs_one,
             vs,
             if ratio >= s.target() {
                 "met"
@@ -904,7 +1149,8 @@ pub async fn inbox(a: InboxArgs) -> Result<(), BenchError> {
         );
     }
     eprintln!(
-        "(medians of the runs; ratio = median of library / reference per run, both measured in the same run)"
+        "(medians of the runs; ratio = median of library / reference per run, both measured in the same run; \
+         reference = the batched plain SQL where a 1-per-tx reference is shown beside it)"
     );
     Ok(())
 }

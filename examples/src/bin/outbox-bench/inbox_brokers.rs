@@ -89,6 +89,7 @@ fn measured(a: &InboxArgs, lib_s: f64, ref_s: f64, scripted: f64, broker: &str) 
         extra: json!({"broker": broker, "messages": a.broker_messages, "keys": a.keys,
             "concurrency": a.concurrency, "library_s": lib_s, "reference_s": ref_s,
             "scripted_per_s": scripted.round(), "vs_scripted": ((n / lib_s) / scripted * 1000.0).round() / 1000.0}),
+        ..Measured::default()
     }
 }
 

@@ -54,6 +54,14 @@ pub struct PgInboxTx<D: Driver> {
     /// id, the primary key of both layouts, by which its by-id statements find them (on the
     /// partitioned table a lookup by id alone reads every partition).
     pub(super) known: HashMap<Uuid, DateTime<Utc>>,
+    /// Whether the planned handler timeout is at least [`SHORT_HANDLER_TIMEOUT`].
+    pub(super) planned_long: bool,
+    /// A processor transaction of several rows (R189, [`InboxTransaction::guard_held`]) with a
+    /// long handler timeout: the timeout is set once, before the first run's savepoint (so no
+    /// rollback to a savepoint undoes it), bounds every run of the transaction and its outcome
+    /// writes, and goes back before the commit (R181 steps 1 and 4, once per transaction
+    /// instead of once per run).
+    pub(super) batch: bool,
 }
 
 impl<D: Driver> std::fmt::Debug for PgInboxTx<D> {
@@ -262,7 +270,7 @@ where
 
 impl<D: InboxDriver> PgInboxTx<D> {
     /// R152's guard: the row locked, pending and held by `worker`.
-    async fn guard_held(
+    async fn guard_held_one(
         &mut self,
         id: Uuid,
         worker: &WorkerId,
@@ -289,6 +297,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
 
     fn plan_handler_timeout(&mut self, timeout: Duration) {
         self.planned_timeout = Some(timeout_ms(timeout));
+        self.planned_long = timeout >= SHORT_HANDLER_TIMEOUT;
     }
 
     async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError> {
@@ -379,6 +388,20 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
 
     async fn savepoint(&mut self, timeout: Duration) -> Result<(), RepositoryError> {
         let s = self.stmts.clone();
+        if self.batch {
+            if !self.timeout_early {
+                // The first run of the transaction: the timeout before the savepoint, for every
+                // run of it (see `batch`).
+                self.timeout_before = self
+                    .c()
+                    .text(&s.statement_timeout, &[Bind::Text(timeout_ms(timeout))])
+                    .await?;
+                self.timeout_early = true;
+            }
+            self.run_timeout = Some(timeout);
+            self.c().execute(&s.savepoint, &[]).await?;
+            return Ok(());
+        }
         self.c().execute(&s.savepoint, &[]).await?;
         self.run_timeout = Some(timeout);
         let ms = timeout_ms(timeout);
@@ -398,6 +421,10 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     }
 
     async fn release_savepoint(&mut self) -> Result<(), RepositoryError> {
+        if self.batch {
+            // The timeout stays for the next run; the commit puts it back.
+            return Ok(());
+        }
         // R181 step 3 without a round trip: the savepoint stays until the commit, which
         // releases it with T (a released and an unreleased savepoint commit the same writes;
         // nothing rolls back to it after a success). The timeout goes back with the outcome
@@ -409,6 +436,10 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
     async fn rollback_to_savepoint(&mut self) -> Result<(), RepositoryError> {
         let s = self.stmts.clone();
         self.c().execute(&s.rollback_to_savepoint, &[]).await?;
+        if self.batch {
+            // Set before the first savepoint, the timeout survives; the commit puts it back.
+            return Ok(());
+        }
         if self.timeout_early {
             // Set before the savepoint, the timeout survives the rollback: the outcome write
             // puts it back (R181 step 4).
@@ -461,7 +492,7 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
             } if s.layout == Layout::Plain => {
                 self.known.insert(*id, *created_at);
                 let Some(ms) = self.planned_timeout.clone() else {
-                    return self.guard_held(*id, worker).await;
+                    return self.guard_held_one(*id, worker).await;
                 };
                 // R152's guard and R181 step 1 in one round trip (lock_row_run.sql).
                 let binds = [
@@ -493,9 +524,84 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
                 worker,
             } => {
                 self.known.insert(*id, *created_at);
-                self.guard_held(*id, worker).await
+                self.guard_held_one(*id, worker).await
             }
         }
+    }
+
+    /// One statement for all the rows (`lock_rows.sql`), then R152's guard on each row it
+    /// locked (BT-11).
+    async fn guard_held(
+        &mut self,
+        rows: &[(Uuid, DateTime<Utc>)],
+        worker: &WorkerId,
+    ) -> Result<Vec<Option<InboxEvent>>, RepositoryError> {
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Uuids(rows.iter().map(|(id, _)| *id).collect()),
+            Bind::NullableTimestamps(rows.iter().map(|(_, at)| Some(*at)).collect()),
+        ];
+        self.batch = self.planned_long;
+        let mut locked: HashMap<Uuid, InboxEvent> = HashMap::with_capacity(rows.len());
+        for raw in self.c().rows(&s.lock_rows, &binds).await? {
+            let r = decoded(raw)?;
+            locked.insert(r.id, r);
+        }
+        Ok(rows
+            .iter()
+            .map(|(id, at)| {
+                self.known.insert(*id, *at);
+                locked.remove(id).filter(|r| {
+                    r.status == Status::Pending && r.locked_by.as_deref() == Some(worker.as_str())
+                })
+            })
+            .collect())
+    }
+
+    /// One statement (`complete_rows.sql`) by the primary key, for rows this transaction knows
+    /// the created_at of (those its guard named); the others by [`write`](Self::write).
+    async fn complete_rows(&mut self, ids: &[Uuid]) -> Result<(), RepositoryError> {
+        let mut pk = (Vec::with_capacity(ids.len()), Vec::with_capacity(ids.len()));
+        for id in ids {
+            match self.known.get(id) {
+                Some(at) => {
+                    pk.0.push(*id);
+                    pk.1.push(Some(*at));
+                }
+                None => {
+                    self.write_raw(*id, &RowWrite::Complete).await?;
+                }
+            }
+        }
+        if pk.0.is_empty() {
+            return Ok(());
+        }
+        let s = self.stmts.clone();
+        let n = pk.0.len() as u64;
+        let binds = [Bind::Uuids(pk.0), Bind::NullableTimestamps(pk.1)];
+        // The row is written: what `land_run` returned of it no longer stands.
+        self.inserted = None;
+        let written = self.c().execute(&s.complete_rows, &binds).await?;
+        if written != n {
+            return Err(RepositoryError::Other(format!(
+                "completing {n} inbox rows wrote {written}: a row this transaction holds was not found"
+            )));
+        }
+        Ok(())
+    }
+
+    async fn lock_dedup_keys(&mut self, keys: &[(String, String)]) -> Result<(), RepositoryError> {
+        if self.stmts.layout != Layout::Partitioned || keys.is_empty() {
+            // The unique index serializes landings on the plain table (R111).
+            return Ok(());
+        }
+        let s = self.stmts.clone();
+        let binds = [
+            Bind::Texts(keys.iter().map(|(m, _)| m.clone()).collect()),
+            Bind::Texts(keys.iter().map(|(_, g)| g.clone()).collect()),
+        ];
+        self.c().execute(&s.dedup_locks, &binds).await?;
+        Ok(())
     }
 
     /// Reads the row undecoded: the guard on its raw status and lease, then the write, whose
@@ -547,8 +653,22 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         }))
     }
 
-    async fn commit(self) -> Result<(), RepositoryError> {
+    async fn commit(mut self) -> Result<(), RepositoryError> {
         let table = self.stmts.table.clone();
+        if self.batch
+            && let Some(before) = self.timeout_before.take()
+        {
+            // R181 step 4 for a processor transaction of several rows (see `batch`).
+            let s = self.stmts.clone();
+            if let Err(e) = self
+                .c()
+                .text(&s.statement_timeout, &[Bind::Text(before)])
+                .await
+            {
+                let _ = D::rollback(&table, self.tx).await;
+                return Err(e);
+            }
+        }
         if self.faults.take_fail_commit() {
             let _ = D::rollback(&table, self.tx).await;
             return Err(RepositoryError::Unavailable {
