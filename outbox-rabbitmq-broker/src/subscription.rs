@@ -586,6 +586,7 @@ impl Subscription for RabbitSubscription {
             rewind: true,
             last_delivery: self.inner.shared.config.delivery_limit.is_some(),
             renew_every: None,
+            rewind_refusal: None,
         }
     }
 
