@@ -369,6 +369,7 @@ impl Transport for NatsTransport {
                 rewind_refusal: None,
             },
             holds_rewinds: false,
+            longest_hold: None,
         }
     }
 

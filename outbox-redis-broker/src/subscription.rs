@@ -548,6 +548,7 @@ impl Transport for RedisTransport {
                 rewind_refusal: None,
             },
             holds_rewinds: true,
+            longest_hold: None,
         }
     }
 
@@ -600,7 +601,11 @@ impl Transport for RedisTransport {
 
     /// The delay has passed: XCLAIM, which counts a delivery; nothing when the entry passed to
     /// another consumer or was trimmed (R136).
-    async fn take_back(&self, m: &RedisEntry) -> Result<Vec<RedisEntry>, SubscriptionError> {
+    async fn take_back(
+        &self,
+        m: &RedisEntry,
+        _delay: Duration,
+    ) -> Result<Vec<RedisEntry>, SubscriptionError> {
         if m.touch.lost.load(Ordering::SeqCst) {
             return Ok(Vec::new());
         }

@@ -214,6 +214,7 @@ impl Transport for ChannelTransport {
                 rewind_refusal: None,
             },
             holds_rewinds: true,
+            longest_hold: None,
         }
     }
 

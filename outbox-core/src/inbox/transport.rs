@@ -81,6 +81,9 @@ pub struct TransportCapabilities {
     /// delays the redelivery (a NATS nak with a delay): then [`Transport::rewind`] is called at
     /// once and nothing waits here.
     pub holds_rewinds: bool,
+    /// The longest a held rewind waits (RabbitMQ's hold_max, R178): a longer delay is cut to
+    /// it. None: the delay as the runner gives it.
+    pub longest_hold: Option<Duration>,
 }
 
 /// What one message is: its view for decoding, its delivery number, whether the broker
@@ -195,10 +198,16 @@ pub trait Transport: Send + Sync + 'static {
     /// redelivery gives it back at once).
     async fn rewind(&self, m: &Self::Message, delay: Duration) -> Result<(), SubscriptionError>;
 
-    /// A held rewind of `m` is due: the messages it gives back at once (Redis claims the
-    /// entry again, which counts a delivery), or none where the broker redelivers it through
-    /// [`read`](Self::read) (the default: [`rewind`](Self::rewind) with no delay).
-    async fn take_back(&self, m: &Self::Message) -> Result<Vec<Self::Message>, SubscriptionError> {
+    /// A held rewind of `m`, made with `delay`, is due: the messages it gives back at once
+    /// (Redis claims the entry again, which counts a delivery), or none where the broker
+    /// redelivers it through [`read`](Self::read) (the default: [`rewind`](Self::rewind) with
+    /// no delay; RabbitMQ returns it with basic.reject, or basic.nack for a give-back of delay
+    /// 0).
+    async fn take_back(
+        &self,
+        m: &Self::Message,
+        _delay: Duration,
+    ) -> Result<Vec<Self::Message>, SubscriptionError> {
         self.rewind(m, Duration::ZERO).await?;
         Ok(Vec::new())
     }
@@ -234,6 +243,7 @@ pub trait Transport: Send + Sync + 'static {
 /// A rewind waiting in the process (R136).
 struct Held<M> {
     message: Arc<M>,
+    delay: Duration,
     due: Instant,
     renewed: Instant,
 }
@@ -334,7 +344,8 @@ impl<T: Transport> Shared<T> {
             let mut held = self.rewinds.lock().expect("poisoned");
             held.sort_by_key(|h| h.due);
             let n = held.iter().take_while(|h| h.due <= now).count().min(max);
-            let due: Vec<Arc<T::Message>> = held.drain(..n).map(|h| h.message).collect();
+            let due: Vec<(Arc<T::Message>, Duration)> =
+                held.drain(..n).map(|h| (h.message, h.delay)).collect();
             let mut renew = Vec::new();
             if let Some(every) = renew_every {
                 for h in held.iter_mut() {
@@ -346,12 +357,20 @@ impl<T: Transport> Shared<T> {
             }
             (due, renew, held.first().map(|h| h.due))
         };
+        // A failed renewal or take-back is logged and does not fail the read: the message
+        // stays with the broker, which hands it out again (its ack deadline, XAUTOCLAIM, the
+        // channel's close), and the other due rewinds are still taken back.
         for m in renew {
-            self.transport.renew(&m).await?;
+            if let Err(e) = self.transport.renew(&m).await {
+                tracing::warn!(error = %e, "renewing a waiting rewind failed");
+            }
         }
         let mut out = Vec::new();
-        for m in due {
-            out.extend(self.transport.take_back(&m).await?);
+        for (m, delay) in due {
+            match self.transport.take_back(&m, delay).await {
+                Ok(back) => out.extend(back),
+                Err(e) => tracing::warn!(error = %e, "taking back a due rewind failed"),
+            }
         }
         if !out.is_empty() {
             return Ok(out);
@@ -403,7 +422,11 @@ impl<T: Transport> Subscription for TransportSubscription<T> {
             let shared = self.shared.clone();
             tokio::spawn(async move {
                 let _reading = shared.reading.lock().await;
-                if shared.closed.load(Ordering::SeqCst) {
+                // A read the caller gave up on may have filled the buffer meanwhile: hand that
+                // out first instead of reading (and waiting) again.
+                if shared.closed.load(Ordering::SeqCst)
+                    || !shared.buffer.lock().expect("poisoned").is_empty()
+                {
                     return Ok(());
                 }
                 let got = shared.fill(max, wait).await?;
@@ -486,13 +509,16 @@ impl<T: Transport> AckHandle for TransportAck<T> {
     /// Where the transport holds rewinds: waits in the queue while it has room (R136), else the
     /// transport's own rewind; elsewhere the transport's own rewind at once.
     async fn rewind(&self, delay: Duration) -> Result<(), SubscriptionError> {
-        if self.shared.holds_rewinds() {
+        let caps = self.shared.transport.capabilities();
+        if caps.holds_rewinds {
+            let delay = caps.longest_hold.map_or(delay, |l| delay.min(l));
             let bound = self.shared.bound.load(Ordering::SeqCst);
             let mut held = self.shared.rewinds.lock().expect("poisoned");
             if held.len() < bound {
                 let now = Instant::now();
                 held.push(Held {
                     message: self.message.clone(),
+                    delay,
                     due: now + delay,
                     renewed: now,
                 });
