@@ -454,7 +454,7 @@ impl Transport for NatsTransport {
                 body: m.payload.to_vec(),
             },
             delivery_number: u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX),
-            redelivered_later: !self.max_deliver.is_some_and(|d| info.delivered >= d),
+            redelivered_later: self.max_deliver.is_none_or(|d| info.delivered < d),
         })
     }
 
