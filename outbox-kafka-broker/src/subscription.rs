@@ -744,6 +744,10 @@ impl Subscription for KafkaSubscription {
             rewind: false,
             last_delivery: false,
             renew_every: None,
+            // R175's text.
+            rewind_refusal: Some(
+                "on_failure rewind is refused on Kafka: a rewind holds its whole partition",
+            ),
         }
     }
 

@@ -32,7 +32,7 @@ pub use config::{
 pub use error::NatsBrokerError;
 pub use subscription::{
     DEFAULT_ACK_WAIT, DEFAULT_DEAD_LETTER_PREFIX, NatsSubscription, NatsSubscriptionConfig,
-    consumer_name_for,
+    NatsTransport, consumer_name_for,
 };
 pub use txoutbox_core::cloudevents::MessageFormat;
 

@@ -21,7 +21,6 @@
 //! delivery is the one with n = max_deliver when max_deliver is set. Checked by the J scenarios
 //! J-01 to J-07 and J-31, and the G scenarios, in `outbox-conformance`'s broker trials.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
@@ -34,7 +33,10 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use txoutbox_core::inbox::decode::BrokerMessage;
 use txoutbox_core::inbox::subscription::{
-    AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
+    RunnerSettings, SubscriptionCapabilities, SubscriptionError,
+};
+use txoutbox_core::inbox::transport::{
+    DeadLetter, Received, Transport, TransportCapabilities, TransportSubscription, transient,
 };
 
 use crate::error::NatsBrokerError;
@@ -110,7 +112,9 @@ impl NatsSubscriptionConfig {
     }
 
     /// The runner uses `on_failure = rewind` with this max_attempts: a bound consumer whose
-    /// max_deliver is below it is refused (R133).
+    /// max_deliver is below it is refused at bind (R133). Optional: the runner gives its
+    /// max_attempts to the subscription when it is built, and that build refuses the same
+    /// consumer; this only moves the refusal earlier.
     pub fn rewinds_with_max_attempts(mut self, max_attempts: u32) -> Self {
         self.rewind_max_attempts = Some(max_attempts);
         self
@@ -170,11 +174,13 @@ pub fn consumer_name_for(group: &str) -> String {
         .collect()
 }
 
-struct Inner {
+/// The NATS half of the inbox's subscription ([`Transport`]): a JetStream durable pull
+/// consumer. Reached through [`NatsSubscription`] (which dereferences to the generic
+/// subscription; its [`transport`](TransportSubscription::transport) is this).
+pub struct NatsTransport {
     client: async_nats::Client,
     js: jetstream::Context,
     consumer: PullConsumer,
-    stream: String,
     /// The consumer group of the config, given to the runner (R133).
     group: String,
     /// The config's topics, given to the runner as its default sources (R121): none when
@@ -187,30 +193,13 @@ struct Inner {
     /// Whether the server takes `+TERM {reason}` (2.10.4 and later); an earlier one ignores
     /// that payload, so it gets a plain `+TERM`.
     term_with_reason: bool,
-    /// Messages a pull brought after its caller stopped waiting (the runner's read is
-    /// cancelled when another branch of its loop wins); handed out by the next read.
-    buffer: std::sync::Mutex<std::collections::VecDeque<jetstream::Message>>,
-    /// Held by a pull task for its duration; a close waits for it.
-    reading: tokio::sync::Mutex<()>,
-    closed: std::sync::atomic::AtomicBool,
 }
 
-/// The inbox's subscription on a NATS JetStream durable pull consumer (R133, R134). Cloning
-/// shares it; several runners of one group may read one consumer, each through its own
-/// subscription.
-#[derive(Clone)]
-pub struct NatsSubscription {
-    inner: Arc<Inner>,
-}
-
-impl std::fmt::Debug for NatsSubscription {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsSubscription")
-            .field("stream", &self.inner.stream)
-            .field("ack_wait", &self.inner.ack_wait)
-            .field("max_deliver", &self.inner.max_deliver)
-            .finish_non_exhaustive()
-    }
+txoutbox_core::transport_subscription! {
+    /// The inbox's subscription on a NATS JetStream durable pull consumer (R133, R134): the
+    /// generic subscription over [`NatsTransport`]. Cloning shares it; several runners of one
+    /// group may read one consumer, each through its own subscription.
+    pub struct NatsSubscription(NatsTransport);
 }
 
 fn consumer_error(consumer: &str, message: impl std::fmt::Display) -> NatsBrokerError {
@@ -218,6 +207,13 @@ fn consumer_error(consumer: &str, message: impl std::fmt::Display) -> NatsBroker
         stream: format!("consumer {consumer}"),
         message: message.to_string(),
     }
+}
+
+/// The max_deliver check of R133: a bound consumer must deliver at least max_attempts times
+/// when the runner rewinds.
+fn max_deliver_problem(max_deliver: i64, max_attempts: u32) -> Option<String> {
+    (max_deliver > 0 && max_deliver < i64::from(max_attempts))
+        .then(|| format!("max_deliver ({max_deliver}) is below max_attempts ({max_attempts})"))
 }
 
 impl NatsSubscription {
@@ -252,14 +248,11 @@ impl NatsSubscription {
                         "ack_policy must be explicit".into(),
                     ));
                 }
-                if let Some(m) = config.rewind_max_attempts
-                    && c.max_deliver > 0
-                    && c.max_deliver < i64::from(m)
+                if let Some(p) = config
+                    .rewind_max_attempts
+                    .and_then(|m| max_deliver_problem(c.max_deliver, m))
                 {
-                    return Err(NatsBrokerError::Config(format!(
-                        "max_deliver ({}) is below max_attempts ({m})",
-                        c.max_deliver
-                    )));
+                    return Err(NatsBrokerError::Config(p));
                 }
                 if info.push_bound || c.deliver_subject.is_some() {
                     return Err(NatsBrokerError::Config(format!(
@@ -310,81 +303,38 @@ impl NatsSubscription {
         };
         let max_deliver = (c.max_deliver > 0).then_some(c.max_deliver);
         let term_with_reason = version_at_least(&client.server_info().version, (2, 10, 4));
-        Ok(Self {
-            inner: Arc::new(Inner {
-                client,
-                js,
-                consumer,
-                stream: config.stream,
-                group: config.group,
-                topics: config
-                    .topics
-                    .iter()
-                    .all(|t| !t.split('.').any(|tok| tok == "*" || tok == ">"))
-                    .then_some(config.topics)
-                    .filter(|t| !t.is_empty()),
-                subject_prefix: config.subject_prefix,
-                dead_letter_prefix: config.dead_letter_prefix,
-                ack_wait,
-                max_deliver,
-                term_with_reason,
-                buffer: std::sync::Mutex::default(),
-                reading: tokio::sync::Mutex::new(()),
-                closed: std::sync::atomic::AtomicBool::new(false),
-            }),
-        })
+        Ok(Self(TransportSubscription::new(NatsTransport {
+            client,
+            js,
+            consumer,
+            group: config.group,
+            topics: config
+                .topics
+                .iter()
+                .all(|t| !t.split('.').any(|tok| tok == "*" || tok == ">"))
+                .then_some(config.topics)
+                .filter(|t| !t.is_empty()),
+            subject_prefix: config.subject_prefix,
+            dead_letter_prefix: config.dead_letter_prefix,
+            ack_wait,
+            max_deliver,
+            term_with_reason,
+        })))
     }
 
     /// The consumer's ack_wait (renewals go every half of it).
     pub fn ack_wait(&self) -> Duration {
-        self.inner.ack_wait
+        self.transport().ack_wait
     }
 
     /// The consumer's max_deliver, when it has one.
     pub fn max_deliver(&self) -> Option<i64> {
-        self.inner.max_deliver
+        self.transport().max_deliver
     }
 
     /// The consumer's name.
     pub fn consumer_name(&self) -> &str {
-        &self.inner.consumer.cached_info().name
-    }
-
-    fn delivery(&self, m: jetstream::Message) -> Result<InboxDelivery, SubscriptionError> {
-        let info = m.info().map_err(|e| {
-            SubscriptionError::permanent(format!(
-                "NATS: a pulled message has no JetStream metadata: {e}"
-            ))
-        })?;
-        let n = u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX);
-        let sequence = info.stream_sequence;
-        let stream = info.stream.to_owned();
-        let last = self.inner.max_deliver.is_some_and(|d| info.delivered >= d);
-        let mut headers = Vec::new();
-        if let Some(h) = &m.headers {
-            for (k, vs) in h.iter() {
-                for v in vs {
-                    headers.push((k.to_string(), v.as_str().to_owned()));
-                }
-            }
-        }
-        let message = BrokerMessage::Nats {
-            stream,
-            sequence,
-            subject: m.subject.to_string(),
-            subject_prefix: self.inner.subject_prefix.clone(),
-            headers,
-            body: m.payload.to_vec(),
-        };
-        Ok(InboxDelivery {
-            message,
-            delivery_number: n,
-            redelivered_later: !last,
-            ack: Arc::new(NatsAck {
-                inner: self.inner.clone(),
-                msg: m,
-            }),
-        })
+        &self.transport().consumer.cached_info().name
     }
 }
 
@@ -400,201 +350,174 @@ pub(crate) fn version_at_least(v: &str, min: (u64, u64, u64)) -> bool {
     (at(0), at(1), at(2)) >= min
 }
 
-fn transient(what: &str, e: impl std::fmt::Display) -> SubscriptionError {
-    SubscriptionError::transient(format!("NATS: {what} failed: {e}"))
+fn failed(what: &str, e: impl std::fmt::Display) -> SubscriptionError {
+    transient("NATS", what, e)
 }
 
 #[async_trait]
-impl Subscription for NatsSubscription {
-    fn capabilities(&self) -> SubscriptionCapabilities {
-        SubscriptionCapabilities {
-            name: "nats",
-            rewind: true,
-            last_delivery: self.inner.max_deliver.is_some(),
-            renew_every: Some(self.inner.ack_wait / 2),
+impl Transport for NatsTransport {
+    type Message = jetstream::Message;
+
+    /// Rewinds are naks with a delay: the server holds them, none waits in the process.
+    fn capabilities(&self) -> TransportCapabilities {
+        TransportCapabilities {
+            subscription: SubscriptionCapabilities {
+                name: "nats",
+                rewind: true,
+                last_delivery: self.max_deliver.is_some(),
+                renew_every: Some(self.ack_wait / 2),
+                rewind_refusal: None,
+            },
+            holds_rewinds: false,
+            longest_hold: None,
         }
     }
 
     /// The config's consumer group: the runner's (`Runner::for_subscription` takes it).
     fn group(&self) -> Option<&str> {
-        Some(&self.inner.group)
+        Some(&self.group)
     }
 
     /// The config's topics, unless there are none or one is a wildcard (`*`, `>`): then the
     /// runner's sources must be given (R121).
     fn topics(&self) -> Option<&[String]> {
-        self.inner.topics.as_deref()
+        self.topics.as_deref()
     }
 
-    /// Pulls at most `max` messages (the runner's free slots, R134), waiting at most `wait`.
-    async fn next(
+    /// A rewinding runner's max_attempts above the consumer's max_deliver is refused (R133).
+    fn check_settings(&self, settings: &RunnerSettings) -> Result<(), String> {
+        match (settings.rewind_max_attempts, self.max_deliver) {
+            (Some(m), Some(d)) => max_deliver_problem(d, m).map_or(Ok(()), Err),
+            _ => Ok(()),
+        }
+    }
+
+    /// One pull of at most `max` messages, waiting at most `wait` (R134).
+    async fn read(
         &self,
         max: usize,
         wait: Duration,
-    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        if max == 0 || self.inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
-            return Ok(Vec::new());
-        }
-        if self.buffered() == 0 {
-            // The pull runs in a task of its own, so that a read the runner gives up on (its
-            // loop's select) does not drop messages the server already sent: they wait in the
-            // buffer for the next read instead of coming back only after ack_wait.
-            let inner = self.inner.clone();
-            tokio::spawn(async move {
-                let _reading = inner.reading.lock().await;
-                if inner.closed.load(std::sync::atomic::Ordering::SeqCst) {
-                    return Ok(());
-                }
-                pull(&inner, max, wait).await
-            })
-            .await
-            .map_err(|e| transient("a pull task", e))??;
-        }
-        let taken: Vec<jetstream::Message> = {
-            let mut b = self.inner.buffer.lock().expect("poisoned");
-            let n = b.len().min(max);
-            b.drain(..n).collect()
+    ) -> Result<Vec<jetstream::Message>, SubscriptionError> {
+        let mut batch = if wait.is_zero() {
+            self.consumer
+                .fetch()
+                .max_messages(max)
+                .messages()
+                .await
+                .map_err(|e| failed("a pull request", e))?
+        } else {
+            self.consumer
+                .batch()
+                .max_messages(max)
+                .expires(wait.max(Duration::from_millis(10)))
+                .messages()
+                .await
+                .map_err(|e| failed("a pull request", e))?
         };
-        taken.into_iter().map(|m| self.delivery(m)).collect()
-    }
-
-    /// No pull after this; waits for one in flight (at most its wait), and gives the messages
-    /// it brought back at once (a plain nak) rather than after ack_wait (R167).
-    async fn close(&self) {
-        self.inner
-            .closed
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        drop(self.inner.reading.lock().await);
-        let left: Vec<jetstream::Message> = self
-            .inner
-            .buffer
-            .lock()
-            .expect("poisoned")
-            .drain(..)
-            .collect();
-        for m in left {
-            if let Err(e) = m.ack_with(AckKind::Nak(None)).await {
-                tracing::warn!(error = %e, "giving back a pulled message at close failed");
+        let mut out = Vec::new();
+        while let Some(m) = batch.next().await {
+            match m {
+                Ok(m) => out.push(m),
+                Err(e) if out.is_empty() => return Err(failed("a pull", e)),
+                Err(e) => {
+                    tracing::debug!(error = %e, "NATS pull ended early");
+                    break;
+                }
             }
         }
+        Ok(out)
     }
-}
 
-impl NatsSubscription {
-    fn buffered(&self) -> usize {
-        self.inner.buffer.lock().expect("poisoned").len()
-    }
-}
-
-/// One pull of at most `max` messages, waiting at most `wait`, into the buffer.
-async fn pull(inner: &Inner, max: usize, wait: Duration) -> Result<(), SubscriptionError> {
-    let mut batch = if wait.is_zero() {
-        inner
-            .consumer
-            .fetch()
-            .max_messages(max)
-            .messages()
-            .await
-            .map_err(|e| transient("a pull request", e))?
-    } else {
-        inner
-            .consumer
-            .batch()
-            .max_messages(max)
-            .expires(wait.max(Duration::from_millis(10)))
-            .messages()
-            .await
-            .map_err(|e| transient("a pull request", e))?
-    };
-    let mut got = 0;
-    while let Some(m) = batch.next().await {
-        match m {
-            Ok(m) => {
-                got += 1;
-                inner.buffer.lock().expect("poisoned").push_back(m);
-            }
-            Err(e) if got == 0 => return Err(transient("a pull", e)),
-            Err(e) => {
-                tracing::debug!(error = %e, "NATS pull ended early");
-                break;
+    /// n is the `delivered` count of the JetStream metadata; the last delivery is n =
+    /// max_deliver.
+    fn received(&self, m: &jetstream::Message) -> Result<Received, SubscriptionError> {
+        let info = m.info().map_err(|e| {
+            SubscriptionError::permanent(format!(
+                "NATS: a pulled message has no JetStream metadata: {e}"
+            ))
+        })?;
+        let mut headers = Vec::new();
+        if let Some(h) = &m.headers {
+            for (k, vs) in h.iter() {
+                for v in vs {
+                    headers.push((k.to_string(), v.as_str().to_owned()));
+                }
             }
         }
+        Ok(Received {
+            message: BrokerMessage::Nats {
+                stream: info.stream.to_owned(),
+                sequence: info.stream_sequence,
+                subject: m.subject.to_string(),
+                subject_prefix: self.subject_prefix.clone(),
+                headers,
+                body: m.payload.to_vec(),
+            },
+            delivery_number: u32::try_from(info.delivered.max(1)).unwrap_or(u32::MAX),
+            redelivered_later: self.max_deliver.is_none_or(|d| info.delivered < d),
+        })
     }
-    Ok(())
-}
 
-struct NatsAck {
-    inner: Arc<Inner>,
-    msg: jetstream::Message,
-}
-
-impl NatsAck {
-    fn reply(&self) -> Result<async_nats::Subject, SubscriptionError> {
-        self.msg
-            .reply
-            .clone()
-            .ok_or_else(|| SubscriptionError::permanent("NATS: the message has no reply subject"))
-    }
-}
-
-#[async_trait]
-impl AckHandle for NatsAck {
     /// `+ACK`, confirmed by the server (R134).
-    async fn commit(&self) -> Result<(), SubscriptionError> {
-        self.msg
-            .double_ack()
+    async fn commit(&self, m: &jetstream::Message) -> Result<(), SubscriptionError> {
+        m.double_ack()
             .await
-            .map_err(|e| transient("the confirmed ack", e))
+            .map_err(|e| failed("the confirmed ack", e))
     }
 
-    /// `-NAK` with the delay (R134).
-    async fn rewind(&self, delay: Duration) -> Result<(), SubscriptionError> {
+    /// `-NAK` with the delay (a plain `-NAK` for none, R134).
+    async fn rewind(
+        &self,
+        m: &jetstream::Message,
+        delay: Duration,
+    ) -> Result<(), SubscriptionError> {
         let d = (!delay.is_zero()).then_some(delay);
-        self.msg
-            .ack_with(AckKind::Nak(d))
+        m.ack_with(AckKind::Nak(d))
             .await
-            .map_err(|e| transient("nak", e))
+            .map_err(|e| failed("nak", e))
     }
 
     /// `+TERM {reason}` to the reply subject (R134); a plain `+TERM` on a server before 2.10.4,
     /// which would ignore the longer payload and leave the message pending.
-    async fn term(&self, reason: &str) -> Result<(), SubscriptionError> {
-        let reply = self.reply()?;
-        let payload = if self.inner.term_with_reason {
+    async fn term(&self, m: &jetstream::Message, reason: &str) -> Result<(), SubscriptionError> {
+        let reply = m.reply.clone().ok_or_else(|| {
+            SubscriptionError::permanent("NATS: the message has no reply subject")
+        })?;
+        let payload = if self.term_with_reason {
             format!("+TERM {reason}")
         } else {
             "+TERM".to_owned()
         };
-        self.inner
-            .client
+        self.client
             .publish(reply, payload.into())
             .await
-            .map_err(|e| transient("term", e))?;
-        self.inner
-            .client
+            .map_err(|e| failed("term", e))?;
+        self.client
             .flush()
             .await
-            .map_err(|e| transient("term (flush)", e))
+            .map_err(|e| failed("term (flush)", e))
     }
 
     /// In progress (`+WPI`, R134).
-    async fn renew(&self) -> Result<(), SubscriptionError> {
-        self.msg
-            .ack_with(AckKind::Progress)
+    async fn renew(&self, m: &jetstream::Message) -> Result<(), SubscriptionError> {
+        m.ack_with(AckKind::Progress)
             .await
-            .map_err(|e| transient("in-progress", e))
+            .map_err(|e| failed("in-progress", e))
     }
 
     /// Publishes the message as received to `deadletter.` + subject with R140's headers and
     /// waits for the stream's acknowledgement.
-    async fn dead_letter(&self, reason: &str, group: &str) -> Result<(), SubscriptionError> {
-        let info = self
-            .msg
+    async fn dead_letter(
+        &self,
+        m: &jetstream::Message,
+        letter: &DeadLetter<'_>,
+    ) -> Result<(), SubscriptionError> {
+        let info = m
             .info()
             .map_err(|e| SubscriptionError::permanent(format!("NATS: no metadata: {e}")))?;
         let (stream, seq) = (info.stream.to_owned(), info.stream_sequence);
         let mut h = HeaderMap::new();
-        if let Some(orig) = &self.msg.headers {
+        if let Some(orig) = &m.headers {
             for (k, vs) in orig.iter() {
                 if k.to_string().eq_ignore_ascii_case("Nats-Msg-Id") {
                     continue;
@@ -604,27 +527,25 @@ impl AckHandle for NatsAck {
                 }
             }
         }
-        let value = |s: &str| -> HeaderValue {
-            // Header values cannot hold line breaks.
-            s.replace(['\r', '\n'], " ")
-                .parse()
-                .unwrap_or_else(|_| HeaderValue::from(""))
-        };
-        h.insert("Inbox-Invalid-Reason", value(reason));
-        h.insert("Inbox-Consumer-Group", value(group));
-        h.insert("Inbox-Original-Stream", value(&stream));
-        h.insert("Inbox-Original-Sequence", value(&seq.to_string()));
-        h.insert("Nats-Msg-Id", value(&format!("{stream}:{seq}:{group}")));
-        let subject = format!("{}{}", self.inner.dead_letter_prefix, self.msg.subject);
+        let value =
+            |s: &str| -> HeaderValue { s.parse().unwrap_or_else(|_| HeaderValue::from("")) };
+        let added = letter.headers(&[("Stream", stream.clone()), ("Sequence", seq.to_string())]);
+        for (k, v) in &added {
+            h.insert(k.as_str(), value(v));
+        }
+        h.insert(
+            "Nats-Msg-Id",
+            value(&format!("{stream}:{seq}:{}", letter.group)),
+        );
+        let subject = format!("{}{}", self.dead_letter_prefix, m.subject);
         let ack = self
-            .inner
             .js
-            .publish_with_headers(subject.clone(), h, self.msg.payload.clone())
+            .publish_with_headers(subject.clone(), h, m.payload.clone())
             .await
-            .map_err(|e| transient(&format!("the dead-letter publish to {subject}"), e))?;
+            .map_err(|e| failed(&format!("the dead-letter publish to {subject}"), e))?;
         ack.await
             .map(|_| ())
-            .map_err(|e| transient(&format!("the dead-letter copy to {subject}"), e))
+            .map_err(|e| failed(&format!("the dead-letter copy to {subject}"), e))
     }
 }
 

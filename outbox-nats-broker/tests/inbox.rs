@@ -442,6 +442,15 @@ async fn j_04() {
     .await;
 }
 
+/// J-38, R136's bound given once, to the runner: NATS holds its rewinds itself (a nak with a delay), so the second failure is rewound too and nothing waits in the process (R126, R136).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_38() {
+    txoutbox_conformance::inbox::broker_subs::rewinds_bounded_by_the_runner_concurrency(
+        &Nats, false,
+    )
+    .await;
+}
+
 /// J-05: with ack_wait 1 s, in-progress renewals keep a 3 s run's message: one delivery, one
 /// run, completed (R134).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

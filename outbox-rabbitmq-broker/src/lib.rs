@@ -27,7 +27,7 @@ pub use error::RabbitMqBrokerError;
 pub use lapin;
 pub use subscription::{
     DEAD_LETTER_SUFFIX, DEFAULT_CONSUMER_TIMEOUT, DEFAULT_HOLD_MAX, DeadLetterMode, QueueType,
-    RabbitSubscription, RabbitSubscriptionConfig, amqp_value,
+    RabbitDelivery, RabbitSubscription, RabbitSubscriptionConfig, RabbitTransport, amqp_value,
 };
 pub use txoutbox_core::cloudevents::MessageFormat;
 

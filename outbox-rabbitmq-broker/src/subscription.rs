@@ -47,7 +47,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use txoutbox_core::inbox::decode::{AmqpValue, BrokerMessage};
 use txoutbox_core::inbox::subscription::{
-    AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
+    RunnerSettings, SubscriptionCapabilities, SubscriptionError,
+};
+use txoutbox_core::inbox::transport::{
+    DeadLetter, Received, Transport, TransportCapabilities, TransportSubscription,
 };
 
 use crate::config::RabbitMqBrokerConfig;
@@ -245,67 +248,63 @@ struct Consumer {
     tag: ShortString,
 }
 
-struct Received {
+/// One delivery as a consumer received it.
+struct Arrived {
     queue: String,
     delivery: lapin::message::Delivery,
 }
 
-/// What the acks of a delivery share with the subscription.
-struct Shared {
+/// One delivery as read: its queue, the id its rewinds are counted under, and a token
+/// cancelled when the runner ends it (which ends a last delivery's hold_max bound).
+pub struct RabbitDelivery {
+    queue: String,
+    id_key: Option<String>,
+    delivery: lapin::message::Delivery,
+    ended: CancellationToken,
+}
+
+/// The RabbitMQ half of the inbox's subscription ([`Transport`]): one consumer per queue, each
+/// on a channel of its own. Reached through [`RabbitSubscription`].
+pub struct RabbitTransport {
     config: RabbitSubscriptionConfig,
     /// Rewinds counted per message id, for n on classic queues (R178).
     rewinds: std::sync::Mutex<HashMap<String, u32>>,
-    /// Cancelled at close and on drop: held rewinds end at once.
+    /// Cancelled at close and on drop: the readers and the last deliveries' bounds end.
     closing: CancellationToken,
-    /// Held rewinds, returned at close.
-    holds: std::sync::Mutex<Vec<tokio::task::JoinHandle<()>>>,
     /// The confirm channel of dead-letter copies, opened on first use.
     publisher: tokio::sync::Mutex<Option<Channel>>,
     connection: tokio::sync::Mutex<Option<Arc<Connection>>>,
-}
-
-struct Inner {
-    shared: Arc<Shared>,
     consumers: tokio::sync::Mutex<Vec<Consumer>>,
-    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Received>>,
-    tx: mpsc::UnboundedSender<Received>,
+    /// What the consumers received (the prefetch bounds it), until a read takes it.
+    rx: tokio::sync::Mutex<mpsc::UnboundedReceiver<Arrived>>,
+    tx: mpsc::UnboundedSender<Arrived>,
     /// Reader tasks alive; none means the consumers must be opened again.
     readers: Arc<std::sync::atomic::AtomicUsize>,
     reading_stopped: AtomicBool,
     closed: AtomicBool,
 }
 
-impl Drop for Inner {
-    /// A dropped subscription (a killed runner) ends its readers and holds without a word to
-    /// the broker; the connection closes with them and RabbitMQ returns what it held (R178).
+impl Drop for RabbitTransport {
+    /// A dropped subscription (a killed runner) ends its readers without a word to the broker;
+    /// the connection closes with them and RabbitMQ returns what it held (R178).
     fn drop(&mut self) {
-        self.shared.closing.cancel();
-        for h in self.shared.holds.lock().expect("holds").drain(..) {
-            h.abort();
-        }
+        self.closing.cancel();
     }
 }
 
-/// The inbox's subscription on RabbitMQ queues (R177, R178). Cloning shares it.
-#[derive(Clone)]
-pub struct RabbitSubscription {
-    inner: Arc<Inner>,
-}
-
-impl std::fmt::Debug for RabbitSubscription {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RabbitSubscription")
-            .field("queues", &self.inner.shared.config.queues)
-            .field("prefetch", &self.inner.shared.config.prefetch_value())
-            .finish_non_exhaustive()
-    }
+txoutbox_core::transport_subscription! {
+    /// The inbox's subscription on RabbitMQ queues (R177, R178): the generic subscription over
+    /// [`RabbitTransport`], which holds rewound deliveries in the process, at most the runner's
+    /// concurrency at once (R136's bound). Cloning shares it.
+    pub struct RabbitSubscription(RabbitTransport);
 }
 
 fn transient(what: &str, e: impl std::fmt::Display) -> SubscriptionError {
-    SubscriptionError::transient(format!(
-        "RabbitMQ: {what} failed: {}",
-        txoutbox_core::redact::secrets(&e.to_string())
-    ))
+    txoutbox_core::inbox::transport::transient(
+        "RabbitMQ",
+        what,
+        txoutbox_core::redact::secrets(&e.to_string()),
+    )
 }
 
 impl RabbitSubscription {
@@ -314,37 +313,33 @@ impl RabbitSubscription {
     pub async fn start(config: RabbitSubscriptionConfig) -> Result<Self, RabbitMqBrokerError> {
         config.validate()?;
         let (tx, rx) = mpsc::unbounded_channel();
-        let sub = Self {
-            inner: Arc::new(Inner {
-                shared: Arc::new(Shared {
-                    config,
-                    rewinds: std::sync::Mutex::default(),
-                    closing: CancellationToken::new(),
-                    holds: std::sync::Mutex::default(),
-                    publisher: tokio::sync::Mutex::new(None),
-                    connection: tokio::sync::Mutex::new(None),
-                }),
-                consumers: tokio::sync::Mutex::new(Vec::new()),
-                rx: tokio::sync::Mutex::new(rx),
-                tx,
-                readers: Arc::default(),
-                reading_stopped: AtomicBool::new(false),
-                closed: AtomicBool::new(false),
-            }),
+        let t = RabbitTransport {
+            config,
+            rewinds: std::sync::Mutex::default(),
+            closing: CancellationToken::new(),
+            publisher: tokio::sync::Mutex::new(None),
+            connection: tokio::sync::Mutex::new(None),
+            consumers: tokio::sync::Mutex::new(Vec::new()),
+            rx: tokio::sync::Mutex::new(rx),
+            tx,
+            readers: Arc::default(),
+            reading_stopped: AtomicBool::new(false),
+            closed: AtomicBool::new(false),
         };
-        sub.consume().await?;
-        Ok(sub)
+        t.consume().await?;
+        Ok(Self(TransportSubscription::new(t)))
     }
 
     /// The settings.
     pub fn config(&self) -> &RabbitSubscriptionConfig {
-        &self.inner.shared.config
+        &self.transport().config
     }
+}
 
+impl RabbitTransport {
     /// Opens a connection and one consumer per queue.
     async fn consume(&self) -> Result<(), RabbitMqBrokerError> {
-        let shared = &self.inner.shared;
-        let cfg = &shared.config;
+        let cfg = &self.config;
         let uri = txoutbox_core::redact::secrets(&cfg.connection.uri);
         let connect_err = |message: String| RabbitMqBrokerError::Connect {
             uri: uri.clone(),
@@ -396,19 +391,19 @@ impl RabbitSubscription {
             });
             self.spawn_reader(q.clone(), consumer);
         }
-        *self.inner.consumers.lock().await = consumers;
-        *shared.publisher.lock().await = None;
-        *shared.connection.lock().await = Some(conn);
+        *self.consumers.lock().await = consumers;
+        *self.publisher.lock().await = None;
+        *self.connection.lock().await = Some(conn);
         tracing::info!(queues = ?cfg.queues, prefetch = cfg.prefetch_value(), "RabbitMQ inbox subscription consuming");
         Ok(())
     }
 
-    /// A task that moves one consumer's deliveries into the hand-over buffer until the consumer
-    /// ends or the subscription closes. The prefetch bounds what it can hold.
+    /// A task that moves one consumer's deliveries into the channel until the consumer ends or
+    /// the subscription closes. The prefetch bounds what it can hold.
     fn spawn_reader(&self, queue: String, mut consumer: lapin::Consumer) {
-        let tx = self.inner.tx.clone();
-        let readers = self.inner.readers.clone();
-        let closing = self.inner.shared.closing.clone();
+        let tx = self.tx.clone();
+        let readers = self.readers.clone();
+        let closing = self.closing.clone();
         readers.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
             loop {
@@ -416,7 +411,7 @@ impl RabbitSubscription {
                     _ = closing.cancelled() => break,
                     d = consumer.next() => match d {
                         Some(Ok(delivery)) => {
-                            if tx.send(Received { queue: queue.clone(), delivery }).is_err() {
+                            if tx.send(Arrived { queue: queue.clone(), delivery }).is_err() {
                                 break;
                             }
                         }
@@ -432,12 +427,9 @@ impl RabbitSubscription {
         });
     }
 
-    fn delivery(&self, r: Received) -> InboxDelivery {
-        let shared = &self.inner.shared;
-        let cfg = &shared.config;
-        let d = r.delivery;
-        let headers: Vec<(String, AmqpValue)> = d
-            .properties
+    /// The headers of a delivery, typed as R141 reads them.
+    fn headers(d: &lapin::message::Delivery) -> Vec<(String, AmqpValue)> {
+        d.properties
             .headers()
             .as_ref()
             .map(|t| {
@@ -446,66 +438,63 @@ impl RabbitSubscription {
                     .map(|(k, v)| (k.to_string(), amqp_value(v)))
                     .collect()
             })
-            .unwrap_or_default();
-        let message_id = d.properties.message_id().as_ref().map(|s| s.to_string());
-        let id_key = id_key(&headers, message_id.as_deref());
+            .unwrap_or_default()
+    }
+
+    /// n (R178): `x-delivery-count` + 1; else 1 on a quorum queue; on a classic queue 1 when
+    /// the redelivered flag is clear, else the larger of 2 and 1 + the rewinds counted.
+    fn delivery_number(&self, m: &RabbitDelivery, headers: &[(String, AmqpValue)]) -> u32 {
         let count = headers.iter().find_map(|(k, v)| match v {
             AmqpValue::Integer(i) if k == "x-delivery-count" => Some(*i),
             _ => None,
         });
-        let n: u32 = match (count, cfg.queue_type) {
+        match (count, self.config.queue_type) {
             (Some(c), _) => u32::try_from(c.max(0)).unwrap_or(u32::MAX - 1) + 1,
             (None, QueueType::Quorum) => 1,
-            (None, QueueType::Classic) if !d.redelivered => 1,
+            (None, QueueType::Classic) if !m.delivery.redelivered => 1,
             (None, QueueType::Classic) => {
-                let counted = id_key
+                let counted = m
+                    .id_key
                     .as_ref()
-                    .and_then(|k| shared.rewinds.lock().expect("rewinds").get(k).copied())
+                    .and_then(|k| self.rewinds.lock().expect("rewinds").get(k).copied())
                     .unwrap_or(0);
                 2.max(1 + counted)
             }
-        };
-        let last = cfg.delivery_limit.is_some_and(|l| n >= l);
-        let message = BrokerMessage::RabbitMq {
-            queue: r.queue.clone(),
-            exchange: d.exchange.to_string(),
-            routing_key: d.routing_key.to_string(),
-            routing_key_prefix: cfg.routing_key_prefix.clone(),
-            message_id,
-            kind: d.properties.kind().as_ref().map(|s| s.to_string()),
-            headers,
-            body: d.data.clone(),
-            redelivered: d.redelivered,
-        };
-        let ended = CancellationToken::new();
-        if last {
-            self.bound_last_delivery(&d, ended.clone());
-        }
-        InboxDelivery {
-            message,
-            delivery_number: n,
-            redelivered_later: !last,
-            ack: Arc::new(RabbitAck {
-                shared: shared.clone(),
-                queue: r.queue,
-                id_key,
-                delivery: d,
-                ended,
-            }),
         }
     }
-}
 
-impl RabbitSubscription {
+    /// A delivery as read; a last delivery gets its hold_max bound.
+    fn arrived(&self, a: Arrived) -> RabbitDelivery {
+        let headers = Self::headers(&a.delivery);
+        let property = a
+            .delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.to_string());
+        let m = RabbitDelivery {
+            queue: a.queue,
+            id_key: id_key(&headers, property.as_deref()),
+            delivery: a.delivery,
+            ended: CancellationToken::new(),
+        };
+        let n = self.delivery_number(&m, &headers);
+        if self.config.delivery_limit.is_some_and(|l| n >= l) {
+            self.bound_last_delivery(&m);
+        }
+        m
+    }
+
     /// R178: a last delivery is kept and tried again in place (R182) for at most hold_max, well
     /// within the consumer timeout; then it is returned with basic.nack with requeue (not counted
     /// from RabbitMQ 4.3), so that it comes back, again as the last delivery. The runner's later
     /// end of it then fails (commit_failed) and the delivery that comes back is a duplicate or
     /// is landed.
-    fn bound_last_delivery(&self, d: &lapin::message::Delivery, ended: CancellationToken) {
-        let acker = d.acker.clone();
-        let closing = self.inner.shared.closing.clone();
-        let hold_max = self.inner.shared.config.hold_max;
+    fn bound_last_delivery(&self, m: &RabbitDelivery) {
+        let acker = m.delivery.acker.clone();
+        let closing = self.closing.clone();
+        let ended = m.ended.clone();
+        let hold_max = self.config.hold_max;
         tokio::spawn(async move {
             tokio::select! {
                 _ = ended.cancelled() => {}
@@ -519,7 +508,50 @@ impl RabbitSubscription {
             }
         });
     }
+
+    fn forget_rewinds(&self, m: &RabbitDelivery) {
+        if let Some(k) = &m.id_key {
+            self.rewinds.lock().expect("rewinds").remove(k);
+        }
+    }
+
+    fn ended(r: Result<bool, lapin::Error>, what: &str) -> Result<(), SubscriptionError> {
+        match r {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(SubscriptionError::transient(format!(
+                "RabbitMQ: {what} was not sent: the channel closed first (RabbitMQ delivers the message again) or the delivery was already ended"
+            ))),
+            Err(e) => Err(transient(what, e)),
+        }
+    }
+
+    /// d = 0: basic.nack with requeue (a give-back, R167, not counted from RabbitMQ 4.3);
+    /// d > 0: the rewind is counted (classic queues' n) and the delivery returned with
+    /// basic.reject with requeue.
+    async fn requeue(&self, m: &RabbitDelivery, delay: Duration) -> Result<(), SubscriptionError> {
+        m.ended.cancel();
+        if delay.is_zero() {
+            let nack = BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            };
+            return Self::ended(m.delivery.acker.nack(nack).await, "basic.nack");
+        }
+        if let Some(k) = &m.id_key {
+            let mut counted = self.rewinds.lock().expect("rewinds");
+            if counted.len() >= MAX_COUNTED_REWINDS && !counted.contains_key(k) {
+                counted.clear();
+            }
+            *counted.entry(k.clone()).or_default() += 1;
+        }
+        let requeue = BasicRejectOptions { requeue: true };
+        Self::ended(m.delivery.acker.reject(requeue).await, "basic.reject")
+    }
 }
+
+/// At most this many message ids with counted rewinds are remembered (classic queues' n is a
+/// lower bound anyway, R178).
+const MAX_COUNTED_REWINDS: usize = 10_000;
 
 /// The id this subscription counts rewinds under: what R137 reads as message_id.
 fn id_key(headers: &[(String, AmqpValue)], property: Option<&str>) -> Option<String> {
@@ -579,34 +611,65 @@ fn decimal_text(scale: u8, value: u32) -> String {
 }
 
 #[async_trait]
-impl Subscription for RabbitSubscription {
-    fn capabilities(&self) -> SubscriptionCapabilities {
-        SubscriptionCapabilities {
-            name: "rabbitmq",
-            rewind: true,
-            last_delivery: self.inner.shared.config.delivery_limit.is_some(),
-            renew_every: None,
+impl Transport for RabbitTransport {
+    type Message = RabbitDelivery;
+
+    /// A rewind holds the delivery in the process (RabbitMQ has no delayed redelivery), for at
+    /// most hold_max, bounded by the runner's concurrency (R136, R178).
+    fn capabilities(&self) -> TransportCapabilities {
+        TransportCapabilities {
+            subscription: SubscriptionCapabilities {
+                name: "rabbitmq",
+                rewind: true,
+                last_delivery: self.config.delivery_limit.is_some(),
+                renew_every: None,
+                rewind_refusal: None,
+            },
+            holds_rewinds: true,
+            longest_hold: Some(self.config.hold_max),
         }
     }
 
     /// The config's consumer group: the runner's (`Runner::for_subscription` takes it). The
     /// subscription names no topics (it reads queues, R177): the runner's sources are given.
     fn group(&self) -> Option<&str> {
-        Some(&self.inner.shared.config.group)
+        Some(&self.config.group)
+    }
+
+    /// A rewinding runner's max_attempts above the queues' delivery_limit is refused (R178);
+    /// a runner's concurrency above the prefetch is let be with a warning (the runner then
+    /// holds at most the prefetch, R177).
+    fn check_settings(&self, settings: &RunnerSettings) -> Result<(), String> {
+        if let (Some(l), Some(m)) = (self.config.delivery_limit, settings.rewind_max_attempts)
+            && l < m
+        {
+            return Err(format!(
+                "delivery_limit ({l}) is below the runner's max_attempts ({m}): raise the queues' x-delivery-limit or lower max_attempts"
+            ));
+        }
+        let p = self.config.prefetch_value();
+        if usize::from(p) < settings.concurrency {
+            tracing::warn!(
+                prefetch = p,
+                concurrency = settings.concurrency,
+                "the RabbitMQ prefetch is below the runner's concurrency: the runner holds at most the prefetch; give the subscription's config the runner's concurrency"
+            );
+        }
+        Ok(())
     }
 
     /// Up to `max` deliveries the consumers received (the prefetch bounds them), waiting at
     /// most `wait` for the first. A lost connection is opened again here.
-    async fn next(
+    async fn read(
         &self,
         max: usize,
         wait: Duration,
-    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        if max == 0 || self.inner.reading_stopped.load(Ordering::SeqCst) {
+    ) -> Result<Vec<RabbitDelivery>, SubscriptionError> {
+        if self.reading_stopped.load(Ordering::SeqCst) {
             return Ok(Vec::new());
         }
-        let mut rx = self.inner.rx.lock().await;
-        if rx.is_empty() && self.inner.readers.load(Ordering::SeqCst) == 0 {
+        let mut rx = self.rx.lock().await;
+        if rx.is_empty() && self.readers.load(Ordering::SeqCst) == 0 {
             self.consume()
                 .await
                 .map_err(|e| transient("consuming again after the connection was lost", e))?;
@@ -618,177 +681,77 @@ impl Subscription for RabbitSubscription {
                     "RabbitMQ: the consumers ended",
                 ));
             }
-            Ok(Some(r)) => r,
+            Ok(Some(a)) => a,
         };
-        let mut out = vec![self.delivery(first)];
+        let mut out = vec![self.arrived(first)];
         while out.len() < max {
             match rx.try_recv() {
-                Ok(r) => out.push(self.delivery(r)),
+                Ok(a) => out.push(self.arrived(a)),
                 Err(_) => break,
             }
         }
         Ok(out)
     }
 
-    /// Cancels every consumer (basic.cancel), so that nothing more arrives and nothing given
-    /// back returns to this runner (R167); what arrived before stays buffered for
-    /// [`close`](Subscription::close) to give back.
-    async fn stop_reading(&self) {
-        if self.inner.reading_stopped.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let consumers = self.inner.consumers.lock().await;
-        for c in consumers.iter() {
-            if let Err(e) = c
-                .channel
-                .basic_cancel(c.tag.clone(), BasicCancelOptions::default())
-                .await
-            {
-                tracing::debug!(queue = c.queue, error = %e, "basic.cancel at stop failed");
-            }
-        }
-        drop(consumers);
-        // The deliveries sent before basic.cancel-ok reach the buffer before the readers end.
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
-        while self.inner.readers.load(Ordering::SeqCst) > 0
-            && tokio::time::Instant::now() < deadline
-        {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+    fn received(&self, m: &RabbitDelivery) -> Result<Received, SubscriptionError> {
+        let d = &m.delivery;
+        let headers = Self::headers(d);
+        let n = self.delivery_number(m, &headers);
+        let last = self.config.delivery_limit.is_some_and(|l| n >= l);
+        Ok(Received {
+            message: BrokerMessage::RabbitMq {
+                queue: m.queue.clone(),
+                exchange: d.exchange.to_string(),
+                routing_key: d.routing_key.to_string(),
+                routing_key_prefix: self.config.routing_key_prefix.clone(),
+                message_id: d.properties.message_id().as_ref().map(|s| s.to_string()),
+                kind: d.properties.kind().as_ref().map(|s| s.to_string()),
+                headers,
+                body: d.data.clone(),
+                redelivered: d.redelivered,
+            },
+            delivery_number: n,
+            redelivered_later: !last,
+        })
     }
 
-    /// Stops reading, gives back with basic.nack (requeue) what was received and not handed
-    /// over, returns held rewinds at once with basic.reject (requeue), and closes the
-    /// connection (R167, R178).
-    async fn close(&self) {
-        self.stop_reading().await;
-        if self.inner.closed.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        self.inner.shared.closing.cancel();
-        let mut rx = self.inner.rx.lock().await;
-        while let Ok(r) = rx.try_recv() {
-            let nack = BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            };
-            if let Err(e) = r.delivery.acker.nack(nack).await {
-                tracing::warn!(error = %e, "giving back a received delivery at close failed");
-            }
-        }
-        let holds: Vec<_> = self
-            .inner
-            .shared
-            .holds
-            .lock()
-            .expect("holds")
-            .drain(..)
-            .collect();
-        for h in holds {
-            let _ = h.await;
-        }
-        let consumers = std::mem::take(&mut *self.inner.consumers.lock().await);
-        for c in &consumers {
-            let _ = c.channel.close(200, "inbox runner stopped".into()).await;
-        }
-        if let Some(conn) = self.inner.shared.connection.lock().await.take() {
-            let _ = conn.close(200, "inbox runner stopped".into()).await;
-        }
-    }
-}
-
-struct RabbitAck {
-    shared: Arc<Shared>,
-    queue: String,
-    id_key: Option<String>,
-    delivery: lapin::message::Delivery,
-    /// Cancelled when the runner ends the delivery (ends a last delivery's hold_max bound).
-    ended: CancellationToken,
-}
-
-/// At most this many message ids with counted rewinds are remembered (classic queues' n is a
-/// lower bound anyway, R178).
-const MAX_COUNTED_REWINDS: usize = 10_000;
-
-impl RabbitAck {
-    fn forget_rewinds(&self) {
-        if let Some(k) = &self.id_key {
-            self.shared.rewinds.lock().expect("rewinds").remove(k);
-        }
-    }
-
-    fn ended(r: Result<bool, lapin::Error>, what: &str) -> Result<(), SubscriptionError> {
-        match r {
-            Ok(true) => Ok(()),
-            Ok(false) => Err(SubscriptionError::transient(format!(
-                "RabbitMQ: {what} was not sent: the channel closed first (RabbitMQ delivers the message again) or the delivery was already ended"
-            ))),
-            Err(e) => Err(transient(what, e)),
-        }
-    }
-}
-
-#[async_trait]
-impl AckHandle for RabbitAck {
     /// basic.ack, confirmed once written on the open channel (R178).
-    async fn commit(&self) -> Result<(), SubscriptionError> {
-        self.ended.cancel();
-        let r = self.delivery.acker.ack(BasicAckOptions::default()).await;
-        self.forget_rewinds();
+    async fn commit(&self, m: &RabbitDelivery) -> Result<(), SubscriptionError> {
+        m.ended.cancel();
+        let r = m.delivery.acker.ack(BasicAckOptions::default()).await;
+        self.forget_rewinds(m);
         Self::ended(r, "basic.ack")
     }
 
-    /// d > 0: holds the delivery for d (at most hold_max), then basic.reject with requeue; the
-    /// hold does not keep the caller. d = 0: basic.nack with requeue at once (a give-back at a
-    /// stop, R167).
-    async fn rewind(&self, delay: Duration) -> Result<(), SubscriptionError> {
-        self.ended.cancel();
-        if delay.is_zero() {
-            let nack = BasicNackOptions {
-                multiple: false,
-                requeue: true,
-            };
-            return Self::ended(self.delivery.acker.nack(nack).await, "basic.nack");
-        }
-        if let Some(k) = &self.id_key {
-            let mut counted = self.shared.rewinds.lock().expect("rewinds");
-            if counted.len() >= MAX_COUNTED_REWINDS && !counted.contains_key(k) {
-                counted.clear();
-            }
-            *counted.entry(k.clone()).or_default() += 1;
-        }
-        let hold = delay.min(self.shared.config.hold_max);
-        let acker = self.delivery.acker.clone();
-        let closing = self.shared.closing.clone();
-        let h = tokio::spawn(async move {
-            tokio::select! {
-                _ = tokio::time::sleep(hold) => {}
-                _ = closing.cancelled() => {}
-            }
-            let requeue = BasicRejectOptions { requeue: true };
-            if let Err(e) = Self::ended(acker.reject(requeue).await, "basic.reject") {
-                tracing::warn!(error = %e, "returning a held rewind failed; RabbitMQ returns it when the channel closes");
-            }
-        });
-        let mut holds = self.shared.holds.lock().expect("holds");
-        holds.retain(|h| !h.is_finished());
-        holds.push(h);
-        Ok(())
+    /// A rewind that is not held (beyond the bound, or at close): returned at once (R178).
+    async fn rewind(&self, m: &RabbitDelivery, delay: Duration) -> Result<(), SubscriptionError> {
+        self.requeue(m, delay).await
+    }
+
+    /// A held rewind is due: basic.reject with requeue (basic.nack for a give-back with no
+    /// delay); it comes back through the consumer.
+    async fn take_back(
+        &self,
+        m: &RabbitDelivery,
+        delay: Duration,
+    ) -> Result<Vec<RabbitDelivery>, SubscriptionError> {
+        self.requeue(m, delay).await?;
+        Ok(Vec::new())
     }
 
     /// `copy`: basic.ack (the copy was made); `broker`: basic.reject without requeue, to the
     /// queue's own dead-letter exchange (R178).
-    async fn term(&self, reason: &str) -> Result<(), SubscriptionError> {
-        self.ended.cancel();
-        self.forget_rewinds();
-        tracing::info!(queue = self.queue, reason, "RabbitMQ delivery terminated");
-        match self.shared.config.dead_letter {
+    async fn term(&self, m: &RabbitDelivery, reason: &str) -> Result<(), SubscriptionError> {
+        m.ended.cancel();
+        self.forget_rewinds(m);
+        tracing::info!(queue = m.queue, reason, "RabbitMQ delivery terminated");
+        match self.config.dead_letter {
             DeadLetterMode::Copy => Self::ended(
-                self.delivery.acker.ack(BasicAckOptions::default()).await,
+                m.delivery.acker.ack(BasicAckOptions::default()).await,
                 "basic.ack",
             ),
             DeadLetterMode::Broker => Self::ended(
-                self.delivery
+                m.delivery
                     .acker
                     .reject(BasicRejectOptions { requeue: false })
                     .await,
@@ -798,29 +761,33 @@ impl AckHandle for RabbitAck {
     }
 
     /// Nothing: RabbitMQ has no lease on a delivery (R178).
-    async fn renew(&self) -> Result<(), SubscriptionError> {
+    async fn renew(&self, _m: &RabbitDelivery) -> Result<(), SubscriptionError> {
         Ok(())
     }
 
     /// `copy`: publishes the message as received, persistent, with R140's headers, to the
     /// dead-letter exchange and routing key, mandatory and confirmed; a return or a nack is a
     /// failed copy. `broker`: copies nothing.
-    async fn dead_letter(&self, reason: &str, group: &str) -> Result<(), SubscriptionError> {
-        let cfg = &self.shared.config;
+    async fn dead_letter(
+        &self,
+        m: &RabbitDelivery,
+        letter: &DeadLetter<'_>,
+    ) -> Result<(), SubscriptionError> {
+        let cfg = &self.config;
         if cfg.dead_letter == DeadLetterMode::Broker {
             return Ok(());
         }
-        let d = &self.delivery;
+        let d = &m.delivery;
         let mut headers = d.properties.headers().clone().unwrap_or_default();
         let text = |s: &str| AMQPValue::LongString(s.as_bytes().to_vec().into());
-        headers.insert("Inbox-Invalid-Reason".into(), text(reason));
-        headers.insert("Inbox-Consumer-Group".into(), text(group));
-        headers.insert("Inbox-Original-Queue".into(), text(&self.queue));
-        headers.insert("Inbox-Original-Exchange".into(), text(d.exchange.as_str()));
-        headers.insert(
-            "Inbox-Original-Routing-Key".into(),
-            text(d.routing_key.as_str()),
-        );
+        let added = letter.headers(&[
+            ("Queue", m.queue.clone()),
+            ("Exchange", d.exchange.to_string()),
+            ("Routing-Key", d.routing_key.to_string()),
+        ]);
+        for (k, v) in &added {
+            headers.insert(k.as_str().into(), text(v));
+        }
         let props: BasicProperties = d
             .properties
             .clone()
@@ -829,16 +796,16 @@ impl AckHandle for RabbitAck {
         let key = cfg
             .dead_letter_routing_key
             .clone()
-            .unwrap_or_else(|| format!("{}{DEAD_LETTER_SUFFIX}", self.queue));
+            .unwrap_or_else(|| format!("{}{DEAD_LETTER_SUFFIX}", m.queue));
         let x = cfg.dead_letter_exchange.as_str();
         let dest = format!("exchange {x:?}, routing key {key:?}");
-        let mut slot = self.shared.publisher.lock().await;
+        let mut slot = self.publisher.lock().await;
         let ch =
             match slot.as_ref() {
                 Some(c) if c.status().connected() => c.clone(),
                 _ => {
                     let conn =
-                        self.shared.connection.lock().await.clone().ok_or_else(|| {
+                        self.connection.lock().await.clone().ok_or_else(|| {
                             SubscriptionError::transient("RabbitMQ: not connected")
                         })?;
                     let c = conn
@@ -888,6 +855,59 @@ impl AckHandle for RabbitAck {
                 *slot = None;
                 Err(transient(&format!("the dead-letter copy to {dest}"), e))
             }
+        }
+    }
+
+    /// Cancels every consumer (basic.cancel), so that nothing more arrives and nothing given
+    /// back returns to this runner (R167); what arrived before stays for the close to give
+    /// back.
+    async fn stop_reading(&self) {
+        if self.reading_stopped.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let consumers = self.consumers.lock().await;
+        for c in consumers.iter() {
+            if let Err(e) = c
+                .channel
+                .basic_cancel(c.tag.clone(), BasicCancelOptions::default())
+                .await
+            {
+                tracing::debug!(queue = c.queue, error = %e, "basic.cancel at stop failed");
+            }
+        }
+        drop(consumers);
+        // The deliveries sent before basic.cancel-ok reach the channel before the readers end.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(1);
+        while self.readers.load(Ordering::SeqCst) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// Stops reading, gives back with basic.nack (requeue) what was received and not read,
+    /// and closes the connection (R167, R178); the generic subscription has given back what
+    /// it read ahead and the held rewinds already.
+    async fn close(&self) {
+        self.stop_reading().await;
+        if self.closed.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.closing.cancel();
+        let mut rx = self.rx.lock().await;
+        while let Ok(a) = rx.try_recv() {
+            let nack = BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            };
+            if let Err(e) = a.delivery.acker.nack(nack).await {
+                tracing::warn!(error = %e, "giving back a received delivery at close failed");
+            }
+        }
+        let consumers = std::mem::take(&mut *self.consumers.lock().await);
+        for c in &consumers {
+            let _ = c.channel.close(200, "inbox runner stopped".into()).await;
+        }
+        if let Some(conn) = self.connection.lock().await.take() {
+            let _ = conn.close(200, "inbox runner stopped".into()).await;
         }
     }
 }

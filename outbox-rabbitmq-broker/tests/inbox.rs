@@ -239,6 +239,19 @@ impl SubscriptionUnderTest for RabbitInbox {
 
 txoutbox_conformance::inbox_broker_suite!(RabbitInbox);
 
+/// J-38, R136's bound on RabbitMQ, given once to the runner: a rewound delivery is held in the
+/// process (RabbitMQ has no delayed redelivery), at most the runner's concurrency (1) at once;
+/// the second failure, with no room, is recorded in its row and acknowledged (R126, R136,
+/// R178). Before the transport layer each hold was a task of its own, unbounded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_38() {
+    txoutbox_conformance::inbox::broker_subs::rewinds_bounded_by_the_runner_concurrency(
+        &RabbitInbox,
+        true,
+    )
+    .await;
+}
+
 // ---- The J scenarios ----
 
 fn sub_config(queue: &str, target: String) -> RabbitSubscriptionConfig {

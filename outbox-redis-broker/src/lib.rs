@@ -4,7 +4,8 @@
 mod subscription;
 
 pub use subscription::{
-    DEFAULT_CLAIM_IDLE, DEFAULT_DEAD_LETTER_SUFFIX, RedisSubscription, RedisSubscriptionConfig,
+    DEFAULT_CLAIM_IDLE, DEFAULT_DEAD_LETTER_SUFFIX, RedisEntry, RedisSubscription,
+    RedisSubscriptionConfig, RedisTransport,
 };
 
 use std::collections::BTreeMap;

@@ -29,8 +29,9 @@ use redis::Value;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::time::Instant;
 use txoutbox_core::inbox::decode::BrokerMessage;
-use txoutbox_core::inbox::subscription::{
-    AckHandle, InboxDelivery, Subscription, SubscriptionCapabilities, SubscriptionError,
+use txoutbox_core::inbox::subscription::{SubscriptionCapabilities, SubscriptionError};
+use txoutbox_core::inbox::transport::{
+    DeadLetter, Received, Transport, TransportCapabilities, TransportSubscription, transient,
 };
 
 use crate::RedisBrokerError;
@@ -53,7 +54,7 @@ pub struct RedisSubscriptionConfig {
     create_group: bool,
     dead_letter_suffix: String,
     timeout: Duration,
-    max_waiting_rewinds: usize,
+    max_waiting_rewinds: Option<usize>,
 }
 
 impl std::fmt::Debug for RedisSubscriptionConfig {
@@ -89,7 +90,7 @@ impl RedisSubscriptionConfig {
             create_group: true,
             dead_letter_suffix: DEFAULT_DEAD_LETTER_SUFFIX.into(),
             timeout: crate::DEFAULT_TIMEOUT,
-            max_waiting_rewinds: txoutbox_core::inbox::runner::DEFAULT_RUNNER_CONCURRENCY,
+            max_waiting_rewinds: None,
         }
     }
 
@@ -124,13 +125,14 @@ impl RedisSubscriptionConfig {
         self
     }
 
-    /// How many rewinds may wait at once (R136; ≥ 1, default 16, the runner's default
-    /// concurrency: set it to the runner's concurrency). Beyond it, a handler failure the rewind
+    /// How many rewinds may wait at once (R136; ≥ 1). Optional: by default the bound is the
+    /// runner's concurrency, which the runner gives the subscription when it is built; set
+    /// this only to bound the rewinds otherwise. Beyond it, a handler failure the rewind
     /// policy would rewind is recorded in the row instead, and a rewind after a persistence error
     /// or a failed dead-letter copy (R132, R140) is left pending without a timer: it comes back
     /// through XAUTOCLAIM after claim_idle. This bounds what a long database outage can pile up.
     pub fn max_waiting_rewinds(mut self, n: usize) -> Self {
-        self.max_waiting_rewinds = n;
+        self.max_waiting_rewinds = Some(n);
         self
     }
 
@@ -158,7 +160,7 @@ impl RedisSubscriptionConfig {
         if self.block_time().is_zero() || self.block_time() >= self.claim_idle / 2 {
             return bad("block must be > 0 and shorter than claim_idle / 2".into());
         }
-        if self.max_waiting_rewinds == 0 {
+        if self.max_waiting_rewinds == Some(0) {
             return bad("max_waiting_rewinds must be at least 1".into());
         }
         if self.timeout.is_zero() {
@@ -191,50 +193,38 @@ impl Touch {
     }
 }
 
-/// An entry to renew: stream, id, its touch.
-type Renewal = (String, String, Arc<Touch>);
-
-struct Rewind {
-    stream: String,
-    id: String,
-    due: Instant,
-    touch: Arc<Touch>,
-}
-
+/// Per stream, the cursor of the own-pending phase (none once it is over), and when the last
+/// XAUTOCLAIM ran.
 #[derive(Default)]
 struct State {
-    /// Per stream, the cursor of the own-pending phase; none once it is over.
     own_cursor: HashMap<String, Option<String>>,
-    rewinds: Vec<Rewind>,
     last_autoclaim: Option<Instant>,
 }
 
-struct Inner {
+/// The Redis half of the inbox's subscription ([`Transport`]): one consumer of a group on
+/// the streams prefix + topic. Reached through [`RedisSubscription`].
+pub struct RedisTransport {
     ops: ConnectionManager,
     reader: tokio::sync::Mutex<ConnectionManager>,
     config: RedisSubscriptionConfig,
     streams: Vec<String>,
     state: Mutex<State>,
-    /// Deliveries a read brought after its caller stopped waiting (the runner's read is
-    /// cancelled when another branch of its loop wins); handed out by the next read.
-    buffer: Mutex<std::collections::VecDeque<InboxDelivery>>,
-    /// Held by a read task for its duration; a close waits for it.
-    reading: tokio::sync::Mutex<()>,
-    closed: AtomicBool,
 }
 
-/// The inbox's subscription on a Redis Streams consumer group (R135, R136). Cloning shares it.
-#[derive(Clone)]
-pub struct RedisSubscription {
-    inner: Arc<Inner>,
+/// One entry as read: where it is, its fields, its delivery count, and when this runner last
+/// had an answer about it (R136).
+pub struct RedisEntry {
+    stream: String,
+    id: String,
+    fields: Vec<(String, String)>,
+    n: u32,
+    touch: Arc<Touch>,
 }
 
-impl std::fmt::Debug for RedisSubscription {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisSubscription")
-            .field("config", &self.inner.config)
-            .finish_non_exhaustive()
-    }
+txoutbox_core::transport_subscription! {
+    /// The inbox's subscription on a Redis Streams consumer group (R135, R136): the generic
+    /// subscription over [`RedisTransport`], whose waiting rewinds it bounds. Cloning shares it.
+    pub struct RedisSubscription(RedisTransport);
 }
 
 fn connect_error(config: &RedisSubscriptionConfig, e: impl std::fmt::Display) -> RedisBrokerError {
@@ -245,7 +235,7 @@ fn connect_error(config: &RedisSubscriptionConfig, e: impl std::fmt::Display) ->
 }
 
 fn err(what: &str, e: impl std::fmt::Display) -> SubscriptionError {
-    SubscriptionError::transient(format!("Redis: {what} failed: {e}"))
+    transient("Redis", what, e)
 }
 
 impl RedisSubscription {
@@ -301,38 +291,39 @@ impl RedisSubscription {
                 .collect(),
             ..State::default()
         };
-        Ok(Self {
-            inner: Arc::new(Inner {
-                ops,
-                reader: tokio::sync::Mutex::new(reader),
-                config,
-                streams,
-                state: Mutex::new(state),
-                buffer: Mutex::default(),
-                reading: tokio::sync::Mutex::new(()),
-                closed: AtomicBool::new(false),
-            }),
-        })
+        let bound = config.max_waiting_rewinds;
+        let sub = TransportSubscription::new(RedisTransport {
+            ops,
+            reader: tokio::sync::Mutex::new(reader),
+            config,
+            streams,
+            state: Mutex::new(state),
+        });
+        Ok(Self(match bound {
+            Some(n) => sub.with_rewind_bound(n),
+            None => sub,
+        }))
     }
 
     /// The stream keys read.
     pub fn streams(&self) -> &[String] {
-        &self.inner.streams
+        &self.transport().streams
     }
+}
 
+impl RedisTransport {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.inner.state.lock().expect("poisoned")
+        self.state.lock().expect("poisoned")
     }
 
-    /// Builds deliveries for entries of `stream` answered at `at`, with their counts read by one
-    /// XPENDING (R136).
-    async fn deliveries(
+    /// Entries of `stream` answered at `at`, with their counts read by one XPENDING (R136).
+    async fn entries(
         &self,
         stream: &str,
         entries: Vec<Entry>,
         at: Instant,
         touches: &HashMap<String, Arc<Touch>>,
-    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
+    ) -> Result<Vec<RedisEntry>, SubscriptionError> {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
@@ -347,22 +338,12 @@ impl RedisSubscription {
                     .unwrap_or_else(|| Touch::new(at));
                 touch.set(at);
                 touch.lost.store(false, Ordering::SeqCst);
-                InboxDelivery {
-                    message: BrokerMessage::Redis {
-                        stream_key: stream.to_owned(),
-                        key_prefix: self.inner.config.key_prefix.clone(),
-                        entry_id: e.id.clone(),
-                        fields: e.fields.clone(),
-                    },
-                    delivery_number: u32::try_from(n).unwrap_or(u32::MAX),
-                    redelivered_later: true,
-                    ack: Arc::new(RedisAck {
-                        inner: self.inner.clone(),
-                        stream: stream.to_owned(),
-                        id: e.id,
-                        fields: e.fields,
-                        touch,
-                    }),
+                RedisEntry {
+                    stream: stream.to_owned(),
+                    id: e.id,
+                    fields: e.fields,
+                    n: u32::try_from(n).unwrap_or(u32::MAX),
+                    touch,
                 }
             })
             .collect())
@@ -378,10 +359,10 @@ impl RedisSubscription {
         let (Some(min), Some(max)) = (min, max) else {
             return Ok(HashMap::new());
         };
-        let mut c = self.inner.ops.clone();
+        let mut c = self.ops.clone();
         let v: Value = redis::cmd("XPENDING")
             .arg(stream)
-            .arg(&self.inner.config.group)
+            .arg(&self.config.group)
             .arg(min)
             .arg(max)
             .arg(entries.len().max(1) * 4 + 16)
@@ -408,8 +389,8 @@ impl RedisSubscription {
     ) -> Result<Value, SubscriptionError> {
         let mut cmd = redis::cmd("XCLAIM");
         cmd.arg(stream)
-            .arg(&self.inner.config.group)
-            .arg(&self.inner.config.consumer)
+            .arg(&self.config.group)
+            .arg(&self.config.consumer)
             .arg(min_idle.as_millis() as u64);
         for id in ids {
             cmd.arg(*id);
@@ -417,81 +398,25 @@ impl RedisSubscription {
         if justid {
             cmd.arg("JUSTID");
         }
-        let mut c = self.inner.ops.clone();
+        let mut c = self.ops.clone();
         cmd.query_async(&mut c).await.map_err(|e| err("XCLAIM", e))
     }
 
-    /// Renews `touch`'s entry (R136): XCLAIM JUSTID with min-idle = the time since the last
-    /// answer. Marks it lost when another consumer has claimed it since.
-    async fn renew_entry(
-        &self,
-        stream: &str,
-        id: &str,
-        touch: &Touch,
-    ) -> Result<(), SubscriptionError> {
-        if touch.lost.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        let idle = touch.since();
-        let v = self.xclaim(stream, &[id], idle, true).await?;
-        let at = Instant::now();
-        if array(v).iter().any(|x| string(x) == id) {
-            touch.set(at);
-        } else {
-            touch.lost.store(true, Ordering::SeqCst);
-            tracing::debug!(stream, id, "a held Redis entry passed to another consumer");
-        }
+    async fn xack(&self, m: &RedisEntry) -> Result<(), SubscriptionError> {
+        let mut c = self.ops.clone();
+        let _: i64 = redis::cmd("XACK")
+            .arg(&m.stream)
+            .arg(&self.config.group)
+            .arg(&m.id)
+            .query_async(&mut c)
+            .await
+            .map_err(|e| err("XACK", e))?;
         Ok(())
     }
 
-    /// Rewinds whose delay has passed are claimed again (XCLAIM counts a delivery); the others
-    /// are renewed when due.
-    async fn due_rewinds(&self, max: usize) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        let now = Instant::now();
-        let half = self.inner.config.claim_idle / 2;
-        let (due, renew): (Vec<Rewind>, Vec<Renewal>) = {
-            let mut st = self.lock();
-            st.rewinds.sort_by_key(|r| r.due);
-            let n = st
-                .rewinds
-                .iter()
-                .take_while(|r| r.due <= now)
-                .count()
-                .min(max);
-            let due: Vec<Rewind> = st.rewinds.drain(..n).collect();
-            let renew = st
-                .rewinds
-                .iter()
-                .filter(|r| r.touch.since() >= half)
-                .map(|r| (r.stream.clone(), r.id.clone(), r.touch.clone()))
-                .collect();
-            (due, renew)
-        };
-        for (s, id, t) in renew {
-            self.renew_entry(&s, &id, &t).await?;
-        }
-        let mut out = Vec::new();
-        for r in due {
-            if r.touch.lost.load(Ordering::SeqCst) {
-                continue;
-            }
-            let idle = r.touch.since();
-            let v = self.xclaim(&r.stream, &[&r.id], idle, false).await?;
-            let at = Instant::now();
-            let entries = entries_of(v);
-            if entries.is_empty() {
-                // Claimed by another consumer, or trimmed.
-                continue;
-            }
-            let touches = HashMap::from([(r.id.clone(), r.touch.clone())]);
-            out.extend(self.deliveries(&r.stream, entries, at, &touches).await?);
-        }
-        Ok(out)
-    }
-
     /// Every claim_idle / 2: XAUTOCLAIM of entries idle for claim_idle (R136).
-    async fn autoclaim(&self, max: usize) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        let half = self.inner.config.claim_idle / 2;
+    async fn autoclaim(&self, max: usize) -> Result<Vec<RedisEntry>, SubscriptionError> {
+        let half = self.config.claim_idle / 2;
         {
             let mut st = self.lock();
             if st.last_autoclaim.is_some_and(|t| t.elapsed() < half) {
@@ -500,16 +425,16 @@ impl RedisSubscription {
             st.last_autoclaim = Some(Instant::now());
         }
         let mut out = Vec::new();
-        for s in self.inner.streams.clone() {
+        for s in &self.streams {
             if out.len() >= max {
                 break;
             }
-            let mut c = self.inner.ops.clone();
+            let mut c = self.ops.clone();
             let v: Value = redis::cmd("XAUTOCLAIM")
-                .arg(&s)
-                .arg(&self.inner.config.group)
-                .arg(&self.inner.config.consumer)
-                .arg(self.inner.config.claim_idle.as_millis() as u64)
+                .arg(s)
+                .arg(&self.config.group)
+                .arg(&self.config.consumer)
+                .arg(self.config.claim_idle.as_millis() as u64)
                 .arg("0")
                 .arg("COUNT")
                 .arg(max - out.len())
@@ -519,17 +444,17 @@ impl RedisSubscription {
             let at = Instant::now();
             let parts = array(v);
             let entries = parts.get(1).cloned().map(entries_of).unwrap_or_default();
-            out.extend(self.deliveries(&s, entries, at, &HashMap::new()).await?);
+            out.extend(self.entries(s, entries, at, &HashMap::new()).await?);
         }
         Ok(out)
     }
 
     /// The own-pending phase (id `0` onwards), then `>` with BLOCK.
-    async fn read(
+    async fn read_group(
         &self,
         max: usize,
         wait: Duration,
-    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
+    ) -> Result<Vec<RedisEntry>, SubscriptionError> {
         let own: Vec<(String, String)> = self
             .lock()
             .own_cursor
@@ -538,11 +463,11 @@ impl RedisSubscription {
             .collect();
         let mut out = Vec::new();
         for (s, cursor) in own {
-            let mut c = self.inner.ops.clone();
+            let mut c = self.ops.clone();
             let v: Value = redis::cmd("XREADGROUP")
                 .arg("GROUP")
-                .arg(&self.inner.config.group)
-                .arg(&self.inner.config.consumer)
+                .arg(&self.config.group)
+                .arg(&self.config.consumer)
                 .arg("COUNT")
                 .arg(max)
                 .arg("STREAMS")
@@ -563,134 +488,196 @@ impl RedisSubscription {
                 .collect();
             entries.retain(|e| !e.deleted);
             for id in gone {
-                let mut c = self.inner.ops.clone();
+                let mut c = self.ops.clone();
                 let _: Result<Value, _> = redis::cmd("XACK")
                     .arg(&s)
-                    .arg(&self.inner.config.group)
+                    .arg(&self.config.group)
                     .arg(&id)
                     .query_async(&mut c)
                     .await;
             }
-            out.extend(self.deliveries(&s, entries, at, &HashMap::new()).await?);
+            out.extend(self.entries(&s, entries, at, &HashMap::new()).await?);
             if !out.is_empty() {
                 return Ok(out);
             }
         }
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
-            .arg(&self.inner.config.group)
-            .arg(&self.inner.config.consumer)
+            .arg(&self.config.group)
+            .arg(&self.config.consumer)
             .arg("COUNT")
             .arg(max);
-        let block = wait.min(self.inner.config.block_time());
+        let block = wait.min(self.config.block_time());
         if !block.is_zero() {
             cmd.arg("BLOCK").arg(block.as_millis().max(1) as u64);
         }
         cmd.arg("STREAMS");
-        for s in &self.inner.streams {
+        for s in &self.streams {
             cmd.arg(s);
         }
-        for _ in &self.inner.streams {
+        for _ in &self.streams {
             cmd.arg(">");
         }
         let v: Value = {
-            let mut reader = self.inner.reader.lock().await;
+            let mut reader = self.reader.lock().await;
             cmd.query_async(&mut *reader)
                 .await
                 .map_err(|e| err("XREADGROUP", e))?
         };
         let at = Instant::now();
         for (s, entries) in streams_of(v) {
-            out.extend(self.deliveries(&s, entries, at, &HashMap::new()).await?);
-        }
-        Ok(out)
-    }
-}
-
-impl RedisSubscription {
-    async fn next_inner(
-        &self,
-        max: usize,
-        wait: Duration,
-    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        let mut out = self.due_rewinds(max).await?;
-        if out.len() < max {
-            let more = self.autoclaim(max - out.len()).await?;
-            out.extend(more);
-        }
-        if out.is_empty() {
-            // Wait no longer than the next rewind is due.
-            let next_due = self.lock().rewinds.iter().map(|r| r.due).min();
-            let wait = match next_due {
-                Some(t) => wait.min(t.saturating_duration_since(Instant::now())),
-                None => wait,
-            };
-            out = self.read(max, wait).await?;
+            out.extend(self.entries(&s, entries, at, &HashMap::new()).await?);
         }
         Ok(out)
     }
 }
 
 #[async_trait]
-impl Subscription for RedisSubscription {
-    fn capabilities(&self) -> SubscriptionCapabilities {
-        SubscriptionCapabilities {
-            name: "redis",
-            rewind: true,
-            last_delivery: false,
-            renew_every: Some(self.inner.config.claim_idle / 2),
+impl Transport for RedisTransport {
+    type Message = RedisEntry;
+
+    /// A rewind keeps the entry pending under this consumer, renewed, and claims it again when
+    /// due: it waits in the process, bounded by the runner's concurrency (R136).
+    fn capabilities(&self) -> TransportCapabilities {
+        TransportCapabilities {
+            subscription: SubscriptionCapabilities {
+                name: "redis",
+                rewind: true,
+                last_delivery: false,
+                renew_every: Some(self.config.claim_idle / 2),
+                rewind_refusal: None,
+            },
+            holds_rewinds: true,
+            longest_hold: None,
         }
     }
 
     /// The config's consumer group: the runner's (`Runner::for_subscription` takes it).
     fn group(&self) -> Option<&str> {
-        Some(&self.inner.config.group)
+        Some(&self.config.group)
     }
 
     /// The config's topics (the streams are the key prefix + topic): the runner's default
     /// sources (R121).
     fn topics(&self) -> Option<&[String]> {
-        Some(&self.inner.config.topics)
+        Some(&self.config.topics)
     }
 
-    async fn next(
+    /// Entries idle for claim_idle (XAUTOCLAIM, every claim_idle / 2) first; else this
+    /// consumer's own pending entries, then new ones with BLOCK (R135, R136).
+    async fn read(&self, max: usize, wait: Duration) -> Result<Vec<RedisEntry>, SubscriptionError> {
+        let claimed = self.autoclaim(max).await?;
+        if !claimed.is_empty() {
+            return Ok(claimed);
+        }
+        self.read_group(max, wait).await
+    }
+
+    /// n is the entry's count in the pending entries list; Redis has no last delivery.
+    fn received(&self, m: &RedisEntry) -> Result<Received, SubscriptionError> {
+        Ok(Received {
+            message: BrokerMessage::Redis {
+                stream_key: m.stream.clone(),
+                key_prefix: self.config.key_prefix.clone(),
+                entry_id: m.id.clone(),
+                fields: m.fields.clone(),
+            },
+            delivery_number: m.n,
+            redelivered_later: true,
+        })
+    }
+
+    /// XACK; 0 (no longer pending) counts as committed (R136).
+    async fn commit(&self, m: &RedisEntry) -> Result<(), SubscriptionError> {
+        self.xack(m).await
+    }
+
+    /// A rewind that does not wait in the process (beyond the bound, or still waiting at
+    /// close): the entry is left pending without a timer or renewals, and XAUTOCLAIM brings it
+    /// back after claim_idle (R136).
+    async fn rewind(&self, _m: &RedisEntry, _delay: Duration) -> Result<(), SubscriptionError> {
+        Ok(())
+    }
+
+    /// The delay has passed: XCLAIM, which counts a delivery; nothing when the entry passed to
+    /// another consumer or was trimmed (R136).
+    async fn take_back(
         &self,
-        max: usize,
-        wait: Duration,
-    ) -> Result<Vec<InboxDelivery>, SubscriptionError> {
-        if max == 0 || self.inner.closed.load(Ordering::SeqCst) {
+        m: &RedisEntry,
+        _delay: Duration,
+    ) -> Result<Vec<RedisEntry>, SubscriptionError> {
+        if m.touch.lost.load(Ordering::SeqCst) {
             return Ok(Vec::new());
         }
-        if self.inner.buffer.lock().expect("poisoned").is_empty() {
-            // The read runs in a task of its own, so that a read the runner gives up on does
-            // not leave entries pending under this consumer unhandled until claim_idle.
-            let me = self.clone();
-            tokio::spawn(async move {
-                let _reading = me.inner.reading.lock().await;
-                if me.inner.closed.load(Ordering::SeqCst) {
-                    return Ok(());
-                }
-                let got = me.next_inner(max, wait).await?;
-                me.inner.buffer.lock().expect("poisoned").extend(got);
-                Ok::<(), SubscriptionError>(())
-            })
-            .await
-            .map_err(|e| err("a read task", e))??;
-        }
-        let mut b = self.inner.buffer.lock().expect("poisoned");
-        let n = b.len().min(max);
-        Ok(b.drain(..n).collect())
+        let v = self
+            .xclaim(&m.stream, &[&m.id], m.touch.since(), false)
+            .await?;
+        let at = Instant::now();
+        let touches = HashMap::from([(m.id.clone(), m.touch.clone())]);
+        self.entries(&m.stream, entries_of(v), at, &touches).await
     }
 
-    /// Deletes the consumer from the group when it has no pending entry (R135, R167).
+    /// XACK (after the copy of R140).
+    async fn term(&self, m: &RedisEntry, _reason: &str) -> Result<(), SubscriptionError> {
+        self.xack(m).await
+    }
+
+    /// XCLAIM JUSTID to itself with min-idle = the time since the last answer about the entry
+    /// (R136); an entry it does not return has passed to another consumer and is not renewed
+    /// again.
+    async fn renew(&self, m: &RedisEntry) -> Result<(), SubscriptionError> {
+        if m.touch.lost.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let v = self
+            .xclaim(&m.stream, &[&m.id], m.touch.since(), true)
+            .await?;
+        let at = Instant::now();
+        if array(v).iter().any(|x| string(x) == m.id) {
+            m.touch.set(at);
+        } else {
+            m.touch.lost.store(true, Ordering::SeqCst);
+            tracing::debug!(stream = %m.stream, id = %m.id, "a held Redis entry passed to another consumer");
+        }
+        Ok(())
+    }
+
+    /// XADD to `{stream}:dead-letter` with the fields and R140's, and XACK, in one MULTI/EXEC.
+    async fn dead_letter(
+        &self,
+        m: &RedisEntry,
+        letter: &DeadLetter<'_>,
+    ) -> Result<(), SubscriptionError> {
+        let dl = format!("{}{}", m.stream, self.config.dead_letter_suffix);
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&dl).arg("*");
+        let added = letter.fields(&[("Stream", m.stream.clone()), ("Id", m.id.clone())]);
+        for (k, v) in m.fields.iter().chain(&added) {
+            xadd.arg(k).arg(v);
+        }
+        let mut p = redis::pipe();
+        p.atomic()
+            .add_command(xadd)
+            .ignore()
+            .cmd("XACK")
+            .arg(&m.stream)
+            .arg(&self.config.group)
+            .arg(&m.id)
+            .ignore();
+        let mut c = self.ops.clone();
+        let _: () = p
+            .query_async(&mut c)
+            .await
+            .map_err(|e| err(&format!("the dead-letter copy to {dl}"), e))?;
+        Ok(())
+    }
+
+    /// Deletes the consumer from the group when it has no pending entry (R135, R167); entries
+    /// read ahead or rewound stay pending under it, which is then kept.
     async fn close(&self) {
-        // No read after this one; wait for one in flight (at most its BLOCK time), whose
-        // entries then stay pending under this consumer, which is then kept.
-        self.inner.closed.store(true, Ordering::SeqCst);
-        drop(self.inner.reading.lock().await);
-        let cfg = &self.inner.config;
-        let mut c = self.inner.ops.clone();
-        for s in &self.inner.streams {
+        let cfg = &self.config;
+        let mut c = self.ops.clone();
+        for s in &self.streams {
             let v: Result<Value, _> = redis::cmd("XPENDING")
                 .arg(s)
                 .arg(&cfg.group)
@@ -709,7 +696,7 @@ impl Subscription for RedisSubscription {
                 }
             }
         }
-        for s in &self.inner.streams {
+        for s in &self.streams {
             let r: Result<Value, _> = redis::cmd("XGROUP")
                 .arg("DELCONSUMER")
                 .arg(s)
@@ -721,109 +708,6 @@ impl Subscription for RedisSubscription {
                 tracing::warn!(error = %e, stream = %s, "XGROUP DELCONSUMER failed");
             }
         }
-    }
-}
-
-struct RedisAck {
-    inner: Arc<Inner>,
-    stream: String,
-    id: String,
-    fields: Vec<(String, String)>,
-    touch: Arc<Touch>,
-}
-
-impl RedisAck {
-    fn sub(&self) -> RedisSubscription {
-        RedisSubscription {
-            inner: self.inner.clone(),
-        }
-    }
-
-    async fn xack(&self) -> Result<(), SubscriptionError> {
-        let mut c = self.inner.ops.clone();
-        let _: i64 = redis::cmd("XACK")
-            .arg(&self.stream)
-            .arg(&self.inner.config.group)
-            .arg(&self.id)
-            .query_async(&mut c)
-            .await
-            .map_err(|e| err("XACK", e))?;
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl AckHandle for RedisAck {
-    /// XACK; 0 (no longer pending) counts as committed (R136).
-    async fn commit(&self) -> Result<(), SubscriptionError> {
-        self.xack().await
-    }
-
-    /// Keeps the entry pending under this consumer, renewed, and claims it again after `delay`;
-    /// with `max_waiting_rewinds` already waiting, leaves it pending without a timer or
-    /// renewals, so that XAUTOCLAIM brings it back after claim_idle (R136).
-    async fn rewind(&self, delay: Duration) -> Result<(), SubscriptionError> {
-        let mut st = self.inner.state.lock().expect("poisoned");
-        if st.rewinds.len() < self.inner.config.max_waiting_rewinds {
-            st.rewinds.push(Rewind {
-                stream: self.stream.clone(),
-                id: self.id.clone(),
-                due: Instant::now() + delay,
-                touch: self.touch.clone(),
-            });
-        }
-        Ok(())
-    }
-
-    /// False once `max_waiting_rewinds` rewinds wait (R136).
-    fn rewind_has_room(&self) -> bool {
-        self.inner.state.lock().expect("poisoned").rewinds.len()
-            < self.inner.config.max_waiting_rewinds
-    }
-
-    /// XACK (after the copy of R140).
-    async fn term(&self, _reason: &str) -> Result<(), SubscriptionError> {
-        self.xack().await
-    }
-
-    /// XCLAIM JUSTID to itself (R136).
-    async fn renew(&self) -> Result<(), SubscriptionError> {
-        self.sub()
-            .renew_entry(&self.stream, &self.id, &self.touch)
-            .await
-    }
-
-    /// XADD to `{stream}:dead-letter` and XACK in one MULTI/EXEC (R140).
-    async fn dead_letter(&self, reason: &str, group: &str) -> Result<(), SubscriptionError> {
-        let dl = format!("{}{}", self.stream, self.inner.config.dead_letter_suffix);
-        let mut xadd = redis::cmd("XADD");
-        xadd.arg(&dl).arg("*");
-        for (k, v) in &self.fields {
-            xadd.arg(k).arg(v);
-        }
-        xadd.arg("invalid_reason")
-            .arg(reason)
-            .arg("consumer_group")
-            .arg(group)
-            .arg("original_stream")
-            .arg(&self.stream)
-            .arg("original_id")
-            .arg(&self.id);
-        let mut p = redis::pipe();
-        p.atomic()
-            .add_command(xadd)
-            .ignore()
-            .cmd("XACK")
-            .arg(&self.stream)
-            .arg(&self.inner.config.group)
-            .arg(&self.id)
-            .ignore();
-        let mut c = self.inner.ops.clone();
-        let _: () = p
-            .query_async(&mut c)
-            .await
-            .map_err(|e| err(&format!("the dead-letter copy to {dl}"), e))?;
-        Ok(())
     }
 }
 

@@ -297,6 +297,15 @@ async fn j_10() {
     .await;
 }
 
+/// J-38, R136's bound given once, to the runner: the runner's concurrency (1) bounds the waiting rewinds with no `max_waiting_rewinds` in the config: the second failure is recorded (R126, R136).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn j_38() {
+    txoutbox_conformance::inbox::broker_subs::rewinds_bounded_by_the_runner_concurrency(
+        &Redis, true,
+    )
+    .await;
+}
+
 /// J-11: with claim_idle 1 s, renewals keep a 3 s run's entry: w2 never claims it; one run,
 /// completed (R136).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -496,12 +496,18 @@ impl txoutbox_core::inbox::AckHandle for SpyAck {
     ) -> Result<(), txoutbox_core::inbox::SubscriptionError> {
         self.inner.dead_letter(reason, group).await
     }
+    fn rewind_has_room(&self) -> bool {
+        self.inner.rewind_has_room()
+    }
 }
 
 #[async_trait]
 impl Subscription for Spy {
     fn capabilities(&self) -> txoutbox_core::inbox::subscription::SubscriptionCapabilities {
         self.inner.capabilities()
+    }
+    fn configure(&self, settings: &txoutbox_core::inbox::RunnerSettings) -> Result<(), String> {
+        self.inner.configure(settings)
     }
     async fn next(
         &self,
@@ -608,6 +614,65 @@ pub async fn rewind_is_redelivered_later<S: SubscriptionUnderTest + ?Sized>(s: &
             .unwrap()
             .unwrap();
     assert_eq!(row.status, Status::Completed);
+    b.trial.cleanup().await;
+}
+
+/// J-38, R136's bound on every broker, given once: the runner's concurrency (1 here, and no
+/// bound in the subscription's config) is the number of rewinds that may wait in the process.
+/// Under `on_failure = rewind` with a handler that always fails, the first of two deliveries
+/// (different keys) is rewound; the second is recorded in its row and committed where the
+/// subscription holds its rewinds in the process (`held` true: Redis, RabbitMQ, the in-process
+/// transport), and rewound where the broker holds them itself (NATS' nak with a delay): there
+/// nothing waits in the process, so the bound holds with room to spare (R126, R136).
+pub async fn rewinds_bounded_by_the_runner_concurrency<S: SubscriptionUnderTest + ?Sized>(
+    s: &S,
+    held: bool,
+) {
+    let b = Bed::new(s).await;
+    b.handler.always(Act::Fail("boom".into()));
+    b.publish("m1", "k1", 0).await;
+    b.publish("m2", "k2", 0).await;
+    let sub = b.trial.subscription("w1", Duration::from_secs(30)).await;
+    let r = b
+        .builder_on(sub.clone(), "w1")
+        .concurrency(1)
+        .on_failure(OnFailure::Rewind)
+        .backoff(Backoff::new(5.0, 8.0).expect("backoff"))
+        .build()
+        .expect("runner builds");
+    let mut results = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while results.len() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "two deliveries within 10 s: {results:?}"
+        );
+        match r.handle_next().await.expect("a read") {
+            Some(d) => results.push(d),
+            None => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    assert_eq!(results[0].outcome, O::Rewound, "{results:?}");
+    if held {
+        assert_eq!(
+            (results[1].outcome, results[1].committed),
+            (O::Recorded, true),
+            "one rewind waits, the runner's concurrency: the second failure is recorded: {results:?}"
+        );
+        let recorded =
+            b.h.inbox
+                .get_by_message_id(results[1].message_id.as_deref().expect("an id"), &g())
+                .await
+                .unwrap();
+        assert!(recorded.is_some(), "the failure is recorded in its row");
+    } else {
+        assert_eq!(
+            results[1].outcome,
+            O::Rewound,
+            "the broker holds its rewinds: {results:?}"
+        );
+    }
+    sub.close().await;
     b.trial.cleanup().await;
 }
 

@@ -8,6 +8,7 @@
 //! [`scenarios::visibility`] (A) and [`scenarios::stand`] (SI).
 
 pub mod broker_subs;
+pub mod channel;
 pub mod ctx;
 pub mod end_to_end;
 pub mod harness;

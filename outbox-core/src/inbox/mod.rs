@@ -18,7 +18,9 @@
 //! * [`ordering`]: the inbox key's order, by the outbox's rules (R143 to R150);
 //! * [`memory`]: the in-memory reference backend;
 //! * [`hooks`], [`spans`] and (feature `metrics`) `metrics`: observability (R168 to R171);
-//! * `scripted` (feature `testing`): the suite's scripted subscription.
+//! * `scripted` (feature `testing`): the suite's scripted subscription;
+//! * [`transport`]: the broker transport layer an adapter implements (semver-exempt), over
+//!   which one generic subscription owns the read-ahead buffer and the bounded rewinds.
 //!
 //! The conformance suite's inbox scenarios (`txoutbox_conformance::inbox`) check these rules on
 //! every backend; each trait method names the scenarios that check it.
@@ -40,6 +42,7 @@ pub mod runner;
 pub mod scripted;
 pub mod spans;
 pub mod subscription;
+pub mod transport;
 
 pub use decode::{BrokerMessage, DecodeOptions, decode};
 pub use handler::{Handler, HandlerError, HandlerFn, HandlerFuture, HandlerOutcome, handler_fn};
@@ -54,4 +57,4 @@ pub use repository::{
 };
 pub use runner::run_loop::RunnerError;
 pub use runner::{DeliveryOutcome, DeliveryResult, Runner, RunnerBuilder};
-pub use subscription::{AckHandle, InboxDelivery, Subscription, SubscriptionError};
+pub use subscription::{AckHandle, InboxDelivery, RunnerSettings, Subscription, SubscriptionError};

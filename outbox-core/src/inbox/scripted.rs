@@ -348,6 +348,7 @@ impl Subscription for ScriptedSubscription {
             rewind: true,
             last_delivery: true,
             renew_every: *self.inner.renew_every.lock().expect("poisoned"),
+            rewind_refusal: None,
         }
     }
 

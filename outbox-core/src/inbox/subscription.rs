@@ -118,6 +118,46 @@ pub struct SubscriptionCapabilities {
     /// How often the runner renews every delivery it holds, handled or waiting for its key
     /// (NATS: ack_wait / 2, R134; Redis: claim_idle / 2, R136); none: never.
     pub renew_every: Option<Duration>,
+    /// Where `rewind` is false, the broker's own words for refusing `on_failure = rewind` when
+    /// the runner is built (Kafka's R175 text); none: the runner's generic text.
+    pub rewind_refusal: Option<&'static str>,
+}
+
+/// The runner's settings a subscription may need, given to it once when the runner is built
+/// ([`Subscription::configure`]), so that the user gives them to the runner only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RunnerSettings {
+    /// Deliveries the runner holds at once (R166): the bound on waiting rewinds (R136).
+    pub concurrency: usize,
+    /// The runner's max_attempts when it rewinds failures (`on_failure = rewind`, not at most
+    /// once); none otherwise (NATS refuses a bound consumer whose max_deliver is below it, R133).
+    pub rewind_max_attempts: Option<u32>,
+    /// Whether the runner commits before handling (R129).
+    pub at_most_once: bool,
+}
+
+impl RunnerSettings {
+    /// Settings of a runner with this concurrency that does not rewind.
+    pub fn new(concurrency: usize) -> Self {
+        Self {
+            concurrency,
+            rewind_max_attempts: None,
+            at_most_once: false,
+        }
+    }
+
+    /// The same settings, for a runner that rewinds failures with this max_attempts.
+    pub fn rewinding(mut self, max_attempts: u32) -> Self {
+        self.rewind_max_attempts = Some(max_attempts);
+        self
+    }
+
+    /// The same settings, at most once or not.
+    pub fn at_most_once(mut self, on: bool) -> Self {
+        self.at_most_once = on;
+        self
+    }
 }
 
 /// A source of deliveries for one consumer group (R113).
@@ -141,6 +181,13 @@ pub trait Subscription: Send + Sync {
     /// consumer bound by name without topics): then the runner's sources must be given.
     fn topics(&self) -> Option<&[String]> {
         None
+    }
+
+    /// Takes the runner's settings when the runner is built ([`RunnerSettings`]); an error is
+    /// a setting this subscription cannot serve, with what to change, and the build fails with
+    /// it. The default takes every setting.
+    fn configure(&self, _settings: &RunnerSettings) -> Result<(), String> {
+        Ok(())
     }
 
     /// Up to `max` deliveries (the runner's free slots, R134, R166), waiting at most `wait` for
@@ -173,6 +220,9 @@ impl<S: Subscription + ?Sized> Subscription for std::sync::Arc<S> {
     }
     fn topics(&self) -> Option<&[String]> {
         (**self).topics()
+    }
+    fn configure(&self, settings: &RunnerSettings) -> Result<(), String> {
+        (**self).configure(settings)
     }
     async fn next(
         &self,

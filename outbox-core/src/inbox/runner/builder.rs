@@ -16,7 +16,7 @@ use crate::inbox::model::ConsumerGroup;
 use crate::inbox::policy::{self, AncestorAckSettings, FailurePolicy, OnFailure};
 use crate::inbox::processor::{Processor, check_timeouts};
 use crate::inbox::repository::{HandlerTx, InboxBackend};
-use crate::inbox::subscription::Subscription;
+use crate::inbox::subscription::{RunnerSettings, Subscription};
 use crate::repository::OnExhausted;
 
 use super::{Runner, duplicates};
@@ -231,15 +231,13 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         let caps = self.subscription.capabilities();
         let group_name = one_group(self.group.as_deref(), self.subscription.group(), caps.name)?;
         let topics = one_topic_list(self.topics, self.subscription.topics(), caps.name)?;
-        if policy.on_failure == OnFailure::Rewind && !policy.at_most_once && !caps.rewind {
-            return Err(ConfigError::new(match caps.name {
-                // R175's text.
-                "kafka" => {
-                    "on_failure rewind is refused on Kafka: a rewind holds its whole partition"
-                        .to_owned()
-                }
-                name => format!(
-                    "on_failure = rewind is not possible on {name}: it cannot rewind one message (use record)"
+        let rewinds = policy.on_failure == OnFailure::Rewind && !policy.at_most_once;
+        if rewinds && !caps.rewind {
+            return Err(ConfigError::new(match caps.rewind_refusal {
+                Some(text) => text.to_owned(),
+                None => format!(
+                    "on_failure = rewind is not possible on {}: it cannot rewind one message (use record)",
+                    caps.name
                 ),
             }));
         }
@@ -257,6 +255,19 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         if self.handler_timeout.is_zero() {
             return Err(ConfigError::new("handler_timeout must be positive"));
         }
+        // The runner's settings, given once: the subscription takes what it needs (R136's
+        // bound, R133's max_deliver check).
+        let mut settings = RunnerSettings::new(self.concurrency).at_most_once(policy.at_most_once);
+        if rewinds {
+            settings = settings.rewinding(if self.max_attempts == 0 {
+                6
+            } else {
+                self.max_attempts
+            });
+        }
+        self.subscription
+            .configure(&settings)
+            .map_err(|e| ConfigError::new(format!("the {} subscription: {e}", caps.name)))?;
         let process_stored = self.process_stored.unwrap_or(true) && self.handler.is_some();
         let sources = self.sources.unwrap_or(topics);
         let mut embedded = None;
