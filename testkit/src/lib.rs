@@ -36,6 +36,7 @@ pub mod fixtures;
 mod harness;
 pub mod inbox;
 pub mod plan;
+pub mod pooler;
 pub mod shapes;
 
 pub use budget::*;
