@@ -208,6 +208,7 @@ pub fn trial_setup(
 pub struct PgInboxFactory {
     layout: Layout,
     past_only: bool,
+    through_pooler: bool,
 }
 
 impl PgInboxFactory {
@@ -216,6 +217,7 @@ impl PgInboxFactory {
         Self {
             layout: Layout::Plain,
             past_only: false,
+            through_pooler: false,
         }
     }
     /// Trials on the partitioned table (one DEFAULT partition).
@@ -223,6 +225,7 @@ impl PgInboxFactory {
         Self {
             layout: Layout::Partitioned,
             past_only: false,
+            through_pooler: false,
         }
     }
     /// Trials on the partitioned table with one partition for a past month only (E-14).
@@ -230,7 +233,17 @@ impl PgInboxFactory {
         Self {
             layout: Layout::Partitioned,
             past_only: true,
+            through_pooler: false,
         }
+    }
+
+    /// Each trial's store (the runner's and the processor's statements, the handlers'
+    /// transactions) goes through the transaction-pooling proxy at [`crate::pooler_url`] with
+    /// `Pooler::Transaction` (R194, OP-08); the schema, the fixtures and the inspections stay
+    /// on the direct URL.
+    pub fn through_pooler(mut self) -> Self {
+        self.through_pooler = true;
+        self
     }
 }
 
@@ -238,7 +251,12 @@ impl PgInboxFactory {
 impl InboxFactory for PgInboxFactory {
     type Harness = PgInboxHarness;
     async fn create(&self) -> Arc<PgInboxHarness> {
-        Arc::new(PgInboxHarness::create_with(self.layout, self.past_only).await)
+        let h = PgInboxHarness::create_with(self.layout, self.past_only).await;
+        Arc::new(if self.through_pooler {
+            h.through_pooler(&crate::pooler_url()).await
+        } else {
+            h
+        })
     }
 }
 
@@ -293,6 +311,15 @@ impl PgInboxHarness {
             clock: ManualClock::starting_now(),
             _share: share,
         }
+    }
+
+    /// The same harness with its store through the transaction-pooling proxy at `url` in
+    /// `Pooler::Transaction` (R194, OP-08).
+    pub async fn through_pooler(mut self, url: &str) -> Self {
+        let proxy = crate::pooler_pool(url, HARNESS_CONNECTIONS).await;
+        self.inbox = SqlxInbox::sqlx(proxy, &self.stmts.table, self.stmts.layout)
+            .with_pooler(txoutbox_postgres::Pooler::Transaction);
+        self
     }
 
     /// The trial's pool.
@@ -387,17 +414,22 @@ impl InboxHarness for PgInboxHarness {
         key: Option<&str>,
         n: i64,
     ) -> Result<(), HandlerError> {
+        // Unnamed, so that it also runs through a transaction-pooling proxy (OP-08).
         sqlx::query(AssertSqlSafe(effects::insert(&self.schema)))
             .bind(message_id)
             .bind(key)
             .bind(n)
+            .persistent(false)
             .execute(&mut **tx)
             .await
             .map(|_| ())
             .map_err(HandlerError::new)
     }
     async fn break_tx(&self, tx: &mut Transaction<'static, Postgres>) {
-        let _ = sqlx::query(effects::BREAK).execute(&mut **tx).await;
+        let _ = sqlx::query(effects::BREAK)
+            .persistent(false)
+            .execute(&mut **tx)
+            .await;
     }
     async fn sql_in(
         &self,
