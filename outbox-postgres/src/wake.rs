@@ -435,3 +435,159 @@ async fn run<S: WakeSource, P: ProbeSender>(source: S, probe: P, mut conn: S::Co
         me.wake_all();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The wake-up check's timing on paused tokio time, with a fake LISTEN connection whose
+    //! deliveries the test switches on and off (the real proxy is OP-09's, tests/pooler.rs).
+    use std::sync::atomic::AtomicBool;
+
+    use tokio::sync::mpsc;
+
+    use super::*;
+
+    type Bus = mpsc::UnboundedSender<String>;
+
+    struct FakeSource(Mutex<Option<mpsc::UnboundedReceiver<String>>>);
+
+    #[async_trait]
+    impl WakeSource for FakeSource {
+        type Conn = mpsc::UnboundedReceiver<String>;
+        async fn listen(&self, _: &str) -> Result<Self::Conn, String> {
+            self.0
+                .lock()
+                .unwrap()
+                .take()
+                .ok_or_else(|| "gone".to_owned())
+        }
+        async fn until_lost(
+            &self,
+            rx: &mut Self::Conn,
+            note: &(dyn for<'p> Fn(&'p str) + Sync),
+        ) -> Option<String> {
+            while let Some(p) = rx.recv().await {
+                note(&p);
+            }
+            None
+        }
+    }
+
+    struct FakeProbe {
+        bus: Bus,
+        deliver: Arc<AtomicBool>,
+        sent: Arc<AtomicU64>,
+    }
+
+    #[async_trait]
+    impl ProbeSender for FakeProbe {
+        async fn probe(&self, _: &str, payload: &str) -> Result<(), String> {
+            self.sent.fetch_add(1, Ordering::SeqCst);
+            if self.deliver.load(Ordering::SeqCst) {
+                let bus = self.bus.clone();
+                let payload = payload.to_owned();
+                // Delivered 50 ms after the commit.
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let _ = bus.send(payload);
+                });
+            }
+            Ok(())
+        }
+    }
+
+    async fn woken_within(n: &Notify, d: Duration) -> bool {
+        tokio::time::timeout(d, n.notified()).await.is_ok()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_listen_is_found_polled_around_and_recovered() {
+        let (bus, rx) = mpsc::unbounded_channel();
+        let deliver = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicU64::new(0));
+        let waker = Arc::new(Notify::new());
+        let probe = FakeProbe {
+            bus: bus.clone(),
+            deliver: deliver.clone(),
+            sent: sent.clone(),
+        };
+        let l = Listening::spawn(
+            FakeSource(Mutex::new(Some(rx))),
+            probe,
+            "outbox.t".into(),
+            vec![waker.clone()],
+            WakeCheck::default(),
+        )
+        .await
+        .unwrap();
+        // Start-up does not wait for the probe; its answer is due within 2 s of the commit.
+        assert_eq!(l.listener_ok(), None);
+        tokio::time::sleep(Duration::from_millis(1990)).await;
+        assert_eq!(l.listener_ok(), None, "not before the probe wait is over");
+        assert_eq!(sent.load(Ordering::SeqCst), 1, "one probe after LISTEN");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(
+            l.listener_ok(),
+            Some(false),
+            "the probe did not arrive within 2 s"
+        );
+
+        // Fallback polling: a wake-up every 500 ms.
+        let t0 = Instant::now();
+        for _ in 0..4 {
+            assert!(woken_within(&waker, Duration::from_millis(510)).await);
+        }
+        let took = t0.elapsed();
+        assert!(
+            took >= Duration::from_millis(1400) && took <= Duration::from_millis(2100),
+            "four fallback wake-ups took {took:?}"
+        );
+
+        // Deliveries work again: the next probe, due 60 s after the last one's answer was
+        // given up (t = 2 s; now t is about 4 s), arrives.
+        deliver.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(55)).await;
+        assert_eq!(l.listener_ok(), Some(false));
+        assert_eq!(sent.load(Ordering::SeqCst), 1);
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert_eq!(
+            sent.load(Ordering::SeqCst),
+            2,
+            "the second probe after 60 s"
+        );
+        assert_eq!(l.listener_ok(), Some(true), "the probe arrived: back to ok");
+
+        // Healthy: no fallback wake-ups, a probe (this listener's or another's) wakes no
+        // loop, a writer's notification does. (First the permit the last fallback wake-up left.)
+        let _ = woken_within(&waker, Duration::from_millis(1)).await;
+        assert!(!woken_within(&waker, Duration::from_secs(5)).await);
+        bus.send(format!("{PROBE_PREFIX}4242:0:1")).unwrap();
+        assert!(!woken_within(&waker, Duration::from_secs(1)).await);
+        bus.send(String::new()).unwrap();
+        assert!(woken_within(&waker, Duration::from_millis(10)).await);
+
+        // Notifications keep the check quiet: none for 60 s, then a probe.
+        let before = sent.load(Ordering::SeqCst);
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            bus.send(String::new()).unwrap();
+            assert!(woken_within(&waker, Duration::from_millis(10)).await);
+        }
+        assert_eq!(
+            sent.load(Ordering::SeqCst),
+            before,
+            "no probe while notifications arrive"
+        );
+        tokio::time::sleep(Duration::from_secs(61)).await;
+        assert_eq!(sent.load(Ordering::SeqCst), before + 1);
+    }
+
+    #[test]
+    fn settings_are_bounded() {
+        let c = WakeCheck::default();
+        assert!(c.notify_check_interval(Duration::from_millis(999)).is_err());
+        assert!(c.fallback_poll_interval(Duration::from_millis(9)).is_err());
+        assert!(c.probe_wait(Duration::ZERO).is_err());
+        assert_eq!(c.check_interval(), Duration::from_secs(60));
+        assert_eq!(c.fallback_interval(), Duration::from_millis(500));
+    }
+}
