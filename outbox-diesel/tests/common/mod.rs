@@ -63,6 +63,7 @@ pub fn patient_pool(url: &str, max: usize) -> PgPool {
 pub struct DieselFactory {
     url: String,
     layout: Layout,
+    through_pooler: bool,
 }
 
 impl DieselFactory {
@@ -71,7 +72,17 @@ impl DieselFactory {
         Self {
             url: database_url(),
             layout: Layout::Plain,
+            through_pooler: false,
         }
+    }
+
+    /// Each trial's repository and writer transactions go through the transaction-pooling
+    /// proxy at `txoutbox_testkit::pooler_url()` with `Pooler::Transaction` (R194, OP-08); the
+    /// migrations, fixtures and the sqlx peer stay on the direct URL.
+    #[allow(dead_code)]
+    pub fn through_pooler(mut self) -> Self {
+        self.through_pooler = true;
+        self
     }
 
     /// Each trial's table has the partitioned layout (created by the partitioned migration);
@@ -87,7 +98,12 @@ impl DieselFactory {
 #[async_trait]
 impl Factory for DieselFactory {
     async fn create(&self) -> Arc<dyn Harness> {
-        Arc::new(DieselHarness::create_with(&self.url, self.layout).await)
+        let h = DieselHarness::create_with(&self.url, self.layout).await;
+        Arc::new(if self.through_pooler {
+            h.through_pooler()
+        } else {
+            h
+        })
     }
 }
 
@@ -101,6 +117,9 @@ pub struct DieselHarness {
     layout: Layout,
     stmts: Arc<Statements>,
     pool: PgPool,
+    /// The pool through a transaction-pooling proxy the repository and the writer
+    /// transactions use, if any (OP-08).
+    proxy: Option<PgPool>,
     repo: Arc<DieselOutboxRepository>,
     peer: PgHarness,
     /// The pool's share of the process's test connection budget.
@@ -141,10 +160,30 @@ impl DieselHarness {
             table,
             layout,
             pool,
+            proxy: None,
             repo,
             peer,
             _share: share,
         }
+    }
+
+    /// The same trial with its repository and writer transactions through the
+    /// transaction-pooling proxy (OP-08).
+    #[allow(dead_code)]
+    pub fn through_pooler(mut self) -> Self {
+        let proxy = patient_pool(
+            &txoutbox_testkit::pooler_url(),
+            HARNESS_CONNECTIONS as usize,
+        );
+        self.repo = Arc::new(DieselOutboxRepository::new(
+            proxy.clone(),
+            DieselConfig::default()
+                .table(self.table.clone())
+                .layout(self.layout)
+                .pooler(txoutbox_postgres::Pooler::Transaction),
+        ));
+        self.proxy = Some(proxy);
+        self
     }
 
     /// The diesel repository.
@@ -169,7 +208,8 @@ impl DieselHarness {
 
     /// Begins a diesel writer transaction.
     pub async fn begin_diesel(&self) -> DieselWriteTx {
-        let mut conn = self.pool.get().await.expect("pooled connection");
+        let pool = self.proxy.as_ref().unwrap_or(&self.pool);
+        let mut conn = pool.get().await.expect("pooled connection");
         AnsiTransactionManager::begin_transaction(&mut *conn)
             .await
             .expect("begin");
