@@ -68,6 +68,27 @@ impl PoolSettings {
     }
 }
 
+/// Connects with [`crate::tls::establish`]. diesel-async's connection setup runs two session
+/// settings (time zone, client encoding) as prepared statements outside a transaction; through
+/// a transaction-pooling proxy (R194) the halves of one can reach two server connections and
+/// fail with "prepared statement … does not exist". Such a setup is tried again, up to 5 times
+/// (the proxy keeps both settings per client: PgBouncer tracks TimeZone and client_encoding).
+async fn establish_retrying(
+    url: String,
+) -> diesel::ConnectionResult<diesel_async::AsyncPgConnection> {
+    let mut tries = 1;
+    loop {
+        match crate::tls::establish(&url).await {
+            Err(diesel::ConnectionError::CouldntSetupConfiguration(e))
+                if tries < 5 && e.to_string().contains("prepared statement") =>
+            {
+                tries += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Builds a pool for `database_url` (`postgres://user@host:port/db`). No connection is opened
 /// until one is needed; an unreachable database shows as [`txoutbox_core::RepositoryError::Unavailable`]
 /// on first use.
@@ -88,7 +109,7 @@ pub fn build_pool(database_url: &str, settings: &PoolSettings) -> Result<PgPool,
         ));
     }
     let mut config = ManagerConfig::default();
-    config.custom_setup = Box::new(|url| crate::tls::establish(url).boxed());
+    config.custom_setup = Box::new(|url| establish_retrying(url.to_owned()).boxed());
     let manager =
         AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
     Pool::builder(manager)
