@@ -45,6 +45,11 @@ impl WakeListener {
     /// connects there on a connection of its own instead of taking one from `pool` (behind a
     /// transaction-pooling proxy, give a direct URL); the probe of the wake-up check runs in a
     /// transaction on `pool` in the options' pooler mode.
+    ///
+    /// Do not LISTEN through a transaction-pooling proxy: the notifications never reach the
+    /// listener (the wake-up check says so, R196), and the server connection that LISTENed
+    /// keeps receiving them while the proxy hands it to other clients, where sqlx fails the
+    /// statement in flight (`unexpected message: NotificationResponse`; seen in OP-09).
     pub async fn spawn_with(
         pool: &PgPool,
         table: &TableName,

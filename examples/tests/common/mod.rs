@@ -171,7 +171,7 @@ pub fn pooler_url() -> String {
 
 pub fn command(args: &[&str]) -> Command {
     let mut c = Command::new(BIN);
-    let migrate = args.iter().any(|a| *a == "migrate");
+    let migrate = args.contains(&"migrate");
     if through_pooler() && !migrate {
         c.env("DATABASE_URL", pooler_url())
             .env("OUTBOX_POOLER", "transaction")

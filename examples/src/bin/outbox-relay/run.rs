@@ -207,7 +207,7 @@ async fn listen(
     if conn.pooler == txoutbox_postgres::Pooler::Transaction && conn.listen_url.is_none() {
         tracing::warn!(
             %channel,
-            "--pooler transaction without --listen-url: the wake-up listener LISTENs through the same URL, and notifications do not pass a transaction-pooling proxy; give PostgreSQL's own address with --listen-url (OUTBOX_LISTEN_URL). Until then the wake-up check finds LISTEN silent and the loops poll every --fallback-poll-interval"
+            "--pooler transaction without --listen-url: the wake-up listener LISTENs through the same URL, and notifications do not pass a transaction-pooling proxy; give PostgreSQL's own address with --listen-url (OUTBOX_LISTEN_URL) (a LISTEN through the proxy also sends stray notifications to other clients of its server connection, which fail the statement they run). Until then the wake-up check finds LISTEN silent and the loops poll every --fallback-poll-interval"
         );
     }
     let l = match conn.store {
