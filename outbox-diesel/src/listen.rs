@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use diesel_async::{AsyncConnection, AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, RunQueryDsl};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use txoutbox_postgres::sql::TableName;
@@ -104,7 +104,7 @@ impl WakeSource for DieselSource {
     type Conn = AsyncPgConnection;
 
     async fn listen(&self, channel: &str) -> Result<AsyncPgConnection, String> {
-        let mut conn = AsyncPgConnection::establish(&self.0)
+        let mut conn = crate::tls::establish(&self.0)
             .await
             .map_err(|e| e.to_string())?;
         diesel::sql_query(listen_sql(channel))

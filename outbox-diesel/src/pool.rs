@@ -3,8 +3,11 @@
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
+use diesel_async::SimpleAsyncConnection;
 use diesel_async::pooled_connection::deadpool::{Object, Pool};
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
+};
 use futures::FutureExt;
 
 use crate::error::Error;
@@ -110,6 +113,13 @@ pub fn build_pool(database_url: &str, settings: &PoolSettings) -> Result<PgPool,
     }
     let mut config = ManagerConfig::default();
     config.custom_setup = Box::new(|url| establish_retrying(url.to_owned()).boxed());
+    // The check before a pooled connection is handed out: `SELECT 1` on the simple protocol.
+    // diesel-async's default (`Verified`) prepares and caches a statement outside any
+    // transaction, which a transaction-pooling proxy (R194) leaves on one server connection,
+    // where it collides with another client's statement of the same name.
+    config.recycling_method = RecyclingMethod::CustomFunction(Box::new(|c| {
+        Box::pin(async move { c.batch_execute("SELECT 1").await })
+    }));
     let manager =
         AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
     Pool::builder(manager)

@@ -45,8 +45,16 @@ pub fn patient_pool(url: &str, max: usize) -> PgPool {
     let mut config = ManagerConfig::default();
     config.custom_setup = Box::new(|url| {
         let url = url.to_owned();
-        async move { connect_patiently(|| AsyncPgConnection::establish(&url)).await }.boxed()
+        // The library's own setup (in a transaction: safe through a transaction-pooling proxy).
+        async move { connect_patiently(|| txoutbox_diesel::tls::establish(&url)).await }.boxed()
     });
+    // As the library's pool: the recycle check on the simple protocol (safe through a proxy).
+    config.recycling_method =
+        diesel_async::pooled_connection::RecyclingMethod::CustomFunction(Box::new(|c| {
+            Box::pin(async move {
+                diesel_async::SimpleAsyncConnection::batch_execute(c, "SELECT 1").await
+            })
+        }));
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(url, config);
     PgPool::builder(manager)
         .max_size(max)
