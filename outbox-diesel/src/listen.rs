@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use diesel_async::{AsyncPgConnection, RunQueryDsl};
+use diesel_async::{AsyncPgConnection, SimpleAsyncConnection};
 use futures::StreamExt;
 use tokio::sync::Notify;
 use txoutbox_postgres::sql::TableName;
@@ -107,8 +107,8 @@ impl WakeSource for DieselSource {
         let mut conn = crate::tls::establish(&self.0)
             .await
             .map_err(|e| e.to_string())?;
-        diesel::sql_query(listen_sql(channel))
-            .execute(&mut conn)
+        // The simple protocol: no statement is prepared (R194).
+        conn.batch_execute(&listen_sql(channel))
             .await
             .map_err(|e| e.to_string())?;
         Ok(conn)
