@@ -8,12 +8,14 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use diesel::pg::Pg;
 use diesel::query_builder::{BoxedSqlQuery, SqlQuery};
+use diesel::result::QueryResult;
 use diesel::sql_types::{Array, BigInt, Bool, Int4, Nullable, Text, Timestamptz};
 use diesel_async::{AnsiTransactionManager, AsyncPgConnection, RunQueryDsl, TransactionManager};
 use txoutbox_core::RepositoryError;
 use txoutbox_core::repository::{BlockedKey, Fetched};
 use txoutbox_postgres::driver::outbox::{AppliedRow, CountRow, OutboxDriver, OutboxRows};
 use txoutbox_postgres::driver::{Bind, Connection, Driver};
+use txoutbox_postgres::sql::pooler::is_unprepared;
 use txoutbox_postgres::sql::{RawRow, TableName};
 use uuid::Uuid;
 
@@ -48,9 +50,65 @@ fn bind_all(mut q: Boxed<'_>, binds: Vec<Bind>) -> Boxed<'_> {
     q
 }
 
+/// `sql` with `binds`, cached per connection unless it is marked for a transaction-pooling
+/// proxy (R194, [`txoutbox_postgres::sql::pooler`]).
 pub(crate) fn query(sql: &str, binds: Vec<Bind>) -> Prepared<Boxed<'_>> {
-    Prepared(bind_all(diesel::sql_query(sql).into_boxed(), binds))
+    Prepared(
+        bind_all(diesel::sql_query(sql).into_boxed(), binds),
+        !is_unprepared(sql),
+    )
 }
+
+/// Before a statement: a statement marked for a transaction-pooling proxy (R194) on a
+/// connection outside a transaction gets a transaction of its own, so that the Parse, Bind and
+/// Close of its one execution reach the same server connection. Returns whether it began one
+/// (then [`lone_end`] finishes it).
+pub(crate) async fn lone_begin(conn: &mut AsyncPgConnection, sql: &str) -> QueryResult<bool> {
+    if !is_unprepared(sql)
+        || AnsiTransactionManager::transaction_manager_status_mut(conn)
+            .transaction_depth()?
+            .is_some()
+    {
+        return Ok(false);
+    }
+    AnsiTransactionManager::begin_transaction(conn).await?;
+    Ok(true)
+}
+
+/// After a statement: commits the transaction [`lone_begin`] began when the statement
+/// succeeded, rolls it back otherwise.
+pub(crate) async fn lone_end<T>(
+    conn: &mut AsyncPgConnection,
+    began: bool,
+    r: QueryResult<T>,
+) -> QueryResult<T> {
+    if !began {
+        return r;
+    }
+    match r {
+        Ok(v) => {
+            AnsiTransactionManager::commit_transaction(conn).await?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = AnsiTransactionManager::rollback_transaction(conn).await;
+            Err(e)
+        }
+    }
+}
+
+/// Runs `query(sql, binds).$method(conn)` between [`lone_begin`] and [`lone_end`]: the one
+/// way every statement of this driver runs.
+macro_rules! run {
+    ($conn:expr, $sql:expr, $binds:expr, $method:ident) => {{
+        let conn: &mut diesel_async::AsyncPgConnection = $conn;
+        let sql: &str = $sql;
+        let began = $crate::driver::lone_begin(conn, sql).await?;
+        let r = $crate::driver::query(sql, $binds).$method(conn).await;
+        $crate::driver::lone_end(conn, began, r).await
+    }};
+}
+pub(crate) use run;
 
 /// A diesel-async connection (`&mut AsyncPgConnection`, a pooled one, …) that runs the
 /// statements of the driver layer.
@@ -80,7 +138,7 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> Connection for Diesel<T> {
     }
 
     async fn execute(&mut self, sql: &str, binds: Vec<Bind>) -> Result<u64, Self::Error> {
-        Ok(query(sql, binds).execute(&mut *self.0).await? as u64)
+        Ok(run!(&mut *self.0, sql, binds, execute)? as u64)
     }
 }
 
@@ -91,7 +149,7 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> OutboxRows for Diesel<T> {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<(Option<Uuid>, String, String)>, Self::Error> {
-        let rows: Vec<HeadRow> = query(sql, binds).load(&mut *self.0).await?;
+        let rows: Vec<HeadRow> = run!(&mut *self.0, sql, binds, load)?;
         Ok(rows
             .into_iter()
             .map(|h| (h.head_id, h.topic, h.partition_key))
@@ -99,12 +157,12 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> OutboxRows for Diesel<T> {
     }
 
     async fn fetched(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<Fetched>, Self::Error> {
-        let rows: Vec<FetchedRow> = query(sql, binds).load(&mut *self.0).await?;
+        let rows: Vec<FetchedRow> = run!(&mut *self.0, sql, binds, load)?;
         Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
     async fn events(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<RawRow>, Self::Error> {
-        let rows: Vec<OutboxRow> = query(sql, binds).load(&mut *self.0).await?;
+        let rows: Vec<OutboxRow> = run!(&mut *self.0, sql, binds, load)?;
         Ok(rows.into_iter().map(RawRow::from).collect())
     }
 
@@ -113,7 +171,7 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> OutboxRows for Diesel<T> {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<AppliedRow>, Self::Error> {
-        let rows: Vec<crate::row::AppliedRow> = query(sql, binds).load(&mut *self.0).await?;
+        let rows: Vec<crate::row::AppliedRow> = run!(&mut *self.0, sql, binds, load)?;
         Ok(rows
             .into_iter()
             .map(|r| AppliedRow {
@@ -130,28 +188,28 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> OutboxRows for Diesel<T> {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<BlockedKey>, Self::Error> {
-        let rows: Vec<BlockedRow> = query(sql, binds).load(&mut *self.0).await?;
+        let rows: Vec<BlockedRow> = run!(&mut *self.0, sql, binds, load)?;
         Ok(rows.into_iter().map(BlockedKey::from).collect())
     }
 
     async fn counts(&mut self, sql: &str) -> Result<Vec<CountRow>, Self::Error> {
-        let rows: Vec<crate::row::CountRow> = query(sql, Vec::new()).load(&mut *self.0).await?;
+        let rows: Vec<crate::row::CountRow> = run!(&mut *self.0, sql, Vec::new(), load)?;
         Ok(rows.into_iter().map(CountRow::from).collect())
     }
 
     async fn now(&mut self, sql: &str) -> Result<DateTime<Utc>, Self::Error> {
         // The shared text is `SELECT now()`, whose column PostgreSQL names `now`.
-        let r: NowRow = query(sql, Vec::new()).get_result(&mut *self.0).await?;
+        let r: NowRow = run!(&mut *self.0, sql, Vec::new(), get_result)?;
         Ok(r.now)
     }
 
     async fn isolation(&mut self, sql: &str, binds: Vec<Bind>) -> Result<String, Self::Error> {
-        let r: IsolationRow = query(sql, binds).get_result(&mut *self.0).await?;
+        let r: IsolationRow = run!(&mut *self.0, sql, binds, get_result)?;
         Ok(r.isolation)
     }
 
     async fn age_us(&mut self, sql: &str) -> Result<Option<i64>, Self::Error> {
-        let r: AgeRow = query(sql, Vec::new()).get_result(&mut *self.0).await?;
+        let r: AgeRow = run!(&mut *self.0, sql, Vec::new(), get_result)?;
         Ok(r.age_us)
     }
 }

@@ -23,7 +23,7 @@ use txoutbox_postgres::inbox::store::PgInbox;
 use txoutbox_postgres::sql::{Layout, TableName};
 use uuid::Uuid;
 
-use crate::driver::{Diesel, DieselDriver, DieselTx, query};
+use crate::driver::{Diesel, DieselDriver, DieselTx, run};
 use crate::pool::PgPool;
 
 type SqlUuid = diesel::sql_types::Uuid;
@@ -214,7 +214,7 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> InboxRows for Diesel<T> {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<InboxRawRow>, Self::Error> {
-        let rows: Vec<InboxRow> = query(sql, binds).load(&mut *self.0).await?;
+        let rows: Vec<InboxRow> = run!(&mut *self.0, sql, binds, load)?;
         Ok(rows.into_iter().map(|r| r.0).collect())
     }
 
@@ -223,7 +223,7 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> InboxRows for Diesel<T> {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Option<i64>, Self::Error> {
-        let r: Int8Row = query(sql, binds).get_result(&mut *self.0).await?;
+        let r: Int8Row = run!(&mut *self.0, sql, binds, get_result)?;
         Ok(r.n)
     }
 
@@ -232,12 +232,12 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> InboxRows for Diesel<T> {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Option<String>, Self::Error> {
-        let r: TextRow = query(sql, binds).get_result(&mut *self.0).await?;
+        let r: TextRow = run!(&mut *self.0, sql, binds, get_result)?;
         Ok(r.v)
     }
 
     async fn inbox_now(&mut self, sql: &str) -> Result<DateTime<Utc>, Self::Error> {
-        let r: NowRow = query(sql, Vec::new()).get_result(&mut *self.0).await?;
+        let r: NowRow = run!(&mut *self.0, sql, Vec::new(), get_result)?;
         Ok(r.now)
     }
 
@@ -246,7 +246,7 @@ impl<T: DerefMut<Target = AsyncPgConnection> + Send> InboxRows for Diesel<T> {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<(String, String, i64)>, Self::Error> {
-        let rows: Vec<CountRow> = query(sql, binds).load(&mut *self.0).await?;
+        let rows: Vec<CountRow> = run!(&mut *self.0, sql, binds, load)?;
         Ok(rows
             .into_iter()
             .map(|r| (r.source, r.status, r.count))

@@ -3,8 +3,11 @@
 use std::time::Duration;
 
 use diesel_async::AsyncPgConnection;
+use diesel_async::SimpleAsyncConnection;
 use diesel_async::pooled_connection::deadpool::{Object, Pool};
-use diesel_async::pooled_connection::{AsyncDieselConnectionManager, ManagerConfig};
+use diesel_async::pooled_connection::{
+    AsyncDieselConnectionManager, ManagerConfig, RecyclingMethod,
+};
 use futures::FutureExt;
 
 use crate::error::Error;
@@ -68,6 +71,27 @@ impl PoolSettings {
     }
 }
 
+/// Connects with [`crate::tls::establish`]. diesel-async's connection setup runs two session
+/// settings (time zone, client encoding) as prepared statements outside a transaction; through
+/// a transaction-pooling proxy (R194) the halves of one can reach two server connections and
+/// fail with "prepared statement … does not exist". Such a setup is tried again, up to 5 times
+/// (the proxy keeps both settings per client: PgBouncer tracks TimeZone and client_encoding).
+async fn establish_retrying(
+    url: String,
+) -> diesel::ConnectionResult<diesel_async::AsyncPgConnection> {
+    let mut tries = 1;
+    loop {
+        match crate::tls::establish(&url).await {
+            Err(diesel::ConnectionError::CouldntSetupConfiguration(e))
+                if tries < 5 && e.to_string().contains("prepared statement") =>
+            {
+                tries += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Builds a pool for `database_url` (`postgres://user@host:port/db`). No connection is opened
 /// until one is needed; an unreachable database shows as [`txoutbox_core::RepositoryError::Unavailable`]
 /// on first use.
@@ -88,7 +112,14 @@ pub fn build_pool(database_url: &str, settings: &PoolSettings) -> Result<PgPool,
         ));
     }
     let mut config = ManagerConfig::default();
-    config.custom_setup = Box::new(|url| crate::tls::establish(url).boxed());
+    config.custom_setup = Box::new(|url| establish_retrying(url.to_owned()).boxed());
+    // The check before a pooled connection is handed out: `SELECT 1` on the simple protocol.
+    // diesel-async's default (`Verified`) prepares and caches a statement outside any
+    // transaction, which a transaction-pooling proxy (R194) leaves on one server connection,
+    // where it collides with another client's statement of the same name.
+    config.recycling_method = RecyclingMethod::CustomFunction(Box::new(|c| {
+        Box::pin(async move { c.batch_execute("SELECT 1").await })
+    }));
     let manager =
         AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(database_url, config);
     Pool::builder(manager)

@@ -13,9 +13,12 @@ use diesel::query_builder::{AstPass, Query, QueryFragment, QueryId};
 use diesel::result::QueryResult;
 
 /// A query whose SQL text is fixed for the life of the process (built from a validated table
-/// name, values bound), safe for diesel's per-connection statement cache.
+/// name, values bound), safe for diesel's per-connection statement cache — unless the second
+/// field says not to cache it: a statement of a store behind a transaction-pooling proxy
+/// (R194, `txoutbox_postgres::sql::pooler`), which diesel-async then prepares for its one
+/// execution and closes at once, inside its transaction.
 #[derive(Debug)]
-pub(crate) struct Prepared<Q>(pub(crate) Q);
+pub(crate) struct Prepared<Q>(pub(crate) Q, pub(crate) bool);
 
 impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Prepared<Q> {
     fn walk_ast<'b>(&'b self, pass: AstPass<'_, 'b, Pg>) -> QueryResult<()> {
@@ -23,7 +26,7 @@ impl<Q: QueryFragment<Pg>> QueryFragment<Pg> for Prepared<Q> {
     }
 
     fn is_safe_to_cache_prepared(&self, _backend: &Pg) -> QueryResult<bool> {
-        Ok(true)
+        Ok(self.1)
     }
 }
 

@@ -163,12 +163,21 @@ pub fn client_config(tls: &TlsSettings) -> Result<rustls::ClientConfig, Error> {
 }
 
 /// Opens one connection to `url`, over TLS when the URL asks for it (see the module docs).
+///
+/// diesel-async's connection setup runs two session settings (time zone, client encoding) as
+/// prepared statements; they run here inside a transaction, so that through a
+/// transaction-pooling proxy (R194) they reach one server connection and none is left prepared
+/// there (a statement left behind would collide with another client's of the same name).
 pub async fn establish(url: &str) -> diesel::ConnectionResult<diesel_async::AsyncPgConnection> {
     use diesel::ConnectionError;
-    use diesel_async::AsyncConnection;
     let t = parse_url(url).map_err(|e| ConnectionError::BadConnection(e.to_string()))?;
     match t.tls {
-        None => diesel_async::AsyncPgConnection::establish(&t.url).await,
+        None => {
+            let (client, conn) = tokio_postgres::connect(&t.url, tokio_postgres::NoTls)
+                .await
+                .map_err(|e| ConnectionError::BadConnection(e.to_string()))?;
+            setup_in_transaction(client, conn).await
+        }
         #[cfg(feature = "tls")]
         Some(tls) => {
             let cfg = client_config(&tls).map_err(|e| ConnectionError::BadConnection(e.to_string()))?;
@@ -176,13 +185,44 @@ pub async fn establish(url: &str) -> diesel::ConnectionResult<diesel_async::Asyn
             let (client, conn) = tokio_postgres::connect(&t.url, connector)
                 .await
                 .map_err(|e| ConnectionError::BadConnection(with_sources(&e)))?;
-            diesel_async::AsyncPgConnection::try_from_client_and_connection(client, conn).await
+            setup_in_transaction(client, conn).await
         }
         #[cfg(not(feature = "tls"))]
         Some(_) => Err(ConnectionError::BadConnection(
             "the database URL asks for TLS (sslmode=require/verify-ca/verify-full), and outbox-diesel was built without its `tls` feature; enable it (rustls, no OpenSSL)".into(),
         )),
     }
+}
+
+/// `BEGIN` on the raw client (driving its connection meanwhile), diesel-async's setup, `COMMIT`.
+async fn setup_in_transaction<T>(
+    client: tokio_postgres::Client,
+    mut conn: tokio_postgres::Connection<tokio_postgres::Socket, T>,
+) -> diesel::ConnectionResult<diesel_async::AsyncPgConnection>
+where
+    T: tokio_postgres::tls::TlsStream + Unpin + Send + 'static,
+{
+    use diesel::ConnectionError;
+    use diesel_async::SimpleAsyncConnection;
+    {
+        let begin = client.batch_execute("BEGIN");
+        tokio::pin!(begin);
+        tokio::select! {
+            r = &mut begin => r.map_err(|e| ConnectionError::BadConnection(e.to_string()))?,
+            r = &mut conn => {
+                return Err(ConnectionError::BadConnection(match r {
+                    Ok(()) => "the connection closed during setup".to_owned(),
+                    Err(e) => e.to_string(),
+                }));
+            }
+        }
+    }
+    let mut c =
+        diesel_async::AsyncPgConnection::try_from_client_and_connection(client, conn).await?;
+    c.batch_execute("COMMIT")
+        .await
+        .map_err(|e| ConnectionError::BadConnection(format!("setup: {e}")))?;
+    Ok(c)
 }
 
 /// An error with its causes, `a: b: c` (tokio-postgres says "error performing TLS handshake"

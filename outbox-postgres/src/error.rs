@@ -21,6 +21,9 @@ pub enum Error {
     /// A partition setting of the partitioned layout is out of range.
     #[error("invalid partition setting: {0}")]
     Partitions(String),
+    /// A setting is out of range (the wake-up check's intervals, R196; the pooler mode, R194).
+    #[error("invalid setting: {0}")]
+    Config(String),
     /// A database operation outside the repository trait failed (schema creation, connect).
     #[error("database error during {during}: {message}")]
     Database {

@@ -26,7 +26,7 @@ pub use outbox::PgConfig;
 pub use repository::{PgOutboxRepository, PgOutboxWriter};
 #[cfg(feature = "sqlx")]
 pub use schema::{TableKind, create_schema, create_schema_with, ensure_partitions, table_kind};
-pub use sql::{Layout, TableName};
+pub use sql::{Layout, Pooler, TableName};
 /// The sqlx this crate is built with: name its types as `txoutbox_postgres::sqlx::…`, so your pool
 /// and transactions are the ones the writer and the repository take, whatever sqlx you depend on.
 #[cfg(feature = "sqlx")]

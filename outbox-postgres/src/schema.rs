@@ -65,11 +65,16 @@ pub enum TableKind {
 /// error is sqlx's own, so that a caller can tell a server that is down (SQLSTATE class 08, 57P,
 /// 53, or none) from one that refuses.
 pub async fn table_kind(pool: &PgPool, table: &TableName) -> Result<TableKind, sqlx::Error> {
+    // Unnamed and in a transaction, so that it also works through a transaction-pooling proxy
+    // (R194): the binaries check the table with it in either pooler mode.
     let stmts = Statements::new(table);
+    let mut tx = pool.begin().await?;
     let kind: Option<String> = sqlx::query_scalar(AssertSqlSafe(stmts.table_kind))
         .bind(table.dotted())
-        .fetch_optional(pool)
+        .persistent(false)
+        .fetch_optional(&mut *tx)
         .await?;
+    tx.commit().await?;
     Ok(match kind.as_deref() {
         None => TableKind::Missing,
         Some("r") => TableKind::Plain,

@@ -65,6 +65,8 @@ use crate::error::Error;
 pub(crate) mod fragments;
 pub mod partitioned;
 pub use partitioned::Layout;
+pub mod pooler;
+pub use pooler::Pooler;
 
 mod ddl;
 mod fetch;

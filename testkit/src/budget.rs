@@ -120,6 +120,34 @@ pub async fn trial_pool(url: &str, max: u32) -> PgPool {
         .unwrap_or_else(|e| panic!("PostgreSQL at {url} is unreachable: {e}"))
 }
 
+/// `OUTBOX_TEST_POOLER_URL` or the local PgBouncer in transaction mode
+/// (`scripts/pgbouncer start`: 127.0.0.1:6432, every database by its name), for the pooler
+/// scenarios (R194 to R196, OP-08, OP-09).
+pub fn pooler_url() -> String {
+    std::env::var("OUTBOX_TEST_POOLER_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".to_owned())
+}
+
+/// A small pool through a transaction-pooling proxy: as [`trial_pool`] without its session
+/// `SET TIME ZONE` (a session setting does not belong to a client behind such a proxy), and
+/// checked at once, so that a proxy that is not running fails the trial with its address.
+/// PgBouncer's `default_pool_size` (20 in `scripts/pgbouncer`) bounds the server connections
+/// all these pools use together: the proxy queues the rest.
+pub async fn pooler_pool(url: &str, max: u32) -> PgPool {
+    let opts: PgConnectOptions = url
+        .parse::<PgConnectOptions>()
+        .expect("the pooler URL is a valid postgres URL");
+    PgPoolOptions::new()
+        .max_connections(max)
+        .min_connections(0)
+        .acquire_timeout(CONNECT_PATIENCE)
+        .connect_with(opts)
+        .await
+        .unwrap_or_else(|e| {
+            panic!("the transaction-pooling proxy at {url} is unreachable: {e}; start it with `scripts/pgbouncer start`")
+        })
+}
+
 /// The pool size of one harness.
 pub const HARNESS_CONNECTIONS: u32 = 8;
 

@@ -15,7 +15,7 @@ use txoutbox_core::repository::{OutboxRepository, WriteResult};
 use uuid::Uuid;
 
 use txoutbox_postgres::sql::{self, Layout, Statements, TableName};
-use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, create_schema_with};
+use txoutbox_postgres::{PgConfig, PgOutboxRepository, PgOutboxWriter, Pooler, create_schema_with};
 
 /// Makes a fresh [`PgHarness`] per trial.
 #[derive(Debug, Clone)]
@@ -24,6 +24,7 @@ pub struct PgFactory {
     table: String,
     ancestor: bool,
     layout: Layout,
+    pooler_url: Option<String>,
 }
 
 impl Default for PgFactory {
@@ -40,7 +41,16 @@ impl PgFactory {
             table: sql::DEFAULT_TABLE.to_owned(),
             ancestor: false,
             layout: Layout::Plain,
+            pooler_url: None,
         }
+    }
+
+    /// The repository and the writer transactions of each trial go through the
+    /// transaction-pooling proxy at `url` with [`Pooler::Transaction`] (R194, OP-08); the
+    /// schema, the fixtures and the inspections stay on the direct URL.
+    pub fn through_pooler(mut self, url: &str) -> Self {
+        self.pooler_url = Some(url.to_owned());
+        self
     }
 
     /// Each trial's table has the partitioned layout ([`create_schema_with`] with
@@ -69,10 +79,14 @@ impl PgFactory {
 #[async_trait]
 impl Factory for PgFactory {
     async fn create(&self) -> Arc<dyn Harness> {
-        if self.ancestor {
-            Arc::new(PgHarness::create_ancestor(&self.url, &self.table).await)
+        let h = if self.ancestor {
+            PgHarness::create_ancestor(&self.url, &self.table).await
         } else {
-            Arc::new(PgHarness::create_with(&self.url, &self.table, self.layout).await)
+            PgHarness::create_with(&self.url, &self.table, self.layout).await
+        };
+        match &self.pooler_url {
+            Some(url) => Arc::new(h.through_pooler(url).await),
+            None => Arc::new(h),
         }
     }
 }
@@ -86,6 +100,9 @@ pub struct PgHarness {
     layout: Layout,
     stmts: Arc<Statements>,
     repo: Arc<PgOutboxRepository>,
+    /// The pool through a transaction-pooling proxy the repository and the writer
+    /// transactions use ([`PgHarness::through_pooler`]), if any.
+    proxy: Option<PgPool>,
     owns_schema: bool,
     /// The pool's share of the connection budget.
     _share: ConnectionShare,
@@ -125,11 +142,28 @@ impl PgHarness {
     /// The same harness with the repository (and its writer) in `layout`.
     pub fn with_layout(mut self, layout: Layout) -> Self {
         self.layout = layout;
-        self.repo = Arc::new(PgOutboxRepository::new(
-            self.pool.clone(),
-            PgConfig::default().table(self.table.clone()).layout(layout),
-        ));
+        self.rebuild_repo();
         self
+    }
+
+    /// The same harness with its repository and writer transactions through the
+    /// transaction-pooling proxy at `url` in [`Pooler::Transaction`] (R194, OP-08). The pool
+    /// takes [`HARNESS_CONNECTIONS`] client connections of the proxy; the proxy's own pool
+    /// (PgBouncer's `default_pool_size`) bounds the server connections.
+    pub async fn through_pooler(mut self, url: &str) -> Self {
+        self.proxy = Some(pooler_pool(url, HARNESS_CONNECTIONS).await);
+        self.rebuild_repo();
+        self
+    }
+
+    fn rebuild_repo(&mut self) {
+        let cfg = PgConfig::default()
+            .table(self.table.clone())
+            .layout(self.layout);
+        self.repo = Arc::new(match &self.proxy {
+            Some(p) => PgOutboxRepository::new(p.clone(), cfg.pooler(Pooler::Transaction)),
+            None => PgOutboxRepository::new(self.pool.clone(), cfg),
+        });
     }
 
     /// The trial table's layout.
@@ -194,6 +228,7 @@ impl PgHarness {
             table,
             layout: Layout::Plain,
             repo,
+            proxy: None,
             owns_schema: owns,
             _share: share,
         }
@@ -221,7 +256,13 @@ impl PgHarness {
 
     /// Begins a writer transaction with the sqlx writer.
     pub async fn begin_tx(&self) -> Box<dyn WriteTx> {
-        let tx = self.pool.begin().await.expect("begin");
+        let tx = self
+            .proxy
+            .as_ref()
+            .unwrap_or(&self.pool)
+            .begin()
+            .await
+            .expect("begin");
         Box::new(SqlxWriteTx {
             tx: Some(tx),
             writer: self.repo.writer(),
@@ -289,13 +330,16 @@ impl WriteTx for SqlxWriteTx {
         let ensure = crate::fixtures::ensure_aggregate(&self.schema);
         let lock = crate::fixtures::lock_aggregate(&self.schema);
         let tx = self.tx();
+        // Unnamed, so that they also run through a transaction-pooling proxy (OP-08).
         sqlx::query(AssertSqlSafe(ensure))
             .bind(name)
+            .persistent(false)
             .execute(&mut **tx)
             .await
             .expect("insert aggregate row");
         sqlx::query(AssertSqlSafe(lock))
             .bind(name)
+            .persistent(false)
             .fetch_one(&mut **tx)
             .await
             .expect("lock aggregate row");
@@ -303,6 +347,7 @@ impl WriteTx for SqlxWriteTx {
 
     async fn touch(&mut self) {
         sqlx::query("SELECT txid_current()")
+            .persistent(false)
             .execute(&mut **self.tx())
             .await
             .expect("touch");

@@ -208,7 +208,7 @@ pub fn trial_setup(
 #[async_trait]
 pub trait TrialHarness: InboxHarness + Sized + 'static {
     /// One trial's harness.
-    async fn create_trial(layout: Layout, past_only: bool) -> Self;
+    async fn create_trial(layout: Layout, past_only: bool, through_pooler: bool) -> Self;
 }
 
 /// Makes a fresh harness `H` per trial, on the plain table, the partitioned table, or the
@@ -217,6 +217,7 @@ pub trait TrialHarness: InboxHarness + Sized + 'static {
 pub struct TrialFactory<H> {
     layout: Layout,
     past_only: bool,
+    through_pooler: bool,
     harness: std::marker::PhantomData<fn() -> H>,
 }
 
@@ -231,6 +232,7 @@ impl<H> std::fmt::Debug for TrialFactory<H> {
         f.debug_struct("TrialFactory")
             .field("layout", &self.layout)
             .field("past_only", &self.past_only)
+            .field("through_pooler", &self.through_pooler)
             .finish()
     }
 }
@@ -240,6 +242,7 @@ impl<H> TrialFactory<H> {
         Self {
             layout,
             past_only,
+            through_pooler: false,
             harness: std::marker::PhantomData,
         }
     }
@@ -257,11 +260,22 @@ impl<H> TrialFactory<H> {
     }
 }
 
+impl TrialFactory<PgInboxHarness> {
+    /// Each trial's store (the runner's and the processor's statements, the handlers'
+    /// transactions) goes through the transaction-pooling proxy at [`crate::pooler_url`] with
+    /// `Pooler::Transaction` (R194, OP-08); the schema, the fixtures and the inspections stay
+    /// on the direct URL.
+    pub fn through_pooler(mut self) -> Self {
+        self.through_pooler = true;
+        self
+    }
+}
+
 #[async_trait]
 impl<H: TrialHarness> InboxFactory for TrialFactory<H> {
     type Harness = H;
     async fn create(&self) -> Arc<H> {
-        Arc::new(H::create_trial(self.layout, self.past_only).await)
+        Arc::new(H::create_trial(self.layout, self.past_only, self.through_pooler).await)
     }
 }
 
@@ -270,8 +284,13 @@ pub type PgInboxFactory = TrialFactory<PgInboxHarness>;
 
 #[async_trait]
 impl TrialHarness for PgInboxHarness {
-    async fn create_trial(layout: Layout, past_only: bool) -> Self {
-        Self::create_with(layout, past_only).await
+    async fn create_trial(layout: Layout, past_only: bool, through_pooler: bool) -> Self {
+        let h = Self::create_with(layout, past_only).await;
+        if through_pooler {
+            h.through_pooler(&crate::pooler_url()).await
+        } else {
+            h
+        }
     }
 }
 
@@ -326,6 +345,15 @@ impl PgInboxHarness {
             clock: ManualClock::starting_now(),
             _share: share,
         }
+    }
+
+    /// The same harness with its store through the transaction-pooling proxy at `url` in
+    /// `Pooler::Transaction` (R194, OP-08).
+    pub async fn through_pooler(mut self, url: &str) -> Self {
+        let proxy = crate::pooler_pool(url, HARNESS_CONNECTIONS).await;
+        self.inbox = SqlxInbox::sqlx(proxy, &self.stmts.table, self.stmts.layout)
+            .with_pooler(txoutbox_postgres::Pooler::Transaction);
+        self
     }
 
     /// The trial's pool.
@@ -420,17 +448,22 @@ impl InboxHarness for PgInboxHarness {
         key: Option<&str>,
         n: i64,
     ) -> Result<(), HandlerError> {
+        // Unnamed, so that it also runs through a transaction-pooling proxy (OP-08).
         sqlx::query(AssertSqlSafe(effects::insert(&self.schema)))
             .bind(message_id)
             .bind(key)
             .bind(n)
+            .persistent(false)
             .execute(&mut **tx)
             .await
             .map(|_| ())
             .map_err(HandlerError::new)
     }
     async fn break_tx(&self, tx: &mut Transaction<'static, Postgres>) {
-        let _ = sqlx::query(effects::BREAK).execute(&mut **tx).await;
+        let _ = sqlx::query(effects::BREAK)
+            .persistent(false)
+            .execute(&mut **tx)
+            .await;
     }
     async fn sql_in(
         &self,

@@ -42,6 +42,7 @@ mod harness;
 pub mod inbox;
 pub mod logs;
 pub mod plan;
+pub mod pooler;
 pub mod shapes;
 
 pub use budget::*;

@@ -155,10 +155,33 @@ pub async fn relay(args: &[&str]) -> Out {
     wait(child, Duration::from_secs(60)).await
 }
 
+/// `OUTBOX_TEST_THROUGH_POOLER=1` (OP-08): every command but `migrate` runs through the
+/// transaction-pooling proxy at `OUTBOX_TEST_POOLER_URL` (default PgBouncer on 127.0.0.1:6432,
+/// `scripts/pgbouncer start`) with `--pooler transaction` (`OUTBOX_POOLER`) and a direct
+/// `--listen-url`; `migrate` needs the direct URL (R194) and keeps it.
+pub fn through_pooler() -> bool {
+    std::env::var("OUTBOX_TEST_THROUGH_POOLER").is_ok_and(|v| v == "1")
+}
+
+/// The URL of the transaction-pooling proxy (see [`through_pooler`]).
+pub fn pooler_url() -> String {
+    std::env::var("OUTBOX_TEST_POOLER_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6432/test".into())
+}
+
 pub fn command(args: &[&str]) -> Command {
     let mut c = Command::new(BIN);
+    let migrate = args.contains(&"migrate");
+    if through_pooler() && !migrate {
+        c.env("DATABASE_URL", pooler_url())
+            .env("OUTBOX_POOLER", "transaction")
+            .env("OUTBOX_LISTEN_URL", database_url());
+    } else {
+        c.env("DATABASE_URL", database_url())
+            .env_remove("OUTBOX_POOLER")
+            .env_remove("OUTBOX_LISTEN_URL");
+    }
     c.args(args)
-        .env("DATABASE_URL", database_url())
         .env("RUST_LOG", "info")
         .env_remove("OUTBOX_TABLE")
         .env_remove("OUTBOX_BROKER")

@@ -618,6 +618,115 @@ impl InboxStatements {
     }
 }
 
+impl InboxStatements {
+    /// The statement texts for `pooler` (R194), marked as [`crate::sql::Statements::for_pooler`] marks the
+    /// outbox's. Every field is named below, so a statement added without being marked is a
+    /// compile error here.
+    pub fn for_pooler(mut self, pooler: crate::sql::Pooler) -> Self {
+        let InboxStatements {
+            table: _,
+            layout: _,
+            now,
+            land,
+            land_run,
+            by_message_id,
+            dedup_lock,
+            key_lock,
+            lock_row,
+            lock_row_at,
+            lock_row_run,
+            exists,
+            exists_at,
+            earlier,
+            completed_sibling,
+            savepoint,
+            release_savepoint,
+            rollback_to_savepoint,
+            statement_timeout,
+            restore_timeout,
+            write,
+            write_at,
+            in_line_rows,
+            try_lock,
+            stamp,
+            fetch_heads,
+            fetch_runs,
+            fetch_walk,
+            window_overflow,
+            waiting,
+            counts,
+            oldest_due_age,
+            get,
+            requeue,
+            release_locks,
+            release_stale,
+            force_unlock,
+            delete_old_completed,
+            dedup_locks,
+            lock_rows,
+            complete_rows,
+            parked_rows,
+            parked_stats,
+            parked_keys,
+            redrive,
+            discard,
+            #[cfg(feature = "test-hooks")]
+            shift_clock,
+        } = &mut self;
+        for s in [
+            now,
+            land,
+            land_run,
+            by_message_id,
+            dedup_lock,
+            key_lock,
+            lock_row,
+            lock_row_at,
+            lock_row_run,
+            exists,
+            exists_at,
+            earlier,
+            completed_sibling,
+            savepoint,
+            release_savepoint,
+            rollback_to_savepoint,
+            statement_timeout,
+            restore_timeout,
+            write,
+            write_at,
+            in_line_rows,
+            try_lock,
+            stamp,
+            fetch_heads,
+            fetch_runs,
+            fetch_walk,
+            window_overflow,
+            waiting,
+            counts,
+            oldest_due_age,
+            get,
+            requeue,
+            release_locks,
+            release_stale,
+            force_unlock,
+            delete_old_completed,
+            dedup_locks,
+            lock_rows,
+            complete_rows,
+            parked_rows,
+            parked_stats,
+            parked_keys,
+            redrive,
+            discard,
+            #[cfg(feature = "test-hooks")]
+            shift_clock,
+        ] {
+            crate::sql::pooler::mark(s, pooler);
+        }
+        self
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -151,6 +151,14 @@ where
         }
     }
 
+    /// The store with `pooler` (R194, default [`crate::sql::Pooler::None`]): under
+    /// [`crate::sql::Pooler::Transaction`] no statement is prepared beyond its transaction and
+    /// every statement runs inside one, for a transaction-pooling proxy in front of PostgreSQL.
+    pub fn with_pooler(mut self, pooler: crate::sql::Pooler) -> Self {
+        self.stmts = Arc::new(InboxStatements::clone(&self.stmts).for_pooler(pooler));
+        self
+    }
+
     /// The statements.
     pub fn statements(&self) -> &InboxStatements {
         &self.stmts

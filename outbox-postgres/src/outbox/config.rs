@@ -3,7 +3,7 @@
 use txoutbox_core::repository::{DEFAULT_BACKEND_BATCH_SIZE, check_backend_batch_size};
 
 use crate::error::Error;
-use crate::sql::{Layout, TableName};
+use crate::sql::{Layout, Pooler, TableName};
 
 /// Settings of a PostgreSQL repository (sqlx or diesel: one type, `DieselConfig` is this).
 #[derive(Debug, Clone)]
@@ -12,6 +12,7 @@ pub struct PgConfig {
     pub(crate) layout: Layout,
     pub(crate) batch_size: usize,
     pub(crate) error_max_length: usize,
+    pub(crate) pooler: Pooler,
 }
 
 impl Default for PgConfig {
@@ -21,6 +22,7 @@ impl Default for PgConfig {
             layout: Layout::Plain,
             batch_size: DEFAULT_BACKEND_BATCH_SIZE,
             error_max_length: txoutbox_core::event::limits::DEFAULT_ERROR_MAX_LENGTH,
+            pooler: Pooler::None,
         }
     }
 }
@@ -61,6 +63,21 @@ impl PgConfig {
     pub fn error_max_length(mut self, n: usize) -> Result<Self, txoutbox_core::ConfigError> {
         self.error_max_length = txoutbox_core::event::check_error_max_length(n)?;
         Ok(self)
+    }
+
+    /// How the pool reaches PostgreSQL (R194, default [`Pooler::None`]): with
+    /// [`Pooler::Transaction`] (a transaction-pooling proxy such as PgBouncer's
+    /// `pool_mode = transaction` in front) no statement is prepared beyond its transaction and
+    /// every statement runs inside one; the repository's writer writes the same way. LISTEN
+    /// (`WakeListener`, R195) and creating the schema need a direct URL.
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
+    /// The configured pooler mode.
+    pub fn pooler_ref(&self) -> Pooler {
+        self.pooler
     }
 
     /// The configured table.

@@ -64,7 +64,7 @@ impl<D> Repository<D> {
     pub fn new(pool: impl Into<D>, cfg: PgConfig) -> Self {
         Self {
             driver: pool.into(),
-            stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout)),
+            stmts: Arc::new(Statements::with_layout(&cfg.table, cfg.layout).for_pooler(cfg.pooler)),
             cfg,
             cursor: WalkCursor::default(),
             fail_next_commit: Arc::new(AtomicBool::new(false)),

@@ -84,6 +84,14 @@ impl<D> Writer<D> {
         self
     }
 
+    /// Writes for `pooler` (R194): under [`crate::sql::Pooler::Transaction`] no statement of a
+    /// write is prepared beyond the caller's transaction (a writer from
+    /// `Repository::writer` has its repository's setting already).
+    pub fn pooler(mut self, pooler: crate::sql::Pooler) -> Self {
+        self.stmts = Arc::new(Statements::clone(&self.stmts).for_pooler(pooler));
+        self
+    }
+
     /// Whether writes notify.
     pub fn notifies(&self) -> bool {
         self.notify

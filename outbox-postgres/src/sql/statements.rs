@@ -40,6 +40,10 @@ pub struct Statements {
     /// wake-up at commit and never for a rolled-back write.
     pub notify: String,
 
+    /// `SELECT pg_notify($1, $2)`; `$1 text` the channel, `$2 text` the payload. The wake-up
+    /// check's probe (R196, [`crate::wake`]), in a transaction of its own.
+    pub notify_probe: String,
+
     /// One row by id. `$1 uuid`. Returns [`COLUMNS`] (0 or 1 row).
     pub get: String,
 
@@ -311,6 +315,7 @@ impl Statements {
             schema_lock: "SELECT pg_advisory_xact_lock(hashtext($1::text))".into(),
             now: "SELECT now()".into(),
             notify: "SELECT pg_notify($1::text, '')".into(),
+            notify_probe: "SELECT pg_notify($1::text, $2::text)".into(),
             get: r(text::GET),
             insert: insert_statement(&t, &cols, ""),
             select_existing: format!(
@@ -362,6 +367,98 @@ impl Statements {
     /// The key for [`Statements::schema_lock`]: `outbox-schema:` + the dotted table name.
     pub fn schema_lock_key(&self) -> String {
         format!("outbox-schema:{}", self.table.dotted())
+    }
+}
+
+impl Statements {
+    /// The statement texts for `pooler` (R194): under [`Pooler::Transaction`] each text starts
+    /// with [`super::pooler::UNPREPARED`], which the drivers read as "unnamed, uncached, inside
+    /// a transaction". Every field is named below, so a statement added to the set without
+    /// being marked is a compile error here.
+    pub fn for_pooler(mut self, pooler: Pooler) -> Self {
+        let Statements {
+            table: _,
+            layout: _,
+            idempotency_lock,
+            schema_lock,
+            now,
+            notify,
+            notify_probe,
+            get,
+            insert,
+            select_existing,
+            fetch_heads,
+            fetch_heads_autocommit,
+            fetch_take,
+            fetch_take_transaction,
+            complete,
+            fail,
+            complete_in_delivery,
+            fail_in_delivery,
+            release,
+            refresh_lock,
+            release_lock,
+            release_locks,
+            release_stale,
+            requeue,
+            delete_old_completed,
+            force_unlock,
+            blocked_keys,
+            counts,
+            oldest_due_age,
+            drained,
+            failed_ids,
+            table_kind,
+            parked_rows,
+            redrive,
+            discard,
+            parked_stats,
+            #[cfg(feature = "test-hooks")]
+            shift_clock,
+        } = &mut self;
+        if let Some(s) = idempotency_lock {
+            pooler::mark(s, pooler);
+        }
+        for s in [
+            schema_lock,
+            now,
+            notify,
+            notify_probe,
+            get,
+            insert,
+            select_existing,
+            fetch_heads,
+            fetch_heads_autocommit,
+            fetch_take,
+            fetch_take_transaction,
+            complete,
+            fail,
+            complete_in_delivery,
+            fail_in_delivery,
+            release,
+            refresh_lock,
+            release_lock,
+            release_locks,
+            release_stale,
+            requeue,
+            delete_old_completed,
+            force_unlock,
+            blocked_keys,
+            counts,
+            oldest_due_age,
+            drained,
+            failed_ids,
+            table_kind,
+            parked_rows,
+            redrive,
+            discard,
+            parked_stats,
+            #[cfg(feature = "test-hooks")]
+            shift_clock,
+        ] {
+            pooler::mark(s, pooler);
+        }
+        self
     }
 }
 

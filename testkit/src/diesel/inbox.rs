@@ -37,7 +37,10 @@ pub type DieselInboxFactory = TrialFactory<DieselInboxHarness>;
 
 #[async_trait]
 impl TrialHarness for DieselInboxHarness {
-    async fn create_trial(layout: Layout, past_only: bool) -> Self {
+    /// Only [`crate::inbox::PgInboxFactory`] offers `through_pooler`, so `through_pooler` is
+    /// never set here.
+    async fn create_trial(layout: Layout, past_only: bool, through_pooler: bool) -> Self {
+        debug_assert!(!through_pooler, "the diesel inbox harness has no pooler mode");
         Self::create(layout, past_only).await
     }
 }

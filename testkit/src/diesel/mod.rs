@@ -43,8 +43,16 @@ pub fn patient_pool(url: &str, max: usize) -> PgPool {
     let mut config = ManagerConfig::default();
     config.custom_setup = Box::new(|url| {
         let url = url.to_owned();
-        async move { connect_patiently(|| AsyncPgConnection::establish(&url)).await }.boxed()
+        // The library's own setup (in a transaction: safe through a transaction-pooling proxy).
+        async move { connect_patiently(|| txoutbox_diesel::tls::establish(&url)).await }.boxed()
     });
+    // As the library's pool: the recycle check on the simple protocol (safe through a proxy).
+    config.recycling_method =
+        diesel_async::pooled_connection::RecyclingMethod::CustomFunction(Box::new(|c| {
+            Box::pin(async move {
+                diesel_async::SimpleAsyncConnection::batch_execute(c, "SELECT 1").await
+            })
+        }));
     let manager = AsyncDieselConnectionManager::<AsyncPgConnection>::new_with_config(url, config);
     PgPool::builder(manager)
         .max_size(max)
@@ -61,6 +69,7 @@ pub fn patient_pool(url: &str, max: usize) -> PgPool {
 pub struct DieselFactory {
     url: String,
     layout: Layout,
+    through_pooler: bool,
 }
 
 impl DieselFactory {
@@ -69,7 +78,17 @@ impl DieselFactory {
         Self {
             url: database_url(),
             layout: Layout::Plain,
+            through_pooler: false,
         }
+    }
+
+    /// Each trial's repository and writer transactions go through the transaction-pooling
+    /// proxy at `crate::pooler_url()` with `Pooler::Transaction` (R194, OP-08); the
+    /// migrations, fixtures and the sqlx peer stay on the direct URL.
+    #[allow(dead_code)]
+    pub fn through_pooler(mut self) -> Self {
+        self.through_pooler = true;
+        self
     }
 
     /// Each trial's table has the partitioned layout (created by the partitioned migration);
@@ -85,7 +104,12 @@ impl DieselFactory {
 #[async_trait]
 impl Factory for DieselFactory {
     async fn create(&self) -> Arc<dyn Harness> {
-        Arc::new(DieselHarness::create_with(&self.url, self.layout).await)
+        let h = DieselHarness::create_with(&self.url, self.layout).await;
+        Arc::new(if self.through_pooler {
+            h.through_pooler()
+        } else {
+            h
+        })
     }
 }
 
@@ -99,6 +123,9 @@ pub struct DieselHarness {
     layout: Layout,
     stmts: Arc<Statements>,
     pool: PgPool,
+    /// The pool through a transaction-pooling proxy the repository and the writer
+    /// transactions use, if any (OP-08).
+    proxy: Option<PgPool>,
     repo: Arc<DieselOutboxRepository>,
     peer: PgHarness,
     /// The pool's share of the process's test connection budget.
@@ -139,10 +166,30 @@ impl DieselHarness {
             table,
             layout,
             pool,
+            proxy: None,
             repo,
             peer,
             _share: share,
         }
+    }
+
+    /// The same trial with its repository and writer transactions through the
+    /// transaction-pooling proxy (OP-08).
+    #[allow(dead_code)]
+    pub fn through_pooler(mut self) -> Self {
+        let proxy = patient_pool(
+            &crate::pooler_url(),
+            HARNESS_CONNECTIONS as usize,
+        );
+        self.repo = Arc::new(DieselOutboxRepository::new(
+            proxy.clone(),
+            DieselConfig::default()
+                .table(self.table.clone())
+                .layout(self.layout)
+                .pooler(txoutbox_postgres::Pooler::Transaction),
+        ));
+        self.proxy = Some(proxy);
+        self
     }
 
     /// The diesel repository.
@@ -167,7 +214,8 @@ impl DieselHarness {
 
     /// Begins a diesel writer transaction.
     pub async fn begin_diesel(&self) -> DieselWriteTx {
-        let mut conn = self.pool.get().await.expect("pooled connection");
+        let pool = self.proxy.as_ref().unwrap_or(&self.pool);
+        let mut conn = pool.get().await.expect("pooled connection");
         AnsiTransactionManager::begin_transaction(&mut *conn)
             .await
             .expect("begin");

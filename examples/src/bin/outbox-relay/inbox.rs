@@ -242,7 +242,7 @@ pub async fn dispatch(cmd: InboxCommand) -> Result<()> {
 }
 
 async fn open(db: &InboxDbArgs) -> Result<InboxStore> {
-    store::open_inbox(&db.conn.database_url, db.conn.store, &db.table, 4).await
+    store::open_inbox(&db.conn, &db.table, 4).await
 }
 
 /// The repository error of this inbox table, with the inbox's advice.

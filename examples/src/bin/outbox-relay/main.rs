@@ -19,7 +19,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
-use txoutbox_postgres::TableName;
+use txoutbox_postgres::{Pooler, TableName};
 use uuid::Uuid;
 
 mod broker;
@@ -65,6 +65,33 @@ pub struct ConnArgs {
     /// cargo feature `diesel`). Both use the same table.
     #[arg(long, env = "OUTBOX_STORE", value_enum, default_value_t = StoreKind::Sqlx)]
     pub store: StoreKind,
+    /// How --database-url reaches PostgreSQL: `none` (directly, or a session-pooling proxy) or
+    /// `transaction` (a transaction-pooling proxy such as PgBouncer `pool_mode = transaction`:
+    /// no statement is prepared beyond its transaction, every statement runs in one). `migrate`
+    /// needs a direct URL; LISTEN needs one too (--listen-url).
+    #[arg(long, env = "OUTBOX_POOLER", default_value = "none", value_parser = parse_pooler)]
+    pub pooler: Pooler,
+    /// The URL the wake-up listener LISTENs on (default --database-url). Notifications do not
+    /// pass a transaction-pooling proxy: with `--pooler transaction`, give PostgreSQL's own
+    /// address here.
+    #[arg(long, env = "OUTBOX_LISTEN_URL")]
+    pub listen_url: Option<String>,
+}
+
+impl ConnArgs {
+    /// Refuses (usage error) a schema creation through a transaction-pooling proxy.
+    pub fn require_direct(&self, what: &str) -> error::Result<()> {
+        if self.pooler == Pooler::Transaction {
+            return Err(error::CliError::usage(format!(
+                "{what} creates the schema under a session-level lock and setting, which a transaction-pooling proxy does not keep: run it with a direct --database-url (PostgreSQL itself, not the proxy) and without --pooler transaction"
+            )));
+        }
+        Ok(())
+    }
+}
+
+fn parse_pooler(s: &str) -> Result<Pooler, String> {
+    s.parse()
 }
 
 /// Where the outbox table is.

@@ -15,7 +15,7 @@ use crate::error::{CliError, Result, TableRole, code};
 use crate::store::{self, StoreKind};
 
 async fn open(db: &DbArgs) -> Result<store::Store> {
-    store::open(&db.conn.database_url, db.conn.store, &db.table, 4).await
+    store::open(&db.conn, &db.table, 4).await
 }
 
 /// `migrate --print-sql`: the statements of `migrate` (from `txoutbox_postgres::sql::ddl` or
@@ -71,6 +71,7 @@ pub fn ddl_script(stmts: &[String]) -> String {
 }
 
 pub async fn migrate(db: &DbArgs, partitioned: bool, months_ahead: u32) -> Result<()> {
+    db.conn.require_direct("migrate")?;
     let layout = if partitioned {
         txoutbox_postgres::sql::partitioned::check_months_ahead(months_ahead)
             .map_err(|e| CliError::usage(format!("--months-ahead: {e}")))?;

@@ -86,6 +86,14 @@ pub struct RunArgs {
     /// Polls only: no LISTEN on the table's channel.
     #[arg(long, env = "OUTBOX_NO_LISTEN")]
     pub no_listen: bool,
+    /// The wake-up check (R196): a probe NOTIFY after LISTEN and whenever this long passes
+    /// without a notification (at least 1s).
+    #[arg(long, env = "OUTBOX_NOTIFY_CHECK_INTERVAL", default_value = "60s", value_parser = parse_dur)]
+    pub notify_check_interval: Duration,
+    /// While the probe does not arrive (LISTEN silent, e.g. through a transaction-pooling
+    /// proxy), the loops poll this often (at least 10ms).
+    #[arg(long, env = "OUTBOX_FALLBACK_POLL_INTERVAL", default_value = "500ms", value_parser = parse_dur)]
+    pub fallback_poll_interval: Duration,
     /// Interval of the one-line summary (events/s, backlog, blocked keys, oldest due age); 0 = off
     /// (with --metrics-addr the backlog gauges are still updated, every 10 s).
     #[arg(long, env = "OUTBOX_SUMMARY_INTERVAL", default_value = "10s", value_parser = parse_dur)]
@@ -181,23 +189,62 @@ async fn listen(
             format!("LISTEN {channel}: {e}; pass --no-listen to poll only"),
         )
     };
-    let l = match a.db.conn.store {
-        store::StoreKind::Sqlx => Listener::Sqlx(
-            txoutbox_postgres::WakeListener::spawn(pool, table, wakers)
-                .await
-                .map_err(|e| fail(e.to_string()))?,
-        ),
+    let conn = &a.db.conn;
+    let options = txoutbox_postgres::wake::WakeOptions::default()
+        .pooler(conn.pooler)
+        .check(wake_check(a)?);
+    if conn.pooler == txoutbox_postgres::Pooler::Transaction && conn.listen_url.is_none() {
+        tracing::warn!(
+            %channel,
+            "--pooler transaction without --listen-url: the wake-up listener LISTENs through the same URL, and notifications do not pass a transaction-pooling proxy; give PostgreSQL's own address with --listen-url (OUTBOX_LISTEN_URL) (a LISTEN through the proxy also sends stray notifications to other clients of its server connection, which fail the statement they run). Until then the wake-up check finds LISTEN silent and the loops poll every --fallback-poll-interval"
+        );
+    }
+    let l = match conn.store {
+        store::StoreKind::Sqlx => {
+            let options = match &conn.listen_url {
+                Some(u) => options.listen_url(u.clone()),
+                None => options,
+            };
+            Listener::Sqlx(
+                txoutbox_postgres::WakeListener::spawn_with(pool, table, wakers, options)
+                    .await
+                    .map_err(|e| fail(txoutbox_core::redact::secrets(&e.to_string())))?,
+            )
+        }
         #[cfg(feature = "diesel")]
-        store::StoreKind::Diesel => Listener::Diesel(
-            txoutbox_diesel::WakeListener::spawn(&a.db.conn.database_url, table, wakers)
+        store::StoreKind::Diesel => {
+            let url = conn.listen_url.as_deref().unwrap_or(&conn.database_url);
+            let probe_pool = txoutbox_diesel::build_pool(
+                &conn.database_url,
+                &txoutbox_diesel::PoolSettings::default()
+                    .max_size(1)
+                    .map_err(|e| CliError::usage(e.to_string()))?,
+            )
+            .map_err(|e| CliError::usage(format!("diesel pool: {e}")))?;
+            Listener::Diesel(
+                txoutbox_diesel::WakeListener::spawn_with(
+                    &probe_pool,
+                    table,
+                    wakers,
+                    options.listen_url(url),
+                )
                 .await
                 .map_err(|e| fail(txoutbox_core::redact::secrets(&e.to_string())))?,
-        ),
+            )
+        }
         #[cfg(not(feature = "diesel"))]
         store::StoreKind::Diesel => return Err(store::not_compiled()),
     };
     tracing::info!(%channel, store = ?a.db.conn.store, "listening for wake-ups");
     Ok(l)
+}
+
+/// The wake-up check's settings from the flags (R196).
+fn wake_check(a: &RunArgs) -> Result<txoutbox_postgres::wake::WakeCheck> {
+    txoutbox_postgres::wake::WakeCheck::default()
+        .notify_check_interval(a.notify_check_interval)
+        .and_then(|c| c.fallback_poll_interval(a.fallback_poll_interval))
+        .map_err(|e| CliError::usage(e.to_string()))
 }
 
 struct Shared {
@@ -374,14 +421,7 @@ pub async fn run(a: RunArgs) -> Result<()> {
     // refused login ends the run.
     let Some(st) = wait_for(&token, "the database", &db_at, || async {
         let pool = store::connect_pool(&a.db.conn.database_url, pool_size).await?;
-        store::open_on(
-            pool,
-            &a.db.conn.database_url,
-            a.db.conn.store,
-            &a.db.table,
-            pool_size,
-        )
-        .await
+        store::open_on(pool, &a.db.conn, &a.db.table, pool_size).await
     })
     .await?
     else {

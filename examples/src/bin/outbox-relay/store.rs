@@ -10,7 +10,9 @@ use sqlx::{ConnectOptions, PgPool};
 use txoutbox_core::OutboxRepository;
 use txoutbox_core::inbox::InboxRepository;
 use txoutbox_postgres::sql::Statements;
-use txoutbox_postgres::{Layout, PgConfig, PgOutboxRepository, SqlxInbox, TableKind, TableName};
+use txoutbox_postgres::{
+    Layout, PgConfig, PgOutboxRepository, Pooler, SqlxInbox, TableKind, TableName,
+};
 use uuid::Uuid;
 
 use crate::error::{CliError, Result, TableRole, code};
@@ -33,6 +35,8 @@ pub struct Store {
     pub repo: Arc<dyn OutboxRepository>,
     pub pool: PgPool,
     pub table: TableName,
+    /// The pooler mode (R194): the statements below run as the repository's do.
+    pub pooler: Pooler,
     direct: Direct,
 }
 
@@ -65,21 +69,31 @@ impl Store {
     /// relay that has not committed yet leaves its heads due here. Rows waiting for a later
     /// retry, and the rows behind them, do not count. Runs on the chosen backend.
     pub async fn drained(&self) -> std::result::Result<bool, String> {
-        let sql = Statements::new(&self.table).drained;
+        let sql = Statements::new(&self.table).for_pooler(self.pooler).drained;
         match &self.direct {
-            Direct::Sqlx(pool) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-                .fetch_one(pool)
-                .await
-                .map_err(|e| e.to_string()),
+            Direct::Sqlx(pool) => {
+                let mut c = pool.acquire().await.map_err(|e| e.to_string())?;
+                let rows = txoutbox_postgres::driver::sqlx::rows(&mut c, &sql, Vec::new())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let row = rows
+                    .first()
+                    .ok_or("the drained statement returned no row")?;
+                sqlx::Row::try_get(row, 0).map_err(|e| e.to_string())
+            }
             #[cfg(feature = "diesel")]
             Direct::Diesel(pool) => {
-                use diesel_async::RunQueryDsl;
+                use diesel_async::{AsyncConnection, RunQueryDsl};
                 let mut conn = pool.get().await.map_err(|e| e.to_string())?;
-                diesel::sql_query(sql)
-                    .get_result::<diesel_rows::Drained>(&mut conn)
-                    .await
-                    .map(|r| r.drained)
-                    .map_err(|e| e.to_string())
+                // In a transaction: one statement through a transaction-pooling proxy (R194).
+                conn.transaction(async |c| {
+                    diesel::sql_query(sql)
+                        .get_result::<diesel_rows::Drained>(c)
+                        .await
+                })
+                .await
+                .map(|r| r.drained)
+                .map_err(|e| e.to_string())
             }
         }
     }
@@ -87,25 +101,44 @@ impl Store {
     /// The ids of the failed rows of `topic` and/or `key` (none = any), oldest first, on the
     /// chosen backend; errors map as the repository's do.
     pub async fn failed_ids(&self, topic: Option<&str>, key: Option<&str>) -> Result<Vec<Uuid>> {
-        let sql = Statements::new(&self.table).failed_ids;
+        let sql = Statements::new(&self.table)
+            .for_pooler(self.pooler)
+            .failed_ids;
         let t = &self.table;
         let res = match &self.direct {
-            Direct::Sqlx(pool) => sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
-                .bind(topic)
-                .bind(key)
-                .fetch_all(pool)
+            Direct::Sqlx(pool) => {
+                async {
+                    let mut c = pool.acquire().await?;
+                    let q = sqlx::query_scalar::<_, Uuid>(sqlx::AssertSqlSafe(sql.as_str()))
+                        .bind(topic)
+                        .bind(key)
+                        .persistent(self.pooler == Pooler::None);
+                    if self.pooler == Pooler::None {
+                        return q.fetch_all(&mut *c).await;
+                    }
+                    // One statement through a transaction-pooling proxy: in a transaction.
+                    let mut tx = sqlx::Connection::begin(&mut *c).await?;
+                    let ids = q.fetch_all(&mut *tx).await?;
+                    tx.commit().await?;
+                    Ok(ids)
+                }
                 .await
-                .map_err(|e| txoutbox_postgres::driver::sqlx::map_err(t, e)),
+                .map_err(|e| txoutbox_postgres::driver::sqlx::map_err(t, e))
+            }
             #[cfg(feature = "diesel")]
             Direct::Diesel(pool) => {
                 use diesel::sql_types::{Nullable, Text};
-                use diesel_async::RunQueryDsl;
+                use diesel_async::{AsyncConnection, RunQueryDsl};
                 match pool.get().await {
                     Err(e) => Err(txoutbox_diesel::error::map_pool(e)),
-                    Ok(mut conn) => diesel::sql_query(sql)
-                        .bind::<Nullable<Text>, _>(topic)
-                        .bind::<Nullable<Text>, _>(key)
-                        .load::<diesel_rows::Id>(&mut conn)
+                    Ok(mut conn) => conn
+                        .transaction(async |c| {
+                            diesel::sql_query(sql)
+                                .bind::<Nullable<Text>, _>(topic)
+                                .bind::<Nullable<Text>, _>(key)
+                                .load::<diesel_rows::Id>(c)
+                                .await
+                        })
                         .await
                         .map(|v| v.into_iter().map(|r| r.id).collect())
                         .map_err(|e| txoutbox_diesel::error::map_diesel(t, e)),
@@ -233,35 +266,33 @@ fn missing(role: TableRole, table: &TableName) -> CliError {
     )
 }
 
-/// Connects, checks the table and builds the repository of `kind`.
-pub async fn open(url: &str, kind: StoreKind, table: &TableName, pool_size: u32) -> Result<Store> {
-    let pool = connect_pool(url, pool_size).await?;
-    open_on(pool, url, kind, table, pool_size).await
+/// Connects, checks the table and builds the repository of the chosen store.
+pub async fn open(conn: &crate::ConnArgs, table: &TableName, pool_size: u32) -> Result<Store> {
+    let pool = connect_pool(&conn.database_url, pool_size).await?;
+    open_on(pool, conn, table, pool_size).await
 }
 
 /// Checks the table on a connected pool and builds the repository of `kind`.
 pub async fn open_on(
     pool: PgPool,
-    url: &str,
-    kind: StoreKind,
+    conn: &crate::ConnArgs,
     table: &TableName,
     pool_size: u32,
 ) -> Result<Store> {
     require_table(&pool, table).await?;
-    let (repo, direct): (Arc<dyn OutboxRepository>, Direct) = match kind {
+    let cfg = PgConfig::default().table(table.clone()).pooler(conn.pooler);
+    let (repo, direct): (Arc<dyn OutboxRepository>, Direct) = match conn.store {
         StoreKind::Sqlx => (
-            Arc::new(PgOutboxRepository::new(
-                pool.clone(),
-                PgConfig::default().table(table.clone()),
-            )),
+            Arc::new(PgOutboxRepository::new(pool.clone(), cfg)),
             Direct::Sqlx(pool.clone()),
         ),
-        StoreKind::Diesel => diesel_repo(url, table, pool_size)?,
+        StoreKind::Diesel => diesel_repo(&conn.database_url, cfg, pool_size)?,
     };
     Ok(Store {
         repo,
         pool,
         table: table.clone(),
+        pooler: conn.pooler,
         direct,
     })
 }
@@ -269,14 +300,14 @@ pub async fn open_on(
 #[cfg(feature = "diesel")]
 fn diesel_repo(
     url: &str,
-    table: &TableName,
+    cfg: PgConfig,
     pool_size: u32,
 ) -> Result<(Arc<dyn OutboxRepository>, Direct)> {
     let pool = diesel_pool(url, pool_size)?;
     Ok((
         Arc::new(txoutbox_diesel::DieselOutboxRepository::new(
             pool.clone(),
-            txoutbox_diesel::DieselConfig::default().table(table.clone()),
+            cfg,
         )),
         Direct::Diesel(pool),
     ))
@@ -285,7 +316,7 @@ fn diesel_repo(
 #[cfg(not(feature = "diesel"))]
 fn diesel_repo(
     _url: &str,
-    _table: &TableName,
+    _cfg: PgConfig,
     _pool_size: u32,
 ) -> Result<(Arc<dyn OutboxRepository>, Direct)> {
     Err(not_compiled())
@@ -313,11 +344,11 @@ pub struct InboxStore {
 /// inbox table exists, reads its layout (plain or partitioned: the statements differ) and
 /// builds the inbox repository of `kind`.
 pub async fn open_inbox(
-    url: &str,
-    kind: StoreKind,
+    conn: &crate::ConnArgs,
     table: &TableName,
     pool_size: u32,
 ) -> Result<InboxStore> {
+    let (url, kind) = (conn.database_url.as_str(), conn.store);
     let pool = connect_pool(url, pool_size).await?;
     let layout = match table_kind(&pool, table).await? {
         TableKind::Plain => Layout::Plain,
@@ -333,8 +364,8 @@ pub async fn open_inbox(
         }
     };
     let repo: Arc<dyn InboxRepository> = match kind {
-        StoreKind::Sqlx => Arc::new(SqlxInbox::sqlx(pool, table, layout)),
-        StoreKind::Diesel => diesel_inbox(url, table, layout, pool_size)?,
+        StoreKind::Sqlx => Arc::new(SqlxInbox::sqlx(pool, table, layout).with_pooler(conn.pooler)),
+        StoreKind::Diesel => diesel_inbox(url, table, layout, pool_size, conn.pooler)?,
     };
     Ok(InboxStore {
         repo,
@@ -348,9 +379,12 @@ fn diesel_inbox(
     table: &TableName,
     layout: Layout,
     pool_size: u32,
+    pooler: Pooler,
 ) -> Result<Arc<dyn InboxRepository>> {
     let pool = diesel_pool(url, pool_size)?;
-    Ok(Arc::new(txoutbox_diesel::diesel_inbox(pool, table, layout)))
+    Ok(Arc::new(
+        txoutbox_diesel::diesel_inbox(pool, table, layout).with_pooler(pooler),
+    ))
 }
 
 #[cfg(not(feature = "diesel"))]
@@ -359,6 +393,7 @@ fn diesel_inbox(
     _table: &TableName,
     _layout: Layout,
     _pool_size: u32,
+    _pooler: Pooler,
 ) -> Result<Arc<dyn InboxRepository>> {
     Err(not_compiled())
 }

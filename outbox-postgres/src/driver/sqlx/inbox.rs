@@ -5,7 +5,7 @@ use chrono::{DateTime, Utc};
 use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, Row};
 
-use super::query;
+use super::{one, rows};
 use crate::driver::Bind;
 use crate::driver::inbox::{InboxDriver, InboxRawRow, InboxRows, Unreadable};
 use crate::inbox::sql::INBOX_COLUMNS;
@@ -132,8 +132,7 @@ impl InboxRows for PgConnection {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<InboxRawRow>, sqlx::Error> {
-        query(sql, binds)
-            .fetch_all(&mut *self)
+        rows(self, sql, binds)
             .await?
             .iter()
             .map(inbox_raw_row)
@@ -145,7 +144,7 @@ impl InboxRows for PgConnection {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Option<i64>, sqlx::Error> {
-        query(sql, binds).fetch_one(&mut *self).await?.try_get(0)
+        one(self, sql, binds).await?.try_get(0)
     }
 
     async fn inbox_text(
@@ -153,14 +152,11 @@ impl InboxRows for PgConnection {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Option<String>, sqlx::Error> {
-        query(sql, binds).fetch_one(&mut *self).await?.try_get(0)
+        one(self, sql, binds).await?.try_get(0)
     }
 
     async fn inbox_now(&mut self, sql: &str) -> Result<DateTime<Utc>, sqlx::Error> {
-        query(sql, Vec::new())
-            .fetch_one(&mut *self)
-            .await?
-            .try_get(0)
+        one(self, sql, Vec::new()).await?.try_get(0)
     }
 
     async fn inbox_counts(
@@ -168,8 +164,7 @@ impl InboxRows for PgConnection {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<(String, String, i64)>, sqlx::Error> {
-        query(sql, binds)
-            .fetch_all(&mut *self)
+        rows(self, sql, binds)
             .await?
             .iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))

@@ -8,7 +8,7 @@ mod row;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgArguments, PgPool};
+use sqlx::postgres::{PgArguments, PgPool, PgRow};
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row};
 use txoutbox_core::error::RepositoryError;
 use txoutbox_core::repository::{BlockedKey, Fetched};
@@ -21,6 +21,7 @@ use super::outbox::{
     AppliedRow, CountRow, OutboxDriver, OutboxRows, fetch_heads_binds, fetch_take_binds,
 };
 use super::{Bind, Connection, Driver};
+use crate::sql::pooler::is_unprepared;
 use crate::sql::{FetchParams, RawRow, Statements, TableName, WalkCursor};
 
 /// A sqlx query with its arguments.
@@ -49,8 +50,71 @@ pub fn bind_all<'q>(mut query: PgQuery<'q>, binds: Vec<Bind>) -> PgQuery<'q> {
     query
 }
 
+/// `sql` with `binds`; a statement marked for a transaction-pooling proxy
+/// ([`crate::sql::pooler`], R194) is unnamed and uncached (`persistent(false)`: sqlx names
+/// every persistent statement, even with its cache off).
 fn query(sql: &str, binds: Vec<Bind>) -> PgQuery<'_> {
-    bind_all(sqlx::query(AssertSqlSafe(sql)), binds)
+    bind_all(sqlx::query(AssertSqlSafe(sql)), binds).persistent(!is_unprepared(sql))
+}
+
+/// Runs `sql` and returns its rows. The one place every statement of this driver runs
+/// (with [`exec`]): a statement marked for a transaction-pooling proxy (R194) on a connection
+/// outside a transaction runs in a transaction of its own, so that its Parse and its Bind
+/// reach the same server connection.
+pub async fn rows(
+    conn: &mut PgConnection,
+    sql: &str,
+    binds: Vec<Bind>,
+) -> Result<Vec<PgRow>, sqlx::Error> {
+    if !is_unprepared(sql) || sqlx::Connection::is_in_transaction(&*conn) {
+        return query(sql, binds).fetch_all(&mut *conn).await;
+    }
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let r = query(sql, binds).fetch_all(&mut *tx).await;
+    finish_lone(tx, r).await
+}
+
+/// Runs `sql`; returns the rows it affected. See [`rows`].
+pub async fn exec(
+    conn: &mut PgConnection,
+    sql: &str,
+    binds: Vec<Bind>,
+) -> Result<u64, sqlx::Error> {
+    if !is_unprepared(sql) || sqlx::Connection::is_in_transaction(&*conn) {
+        return Ok(query(sql, binds).execute(&mut *conn).await?.rows_affected());
+    }
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let r = query(sql, binds).execute(&mut *tx).await;
+    finish_lone(tx, r).await.map(|d| d.rows_affected())
+}
+
+/// The first row of `sql` (an error when there is none).
+pub async fn one(
+    conn: &mut PgConnection,
+    sql: &str,
+    binds: Vec<Bind>,
+) -> Result<PgRow, sqlx::Error> {
+    rows(conn, sql, binds)
+        .await?
+        .into_iter()
+        .next()
+        .ok_or(sqlx::Error::RowNotFound)
+}
+
+async fn finish_lone<T>(
+    tx: sqlx::Transaction<'_, Postgres>,
+    r: Result<T, sqlx::Error>,
+) -> Result<T, sqlx::Error> {
+    match r {
+        Ok(v) => {
+            tx.commit().await?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
 }
 
 /// Binds the parameters of [`Statements::fetch_heads`] in their order (`$1`–`$9`), for the
@@ -116,7 +180,7 @@ impl Connection for PgConnection {
     }
 
     async fn execute(&mut self, sql: &str, binds: Vec<Bind>) -> Result<u64, sqlx::Error> {
-        Ok(query(sql, binds).execute(&mut *self).await?.rows_affected())
+        exec(self, sql, binds).await
     }
 }
 
@@ -127,8 +191,7 @@ impl OutboxRows for PgConnection {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<(Option<Uuid>, String, String)>, sqlx::Error> {
-        query(sql, binds)
-            .fetch_all(&mut *self)
+        rows(self, sql, binds)
             .await?
             .iter()
             .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
@@ -136,8 +199,7 @@ impl OutboxRows for PgConnection {
     }
 
     async fn fetched(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<Fetched>, sqlx::Error> {
-        query(sql, binds)
-            .fetch_all(&mut *self)
+        rows(self, sql, binds)
             .await?
             .iter()
             .map(fetched_row)
@@ -145,12 +207,7 @@ impl OutboxRows for PgConnection {
     }
 
     async fn events(&mut self, sql: &str, binds: Vec<Bind>) -> Result<Vec<RawRow>, sqlx::Error> {
-        query(sql, binds)
-            .fetch_all(&mut *self)
-            .await?
-            .iter()
-            .map(raw_row)
-            .collect()
+        rows(self, sql, binds).await?.iter().map(raw_row).collect()
     }
 
     async fn applied(
@@ -158,8 +215,7 @@ impl OutboxRows for PgConnection {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<AppliedRow>, sqlx::Error> {
-        query(sql, binds)
-            .fetch_all(&mut *self)
+        rows(self, sql, binds)
             .await?
             .iter()
             .map(|r| {
@@ -178,8 +234,7 @@ impl OutboxRows for PgConnection {
         sql: &str,
         binds: Vec<Bind>,
     ) -> Result<Vec<BlockedKey>, sqlx::Error> {
-        query(sql, binds)
-            .fetch_all(&mut *self)
+        rows(self, sql, binds)
             .await?
             .iter()
             .map(|r| {
@@ -205,8 +260,7 @@ impl OutboxRows for PgConnection {
     }
 
     async fn counts(&mut self, sql: &str) -> Result<Vec<CountRow>, sqlx::Error> {
-        query(sql, Vec::new())
-            .fetch_all(&mut *self)
+        rows(self, sql, Vec::new())
             .await?
             .iter()
             .map(|r| {
@@ -220,19 +274,15 @@ impl OutboxRows for PgConnection {
     }
 
     async fn now(&mut self, sql: &str) -> Result<DateTime<Utc>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(sql))
-            .fetch_one(&mut *self)
-            .await
+        one(self, sql, Vec::new()).await?.try_get(0)
     }
 
     async fn isolation(&mut self, sql: &str, binds: Vec<Bind>) -> Result<String, sqlx::Error> {
-        query(sql, binds).fetch_one(&mut *self).await?.try_get(0)
+        one(self, sql, binds).await?.try_get(0)
     }
 
     async fn age_us(&mut self, sql: &str) -> Result<Option<i64>, sqlx::Error> {
-        sqlx::query_scalar(AssertSqlSafe(sql))
-            .fetch_one(&mut *self)
-            .await
+        one(self, sql, Vec::new()).await?.try_get(0)
     }
 }
 
