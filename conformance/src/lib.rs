@@ -142,12 +142,12 @@ macro_rules! inbox_suite {
     (postgres: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04,
-            pg::e_18);
+            pg::e_18, batches::bt_03, batches::bt_12);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04, pg::d_03,
-            pg::d_04, pg::d_05, pg::p_04, pg::d_06, pg::e_18);
+            pg::d_04, pg::d_05, pg::p_04, pg::d_06, pg::e_18, batches::bt_03, batches::bt_12);
     };
     // A partitioned table with one partition for a past month only: E-14.
     (postgres_past_partition: $f:expr) => {
@@ -180,7 +180,10 @@ macro_rules! inbox_suite {
             decoding::e_01, decoding::e_02, decoding::e_03, decoding::e_04, decoding::e_05,
             decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
             decoding::e_11, decoding::e_12, decoding::e_13, decoding::e_15, decoding::e_16, decoding::e_17,
-            visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02
+            visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02,
+            batches::bt_01, batches::bt_02, batches::bt_04, batches::bt_05, batches::bt_06,
+            batches::bt_07, batches::bt_08, batches::bt_09, batches::bt_10, batches::bt_14,
+            batches::bt_15
         );
     };
     (@tests $f:expr; $($m:ident :: $name:ident),* $(,)?) => {

@@ -163,6 +163,7 @@ async fn z_07() {
         let sr = Runner::builder(sqlx_inbox.clone(), Arc::new(sub.clone()), "g")
             .handler(Arc::new(SqlxEffect(schema.clone())))
             .worker_id("r-sqlx")
+            .messages_per_transaction(1)
             .concurrency(1)
             .process_stored(false)
             .build()

@@ -146,6 +146,7 @@ fn runner(
         .worker_id(worker)
         .process_stored(false)
         .sources(["src"])
+        .messages_per_transaction(1)
         .concurrency(1)
         .handler(Arc::new(Noop))
         .build()

@@ -291,6 +291,7 @@ pub async fn j_14<S: EndToEndUnderTest + ?Sized>(s: &S) {
             .handler(EffectHandler::new(None))
             .topics(["orders"])
             .process_stored(false)
+            .messages_per_transaction(1)
             .concurrency(1)
             .hooks(sides.rec.clone())
             .build()

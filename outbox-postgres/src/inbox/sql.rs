@@ -376,6 +376,9 @@ mod text {
     pub const BY_MESSAGE_ID: &str = include_str!("../sql/inbox/by_message_id.sql");
     pub const DEDUP_LOCK: &str = include_str!("../sql/inbox/dedup_lock.sql");
     pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
+    pub const KEY_LOCKS: &str = include_str!("../sql/inbox/key_locks.sql");
+    pub const DEDUP_LOCKS: &str = include_str!("../sql/inbox/dedup_locks.sql");
+    pub const FORGET: &str = include_str!("../sql/inbox/forget.sql");
     pub const LOCK_ROW: &str = include_str!("../sql/inbox/lock_row.sql");
     pub const EXISTS: &str = include_str!("../sql/inbox/exists.sql");
     pub const EARLIER: &str = include_str!("../sql/inbox/earlier.sql");
@@ -461,6 +464,12 @@ pub struct InboxStatements {
     pub dedup_lock: String,
     /// `key_lock.sql`.
     pub key_lock: String,
+    /// `key_locks.sql`: a batch's key locks in hash order (R185).
+    pub key_locks: String,
+    /// `dedup_locks.sql`: a batch's dedup locks in hash order (partitioned table, R185).
+    pub dedup_locks: String,
+    /// `forget.sql`: deletes a row the transaction landed (R185, R127).
+    pub forget: String,
     /// `lock_row.sql` by id alone.
     pub lock_row: String,
     /// `lock_row.sql` by the primary key (created_at, id).
@@ -544,6 +553,9 @@ impl InboxStatements {
             by_message_id: r(text::BY_MESSAGE_ID),
             dedup_lock: r(text::DEDUP_LOCK),
             key_lock: r(text::KEY_LOCK),
+            key_locks: r(text::KEY_LOCKS),
+            dedup_locks: r(text::DEDUP_LOCKS),
+            forget: r(text::FORGET),
             lock_row: by_id(text::LOCK_ROW),
             lock_row_at: at(text::LOCK_ROW, "AND created_at = $2::timestamptz"),
             lock_row_run: r(text::LOCK_ROW_RUN),
