@@ -425,6 +425,7 @@ async fn r136_a_failure_without_room_is_recorded() {
         .worker_id("w1")
         .process_stored(false)
         .sources(["src"])
+        .messages_per_transaction(1)
         .concurrency(1)
         .on_failure(txoutbox_core::inbox::OnFailure::Rewind)
         .handler(Arc::new(Fails))
