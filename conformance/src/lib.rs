@@ -143,12 +143,12 @@ macro_rules! inbox_suite {
     (postgres: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04,
-            pg::e_18);
+            pg::e_18, batches::bt_03, batches::bt_12);
     };
     (postgres_partitioned: $f:expr) => {
         $crate::inbox_suite!(@all $f);
         $crate::inbox_suite!(@tests $f; pg::f_13, pg::f_21, pg::y_03, pg::y_16, pg::y_23, pg::z_04, pg::d_03,
-            pg::d_04, pg::d_05, pg::p_04, pg::d_06, pg::e_18);
+            pg::d_04, pg::d_05, pg::p_04, pg::d_06, pg::e_18, batches::bt_03, batches::bt_12);
     };
     // A partitioned table with one partition for a past month only: E-14.
     (postgres_past_partition: $f:expr) => {
@@ -182,7 +182,10 @@ macro_rules! inbox_suite {
             decoding::e_06, decoding::e_07, decoding::e_08, decoding::e_09, decoding::e_10,
             decoding::e_11, decoding::e_12, decoding::e_13, decoding::e_15, decoding::e_16, decoding::e_17,
             visibility::a_01, visibility::a_02, visibility::a_05, stand::si_01, stand::si_02,
-            park::op_06, processor_batches::bt_11, processor_batches::bt_11_commit
+            park::op_06, processor_batches::bt_11, processor_batches::bt_11_commit,
+            batches::bt_01, batches::bt_02, batches::bt_04, batches::bt_05, batches::bt_06,
+            batches::bt_07, batches::bt_08, batches::bt_09, batches::bt_10, batches::bt_14,
+            batches::bt_15
         );
         $crate::inbox_suite!(@one_row $f;
             processor::p_01, processor::b_09, processor::b_11, processor::t_09, processor::h_02,

@@ -138,6 +138,7 @@ fn runner(
         .worker_id("w1")
         .process_stored(false)
         .sources(["src"])
+        .messages_per_transaction(1)
         .concurrency(1)
 }
 

@@ -462,6 +462,7 @@ impl Bed {
             .handler(self.handler.clone())
             .process_stored(false)
             .sources(["src"])
+            .messages_per_transaction(1)
             .concurrency(2)
             .hooks(self.rec.clone())
             .random_source(Box::new(SeededRng::new(7)))

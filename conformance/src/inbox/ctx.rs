@@ -45,6 +45,8 @@ pub struct Recorder {
     pub times: Mutex<Vec<(String, tokio::time::Instant)>>,
     /// Terminal failures: (message_id, status of the row as before, error).
     pub terminal: Mutex<Vec<(String, txoutbox_core::event::Status, i32, String)>>,
+    /// The transactions the runners and processors reported (R190), in order.
+    pub transactions: Mutex<Vec<txoutbox_core::inbox::TransactionReport>>,
     changed: tokio::sync::Notify,
 }
 
@@ -94,6 +96,9 @@ impl txoutbox_core::inbox::InboxHooks for Recorder {
     }
     fn on_persist_failure(&self, r: &DeliveryResult) {
         self.on_delivery(r);
+    }
+    fn on_transaction(&self, t: &txoutbox_core::inbox::TransactionReport) {
+        self.transactions.lock().expect("poisoned").push(t.clone());
     }
     fn on_terminal_failure(&self, row: &InboxEvent, error: &str) {
         self.terminal.lock().expect("poisoned").push((
@@ -191,6 +196,7 @@ impl<H: InboxHarness> Ictx<H> {
     pub fn bare_runner(&self) -> RunnerBuilder<H::Backend> {
         Runner::builder(self.backend(), Arc::new(self.sub.clone()), "g")
             .worker_id("w1")
+            .messages_per_transaction(1)
             .concurrency(1)
             .process_stored(false)
             .sources(["src"])

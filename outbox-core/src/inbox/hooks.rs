@@ -11,6 +11,69 @@ use crate::inbox::model::InboxEvent;
 use crate::inbox::processor::RowReport;
 use crate::inbox::runner::DeliveryResult;
 
+/// Which side of the inbox a transaction served (R190's label `side`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransactionSide {
+    /// The runner's T (R185).
+    Runner,
+    /// The processor's T_b or T_row (R189).
+    Processor,
+}
+
+impl TransactionSide {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TransactionSide::Runner => "runner",
+            TransactionSide::Processor => "processor",
+        }
+    }
+}
+
+/// Why a batch transaction fell back to one message per transaction (R190's label `reason`,
+/// batches.md's principle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FallbackReason {
+    /// A failed handler run under the optimistic form (R186).
+    Handler,
+    /// The database refused the landing or an outcome (SQLSTATE classes 22 and 23, R132).
+    Refused,
+    /// A deadlock or serialization failure (40P01, 40001).
+    Deadlock,
+    /// A lost connection, or a savepoint that could not be rolled back or released.
+    Connection,
+    /// The COMMIT failed (R188).
+    Commit,
+}
+
+impl FallbackReason {
+    /// The metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FallbackReason::Handler => "handler",
+            FallbackReason::Refused => "refused",
+            FallbackReason::Deadlock => "deadlock",
+            FallbackReason::Connection => "connection",
+            FallbackReason::Commit => "commit",
+        }
+    }
+}
+
+/// One transaction of the runner or the processor (R190): how many messages (rows) it carried,
+/// how long it took from its begin to its commit or rollback, and, when it fell back, why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransactionReport {
+    /// The side.
+    pub side: TransactionSide,
+    /// Messages or rows in it.
+    pub messages: usize,
+    /// From its begin to its end.
+    pub elapsed: Duration,
+    /// Set when it rolled back and its messages went one per transaction (batches.md's
+    /// principle); none when it committed.
+    pub fallback: Option<FallbackReason>,
+}
+
 /// Observers of the inbox. Every method has an empty default.
 pub trait InboxHooks: Send + Sync {
     /// A runner finished a delivery (R171): after T committed, or for an invalid delivery
@@ -34,6 +97,10 @@ pub trait InboxHooks: Send + Sync {
     /// A row became `failed` (R128, R129, R158): `row` as it was before the failure, and the
     /// failure text. Called after the commit that wrote it.
     fn on_terminal_failure(&self, _row: &InboxEvent, _error: &str) {}
+    /// A transaction ended (R190): committed, or rolled back to fall back (then `fallback` says
+    /// why). The runner reports every T when `messages_per_transaction` is above 1 (BT-01,
+    /// BT-04, BT-08).
+    fn on_transaction(&self, _t: &TransactionReport) {}
 }
 
 /// Calls every hook, catching panics (R68, R83).

@@ -457,15 +457,27 @@ impl InboxTransaction for MemInboxTx {
     async fn earlier_in_line(&mut self, row: &InboxEvent) -> Result<bool, RepositoryError> {
         self.check()?;
         let now = self.repo.now_sync();
+        // The table as this unit sees it: its own writes and inserts over the committed rows
+        // (a batch's earlier rows, R185 step 3).
+        let own: BTreeMap<Uuid, InboxEvent> =
+            self.own_rows().into_iter().map(|r| (r.id, r)).collect();
         let st = self.repo.lock();
         let me = inbox_order::write_order(row);
-        Ok(st.rows.values().any(|r| {
-            r.id != row.id
-                && same_key(r, row)
-                && inbox_order::write_order(r) < me
-                && (inbox_order::in_line(r, now)
-                    || (r.status == Status::Pending && st.row_locks.contains_key(&r.id)))
-        }))
+        let mine = self.id;
+        let held_elsewhere = |r: &InboxEvent| {
+            r.status == Status::Pending && st.row_locks.get(&r.id).is_some_and(|t| *t != mine)
+        };
+        let earlier =
+            |r: &InboxEvent| r.id != row.id && same_key(r, row) && inbox_order::write_order(r) < me;
+        let committed = st
+            .rows
+            .values()
+            .filter(|r| !own.contains_key(&r.id))
+            .any(|r| earlier(r) && (inbox_order::in_line(r, now) || held_elsewhere(r)));
+        Ok(committed
+            || own
+                .values()
+                .any(|r| earlier(r) && inbox_order::in_line(r, now)))
     }
 
     async fn completed_sibling(&mut self, _row: &InboxEvent) -> Result<bool, RepositoryError> {
@@ -490,6 +502,34 @@ impl InboxTransaction for MemInboxTx {
         self.check()?;
         let at = self.savepoints.pop().unwrap_or(0);
         self.journal.truncate(at);
+        Ok(())
+    }
+
+    async fn forget_landed(&mut self, id: Uuid) -> Result<(), RepositoryError> {
+        self.check()?;
+        let Some(key) = self.journal.iter().find_map(|e| match e {
+            Entry::Row(r) if r.id == id => Some(dedup_key(r)),
+            _ => None,
+        }) else {
+            return Err(RepositoryError::Other(format!(
+                "inbox row {id} was not landed by this unit"
+            )));
+        };
+        if self.repo.lock().rows.contains_key(&id) {
+            return Err(RepositoryError::Other(format!(
+                "inbox row {id} existed before this unit"
+            )));
+        }
+        self.journal
+            .retain(|e| !matches!(e, Entry::Row(r) if r.id == id));
+        for at in &mut self.savepoints {
+            *at = (*at).min(self.journal.len());
+        }
+        let mut st = self.repo.lock();
+        st.claims.remove(&key);
+        st.row_locks.remove(&id);
+        drop(st);
+        self.repo.inner.changed.notify_waiters();
         Ok(())
     }
 

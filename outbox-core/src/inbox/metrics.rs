@@ -16,6 +16,9 @@
 //! | `inbox_messages_invalid_total{reason}` | counter | invalid deliveries by R139's label |
 //! | `inbox_persist_failures_total` | counter | persistence errors |
 //! | `inbox_locked_batch_size` | gauge | rows of the processor's last fetch |
+//! | `inbox_transaction_messages{side}` | histogram | messages (rows) per transaction, `runner` or `processor` (R190) |
+//! | `inbox_transaction_seconds{side}` | histogram | a transaction's time from begin to its end (R190) |
+//! | `inbox_batch_fallbacks_total{reason}` | counter | batches that fell back: `handler`, `refused`, `deadlock`, `connection`, `commit` (R190) |
 //!
 //! A handler's status text never becomes a label (R169); rows a shutdown released count nowhere.
 
@@ -25,7 +28,7 @@ use std::time::Duration;
 use uuid::Uuid;
 
 use crate::error::ConfigError;
-use crate::inbox::hooks::InboxHooks;
+use crate::inbox::hooks::{InboxHooks, TransactionReport};
 use crate::inbox::processor::RowReport;
 use crate::inbox::runner::{DeliveryOutcome, DeliveryResult};
 
@@ -43,6 +46,9 @@ struct Names {
     invalid: String,
     persist: String,
     batch: String,
+    tx_messages: String,
+    tx_seconds: String,
+    fallbacks: String,
 }
 
 /// The inbox's metrics (R168), recorded from the hooks.
@@ -86,6 +92,9 @@ impl InboxMetrics {
                 invalid: n("inbox_messages_invalid_total"),
                 persist: n("inbox_persist_failures_total"),
                 batch: n("inbox_locked_batch_size"),
+                tx_messages: n("inbox_transaction_messages"),
+                tx_seconds: n("inbox_transaction_seconds"),
+                fallbacks: n("inbox_batch_fallbacks_total"),
             }),
         }
     }
@@ -157,6 +166,16 @@ impl InboxHooks for InboxMetrics {
 
     fn on_persist_failure(&self, r: &DeliveryResult) {
         self.on_delivery(r);
+    }
+
+    fn on_transaction(&self, t: &TransactionReport) {
+        let n = &self.names;
+        let side = t.side.as_str();
+        metrics::histogram!(n.tx_messages.clone(), "side" => side).record(t.messages as f64);
+        metrics::histogram!(n.tx_seconds.clone(), "side" => side).record(t.elapsed.as_secs_f64());
+        if let Some(reason) = t.fallback {
+            metrics::counter!(n.fallbacks.clone(), "reason" => reason.as_str()).increment(1);
+        }
     }
 
     fn on_fetch(&self, rows: usize) {

@@ -46,7 +46,7 @@ pub mod transport;
 
 pub use decode::{BrokerMessage, DecodeOptions, decode};
 pub use handler::{Handler, HandlerError, HandlerFn, HandlerFuture, HandlerOutcome, handler_fn};
-pub use hooks::InboxHooks;
+pub use hooks::{FallbackReason, InboxHooks, TransactionReport, TransactionSide};
 pub use memory::{InMemoryInbox, MemInboxTx};
 pub use model::{ConsumerGroup, InboxEvent, InboxKey, InvalidMessage, NewInboxEvent, PayloadError};
 pub use policy::{AckStrategy, AncestorAckSettings, CommitOffsetPolicy, FailurePolicy, OnFailure};

@@ -74,3 +74,15 @@ pub fn in_line(r: &InboxEvent, now: DateTime<Utc>) -> bool {
 pub fn write_order(r: &InboxEvent) -> (DateTime<Utc>, uuid::Uuid) {
     (r.created_at, r.id)
 }
+
+/// The 64-bit hash that orders a batch's key locks in a store that computes no hash of its own
+/// (R185 step 1): FNV-1a over the key's JSON array text `["group","source","partition_key"]`.
+/// Every runner of one store takes a batch's key locks in ascending order of one hash, so two
+/// batches that share keys wait in one order and cannot deadlock (BT-07). PostgreSQL orders by
+/// the hash that names its advisory lock instead (`hashtextextended`, key_locks.sql).
+pub fn key_lock_hash(k: &crate::inbox::model::InboxKey) -> u64 {
+    let text = serde_json::json!([k.consumer_group, k.source, k.partition_key]).to_string();
+    text.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}

@@ -468,6 +468,37 @@ pub trait InboxTransaction: Send + Sized {
     /// that holds it (G-09, F-22).
     async fn lock_key(&mut self, key: &InboxKey) -> Result<(), RepositoryError>;
 
+    /// Takes the key locks of a batch (R185 step 1): every key once, in ascending order of the
+    /// 64-bit hash that names its lock, so that two batches sharing keys wait in one order
+    /// (BT-07). The default sorts by [`crate::inbox::ordering::key_lock_hash`] and takes each
+    /// with [`lock_key`](Self::lock_key); a store whose locks are named by another hash (the
+    /// PostgreSQL stores: `hashtextextended`) orders by that one.
+    async fn lock_keys(&mut self, keys: &[InboxKey]) -> Result<(), RepositoryError> {
+        let mut sorted: Vec<(u64, &InboxKey)> = keys
+            .iter()
+            .map(|k| (crate::inbox::ordering::key_lock_hash(k), k))
+            .collect();
+        sorted.sort_by_key(|(h, _)| *h);
+        sorted.dedup_by(|a, b| a.1 == b.1);
+        for (_, k) in sorted {
+            self.lock_key(k).await?;
+            // Lets a batch that takes its locks at the same moment interleave, as round trips
+            // to a database would (BT-07 shows the order matters).
+            tokio::task::yield_now().await;
+        }
+        Ok(())
+    }
+
+    /// Deletes a row this transaction inserted (R185: the row of a run that R127 rewinds in a
+    /// batch, whose delivery goes back to the broker). The default refuses, and the batch then
+    /// falls back to one message per transaction, where a rewound run's transaction simply
+    /// rolls back (BT-02 with on_failure rewind).
+    async fn forget_landed(&mut self, id: Uuid) -> Result<(), RepositoryError> {
+        Err(RepositoryError::Other(format!(
+            "this store cannot delete the row {id} it landed in the transaction"
+        )))
+    }
+
     /// Lands events (R107 to R111): for each, the stored row and whether this call inserted
     /// it; a dedup key landed by another open transaction waits for it; a repeat within the
     /// call collapses to its first occurrence (I-06, D-01, D-02, E-10).

@@ -43,6 +43,7 @@ use crate::inbox::repository::{
 use crate::inbox::subscription::{InboxDelivery, Subscription};
 use crate::repository::DEFAULT_LEASE_TTL;
 
+mod batch;
 mod builder;
 #[cfg(test)]
 mod consumer_tests;
@@ -51,8 +52,13 @@ pub mod run_loop;
 
 pub use builder::{RunnerBuilder, RunnerConfig};
 
-/// Default runner concurrency (R166).
-pub const DEFAULT_RUNNER_CONCURRENCY: usize = 16;
+/// Default runner concurrency (R166, R183: deliveries held at once).
+pub const DEFAULT_RUNNER_CONCURRENCY: usize = 64;
+/// Default messages per transaction (R183).
+pub const DEFAULT_MESSAGES_PER_TRANSACTION: usize = 16;
+/// The most messages one transaction may carry (R183, R186: PostgreSQL's 64 cached
+/// subtransaction ids).
+pub const MAX_MESSAGES_PER_TRANSACTION: usize = 64;
 /// Default commit timeout (R131).
 pub const DEFAULT_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The delay of a persistence or dead-letter rewind (R132, R140).
@@ -234,6 +240,7 @@ impl<B: InboxBackend> Runner<B> {
             backoff: Backoff::default(),
             key_order: true,
             concurrency: DEFAULT_RUNNER_CONCURRENCY,
+            messages_per_transaction: DEFAULT_MESSAGES_PER_TRANSACTION,
             lease_ttl: DEFAULT_LEASE_TTL,
             commit_timeout: DEFAULT_COMMIT_TIMEOUT,
             require_message_id: false,

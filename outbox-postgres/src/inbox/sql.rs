@@ -385,6 +385,8 @@ mod text {
     pub const LOCK_ROWS: &str = include_str!("../sql/inbox/lock_rows.sql");
     pub const COMPLETE_ROWS: &str = include_str!("../sql/inbox/complete_rows.sql");
     pub const KEY_LOCK: &str = include_str!("../sql/inbox/key_lock.sql");
+    pub const KEY_LOCKS: &str = include_str!("../sql/inbox/key_locks.sql");
+    pub const FORGET: &str = include_str!("../sql/inbox/forget.sql");
     pub const LOCK_ROW: &str = include_str!("../sql/inbox/lock_row.sql");
     pub const EXISTS: &str = include_str!("../sql/inbox/exists.sql");
     pub const EARLIER: &str = include_str!("../sql/inbox/earlier.sql");
@@ -473,7 +475,8 @@ pub struct InboxStatements {
     pub by_message_id: String,
     /// `dedup_lock.sql`.
     pub dedup_lock: String,
-    /// `dedup_locks.sql`: several dedup keys' locks in hash order (R189).
+    /// `dedup_locks.sql`: several dedup keys' locks in hash order (a runner's batch, R185; a
+    /// processor's T_b, R189).
     pub dedup_locks: String,
     /// `lock_rows.sql`: a processor transaction's row locks at once (R189).
     pub lock_rows: String,
@@ -481,6 +484,10 @@ pub struct InboxStatements {
     pub complete_rows: String,
     /// `key_lock.sql`.
     pub key_lock: String,
+    /// `key_locks.sql`: a batch's key locks in hash order (R185).
+    pub key_locks: String,
+    /// `forget.sql`: deletes a row the transaction landed (R185, R127).
+    pub forget: String,
     /// `lock_row.sql` by id alone.
     pub lock_row: String,
     /// `lock_row.sql` by the primary key (created_at, id).
@@ -577,6 +584,8 @@ impl InboxStatements {
             lock_rows: r(text::LOCK_ROWS),
             complete_rows: r(text::COMPLETE_ROWS),
             key_lock: r(text::KEY_LOCK),
+            key_locks: r(text::KEY_LOCKS),
+            forget: r(text::FORGET),
             lock_row: by_id(text::LOCK_ROW),
             lock_row_at: at(text::LOCK_ROW, "AND created_at = $2::timestamptz"),
             lock_row_run: r(text::LOCK_ROW_RUN),
@@ -670,6 +679,8 @@ impl InboxStatements {
             parked_keys,
             redrive,
             discard,
+            key_locks,
+            forget,
             #[cfg(feature = "test-hooks")]
             shift_clock,
         } = &mut self;
@@ -718,6 +729,8 @@ impl InboxStatements {
             parked_keys,
             redrive,
             discard,
+            key_locks,
+            forget,
             #[cfg(feature = "test-hooks")]
             shift_clock,
         ] {

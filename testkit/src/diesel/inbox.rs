@@ -40,7 +40,10 @@ impl TrialHarness for DieselInboxHarness {
     /// Only [`crate::inbox::PgInboxFactory`] offers `through_pooler`, so `through_pooler` is
     /// never set here.
     async fn create_trial(layout: Layout, past_only: bool, through_pooler: bool) -> Self {
-        debug_assert!(!through_pooler, "the diesel inbox harness has no pooler mode");
+        debug_assert!(
+            !through_pooler,
+            "the diesel inbox harness has no pooler mode"
+        );
         Self::create(layout, past_only).await
     }
 }

@@ -177,10 +177,7 @@ impl DieselHarness {
     /// transaction-pooling proxy (OP-08).
     #[allow(dead_code)]
     pub fn through_pooler(mut self) -> Self {
-        let proxy = patient_pool(
-            &crate::pooler_url(),
-            HARNESS_CONNECTIONS as usize,
-        );
+        let proxy = patient_pool(&crate::pooler_url(), HARNESS_CONNECTIONS as usize);
         self.repo = Arc::new(DieselOutboxRepository::new(
             proxy.clone(),
             DieselConfig::default()

@@ -199,6 +199,7 @@ where
             .handler(Arc::new(Work))
             .process_stored(false)
             .sources(["src"])
+            .messages_per_transaction(1)
             .concurrency(CONCURRENCY)
             .hooks(log.clone())
             .random_source(Box::new(SeededRng::new(7)))

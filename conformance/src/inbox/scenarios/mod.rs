@@ -1,5 +1,6 @@
 //! The inbox scenarios, one async function per ID, grouped by letter.
 
+pub mod batches;
 pub mod decoding;
 pub mod dedup;
 pub mod failures;

@@ -300,6 +300,7 @@ pub async fn n_17<F: InboxFactory>(f: &F) {
     )
     .handler(c.handler.clone())
     .worker_id("w2")
+    .messages_per_transaction(1)
     .concurrency(1)
     .process_stored(false)
     .build()

@@ -78,6 +78,7 @@ async fn stand<F: InboxFactory>(f: &F, rewind: bool) {
         let b = Runner::builder(c.backend(), Arc::new(c.sub.view(i)), "g")
             .handler(c.handler.clone())
             .worker_id(format!("w{}", i + 1))
+            .messages_per_transaction(1)
             .concurrency(4)
             .process_stored(false)
             .random_source(Box::new(txoutbox_core::backoff::SeededRng::new(

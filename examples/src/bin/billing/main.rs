@@ -153,12 +153,16 @@ struct Args {
     /// Longest handler run; a run past it is a counted failure (below --lease).
     #[arg(long, default_value = "30s", value_parser = parse_dur)]
     handler_timeout: Duration,
-    /// Messages handled at once (each key one at a time).
-    #[arg(long, default_value_t = 8)]
+    /// Deliveries held at once (each key in one transaction at a time; R166, R183).
+    #[arg(long, default_value_t = txoutbox_core::inbox::runner::DEFAULT_RUNNER_CONCURRENCY)]
     concurrency: usize,
-    /// PostgreSQL connections of the service's pool. A delivery holds one for its transaction
-    /// and briefly takes a second to read the database clock, so give at least
-    /// --concurrency + 1.
+    /// Messages per transaction, 1 to 64 (R183; 1 is one message per transaction). Default the
+    /// library's (16), or --concurrency when that is smaller.
+    #[arg(long)]
+    messages_per_transaction: Option<usize>,
+    /// PostgreSQL connections of the service's pool. A transaction holds one and briefly takes
+    /// a second to read the database clock, so give more than the transactions in flight
+    /// (⌈--concurrency / --messages-per-transaction⌉).
     #[arg(long, default_value_t = 10)]
     max_connections: u32,
     /// Fraction of handler runs that fail on purpose (a counted failure), 0 to 1.
@@ -177,6 +181,13 @@ struct Args {
 fn parse_exhausted(s: &str) -> Result<txoutbox_core::repository::OnExhausted, String> {
     s.parse()
         .map_err(|e: txoutbox_core::ConfigError| e.to_string())
+}
+
+/// --messages-per-transaction, or the library's default capped at --concurrency.
+fn messages_per_transaction(args: &Args) -> usize {
+    args.messages_per_transaction.unwrap_or(
+        txoutbox_core::inbox::runner::DEFAULT_MESSAGES_PER_TRANSACTION.min(args.concurrency.max(1)),
+    )
 }
 
 fn parse_dur(s: &str) -> Result<Duration, String> {
@@ -294,9 +305,13 @@ async fn main() -> Result<(), BoxError> {
     if !(0.0..=1.0).contains(&args.fail_rate) {
         return Err(format!("--fail-rate {} is not between 0 and 1", args.fail_rate).into());
     }
-    if args.max_connections as usize <= args.concurrency {
+    let per_tx = messages_per_transaction(&args);
+    let transactions = args.concurrency.div_ceil(per_tx.max(1));
+    if args.max_connections as usize <= transactions {
         return Err(format!(
-            "--max-connections {} must exceed --concurrency {}: a delivery takes a second connection while its transaction holds one",
+            "--max-connections {} must exceed the {transactions} transaction(s) in flight \
+             (--concurrency {} / --messages-per-transaction {per_tx}): a transaction takes a \
+             second connection while it holds one",
             args.max_connections, args.concurrency
         )
         .into());
@@ -378,6 +393,7 @@ where
             args.retry_cap.as_secs_f64(),
         )?)
         .concurrency(args.concurrency)
+        .messages_per_transaction(messages_per_transaction(args))
         .lease_ttl(args.lease)
         .handler_timeout(args.handler_timeout)
         // The embedded processor retries recorded failures of this source (R121).

@@ -19,7 +19,7 @@ use crate::inbox::repository::{HandlerTx, InboxBackend};
 use crate::inbox::subscription::{RunnerSettings, Subscription};
 use crate::repository::OnExhausted;
 
-use super::{Runner, duplicates};
+use super::{MAX_MESSAGES_PER_TRANSACTION, Runner, duplicates};
 
 /// A validated runner configuration (defaults of section 27).
 #[derive(Debug, Clone)]
@@ -32,6 +32,7 @@ pub struct RunnerConfig {
     pub(crate) backoff: Backoff,
     pub(crate) key_order: bool,
     pub(crate) concurrency: usize,
+    pub(crate) messages_per_transaction: usize,
     pub(crate) lease_ttl: Duration,
     pub(crate) commit_timeout: Duration,
     pub(crate) require_message_id: bool,
@@ -53,6 +54,14 @@ impl RunnerConfig {
     /// The resolved policy.
     pub fn policy(&self) -> FailurePolicy {
         self.policy
+    }
+    /// Deliveries held at once (R166, R183).
+    pub fn concurrency(&self) -> usize {
+        self.concurrency
+    }
+    /// Messages per transaction (R183; 1 is Part II's one message per transaction).
+    pub fn messages_per_transaction(&self) -> usize {
+        self.messages_per_transaction
     }
     /// max_attempts rows are landed with (R103).
     pub fn landing_max_attempts(&self) -> u32 {
@@ -79,6 +88,7 @@ pub struct RunnerBuilder<B: InboxBackend> {
     pub(super) backoff: Backoff,
     pub(super) key_order: bool,
     pub(super) concurrency: usize,
+    pub(super) messages_per_transaction: usize,
     pub(super) lease_ttl: Duration,
     pub(super) commit_timeout: Duration,
     pub(super) require_message_id: bool,
@@ -170,9 +180,17 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         self.key_order = on;
         self
     }
-    /// Deliveries held at once (≥ 1, default 16, R166).
+    /// Deliveries held at once (≥ 1 and ≥ `messages_per_transaction`, default 64, R166, R183):
+    /// a runner has up to ⌊concurrency / messages_per_transaction⌋ transactions in flight.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n;
+        self
+    }
+    /// Messages per transaction (1 to 64, default 16, R183): the runner lands, runs and
+    /// completes up to this many ready deliveries in one transaction, each run under a savepoint
+    /// of its own (R185, R186). 1 keeps Part II's one message per transaction word for word.
+    pub fn messages_per_transaction(mut self, n: usize) -> Self {
+        self.messages_per_transaction = n;
         self
     }
     /// The group's lease TTL (default 300 s, R116).
@@ -249,6 +267,21 @@ impl<B: InboxBackend> RunnerBuilder<B> {
         if self.concurrency == 0 {
             return Err(ConfigError::new("concurrency must be at least 1"));
         }
+        if !(1..=MAX_MESSAGES_PER_TRANSACTION).contains(&self.messages_per_transaction) {
+            return Err(ConfigError::new(format!(
+                "messages_per_transaction must be between 1 and {MAX_MESSAGES_PER_TRANSACTION} \
+                 (got {}): PostgreSQL keeps at most 64 subtransactions of a transaction in \
+                 shared memory (R183, R186)",
+                self.messages_per_transaction
+            )));
+        }
+        if self.concurrency < self.messages_per_transaction {
+            return Err(ConfigError::new(format!(
+                "concurrency ({}) is below messages_per_transaction ({}): the runner could never \
+                 hold a full batch; raise concurrency or lower messages_per_transaction (R183)",
+                self.concurrency, self.messages_per_transaction
+            )));
+        }
         if self.commit_timeout.is_zero() {
             return Err(ConfigError::new("commit_timeout must be positive"));
         }
@@ -317,6 +350,7 @@ impl<B: InboxBackend> RunnerBuilder<B> {
                 backoff: self.backoff,
                 key_order: self.key_order,
                 concurrency: self.concurrency,
+                messages_per_transaction: self.messages_per_transaction,
                 lease_ttl: self.lease_ttl,
                 commit_timeout: self.commit_timeout,
                 require_message_id: self.require_message_id,

@@ -115,6 +115,55 @@ async fn handler_fn_errors_and_state_it_shares() {
     assert_eq!(inbox.rows()[0].attempts_made, 0);
 }
 
+/// R183: messages_per_transaction 1 to 64 (default 16), concurrency default 64 and never below
+/// messages_per_transaction; each refusal names what was wrong.
+#[test]
+fn messages_per_transaction_is_checked_against_its_range_and_the_concurrency() {
+    let (inbox, sub, _) = setup();
+    let b = || {
+        Runner::builder(inbox.clone(), Arc::new(sub.clone()), "g")
+            .process_stored(false)
+            .sources(["src"])
+    };
+    let r = b().build().unwrap();
+    assert_eq!(
+        (
+            r.config().messages_per_transaction(),
+            r.config().concurrency()
+        ),
+        (16, 64)
+    );
+    for n in [0, 65] {
+        let e = b()
+            .messages_per_transaction(n)
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("between 1 and 64") && e.contains(&format!("got {n}")),
+            "{e}"
+        );
+    }
+    let e = b()
+        .messages_per_transaction(32)
+        .concurrency(8)
+        .build()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("concurrency (8)") && e.contains("messages_per_transaction (32)"),
+        "{e}"
+    );
+    let one = b()
+        .messages_per_transaction(1)
+        .concurrency(1)
+        .build()
+        .unwrap();
+    assert_eq!(one.config().messages_per_transaction(), 1);
+    let full = b().messages_per_transaction(64).build().unwrap();
+    assert_eq!(full.config().messages_per_transaction(), 64);
+}
+
 #[test]
 fn the_group_and_topics_come_from_the_subscription() {
     let (inbox, sub, _) = setup();

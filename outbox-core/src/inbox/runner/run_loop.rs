@@ -98,13 +98,20 @@ fn breaker_record(breaker: Option<&mut Breaker>, res: &DeliveryResult) {
 /// (a persistence error, module docs).
 type Done = (u64, Option<InboxKey>, DeliveryResult, Option<InboxDelivery>);
 
-type Running<'a> = Pin<Box<dyn Future<Output = Done> + Send + 'a>>;
+/// A transaction in flight: one delivery, or a batch of them (R185), and their ends.
+type Running<'a> = Pin<Box<dyn Future<Output = Vec<Done>> + Send + 'a>>;
 
 /// What the loop holds.
 #[derive(Default)]
 struct LoopState<'a> {
     inflight: FuturesUnordered<Running<'a>>,
+    /// Deliveries in the transactions in flight.
+    running: usize,
+    /// Keys in a transaction in flight (or, with one message per transaction, whose next
+    /// delivery waits to start).
     busy: HashSet<InboxKey>,
+    /// Batches (R184): deliveries without a key that wait for a free transaction.
+    ready: VecDeque<(u64, InboxDelivery)>,
     /// Every delivery held, handled or waiting for its key, for the renewals (R134, R136).
     held: HashMap<u64, Arc<dyn AckHandle>>,
     waiting: HashMap<InboxKey, VecDeque<(u64, InboxDelivery)>>,
@@ -137,8 +144,138 @@ impl<B: InboxBackend> Runner<B> {
                 && !r.committed
                 && r.rewind_delay.is_none())
             .then_some(d);
-            (id, key, r, kept)
+            vec![(id, key, r, kept)]
         })
+    }
+
+    /// Starts one batch transaction (R185) over deliveries of free keys, in delivery order.
+    fn start_batch(&self, batch: Vec<(u64, Option<InboxKey>, InboxDelivery)>) -> Running<'_> {
+        Box::pin(async move {
+            let mut tags = Vec::with_capacity(batch.len());
+            let mut ds = Vec::with_capacity(batch.len());
+            for (id, key, d) in batch {
+                tags.push((id, key));
+                ds.push(d);
+            }
+            let ends = self.handle_batch(&ds).await;
+            tags.into_iter()
+                .zip(ds.into_iter().zip(ends))
+                .map(|((id, key), (d, (r, kept)))| (id, key, r, kept.then_some(d)))
+                .collect()
+        })
+    }
+
+    fn batched(&self) -> bool {
+        self.config.messages_per_transaction > 1
+    }
+
+    /// Transactions a batched runner may have in flight: ⌊concurrency /
+    /// messages_per_transaction⌋ (R183).
+    fn max_transactions(&self) -> usize {
+        (self.config.concurrency / self.config.messages_per_transaction).max(1)
+    }
+
+    /// Batches (R184): starts transactions while one is free, each over the deliveries held
+    /// whose keys are in no transaction, in delivery order, at most messages_per_transaction;
+    /// never waits to fill one. A key's deliveries stay in delivery order: one batch may hold
+    /// several of a key, and a key in a transaction in flight waits for it.
+    fn pump<'a>(&'a self, st: &mut LoopState<'a>) {
+        if st.outage.is_some() {
+            return;
+        }
+        let max_tx = self.max_transactions();
+        if st.inflight.len() >= max_tx {
+            return;
+        }
+        let mut cands: Vec<(u64, Option<InboxKey>, InboxDelivery)> = Vec::new();
+        let free_keys: Vec<InboxKey> = st
+            .waiting
+            .keys()
+            .filter(|k| !st.busy.contains(*k))
+            .cloned()
+            .collect();
+        for k in free_keys {
+            if let Some(q) = st.waiting.remove(&k) {
+                cands.extend(q.into_iter().map(|(id, d)| (id, Some(k.clone()), d)));
+            }
+        }
+        cands.extend(st.ready.drain(..).map(|(id, d)| (id, None, d)));
+        cands.sort_by_key(|(id, _, _)| *id);
+        let mpt = self.config.messages_per_transaction;
+        let mut batch: Vec<(u64, Option<InboxKey>, InboxDelivery)> = Vec::new();
+        for (id, key, d) in cands {
+            let room = st.inflight.len() < max_tx;
+            let key_free = key.as_ref().is_none_or(|k| !st.busy.contains(k));
+            if room && key_free {
+                batch.push((id, key, d));
+                if batch.len() == mpt {
+                    self.launch(st, std::mem::take(&mut batch));
+                }
+                continue;
+            }
+            match key {
+                Some(k) => st.waiting.entry(k).or_default().push_back((id, d)),
+                None => st.ready.push_back((id, d)),
+            }
+        }
+        if !batch.is_empty() {
+            self.launch(st, batch);
+        }
+    }
+
+    fn launch<'a>(
+        &'a self,
+        st: &mut LoopState<'a>,
+        batch: Vec<(u64, Option<InboxKey>, InboxDelivery)>,
+    ) {
+        for (_, k, _) in &batch {
+            if let Some(k) = k {
+                st.busy.insert(k.clone());
+            }
+        }
+        st.running += batch.len();
+        st.inflight.push(self.start_batch(batch));
+    }
+
+    /// A batch's transaction ended (R185, R188): R120's count, the breaker, the outage; kept
+    /// deliveries go back to the heads of their keys; the keys are free again.
+    async fn finished_batch<'a>(&'a self, st: &mut LoopState<'a>, dones: Vec<Done>) {
+        st.running = st.running.saturating_sub(dones.len());
+        let mut keep = Vec::new();
+        for (id, key, res, kept) in dones {
+            if res.outcome == DeliveryOutcome::PersistFailed {
+                if st.outage.is_none() {
+                    st.failures = st.failures.saturating_add(1);
+                    st.outage = Some(tokio::time::Instant::now() + loop_wait(st.failures));
+                    tracing::warn!(
+                        error = res.error.as_deref().unwrap_or(""),
+                        "a persistence error: the runner reads nothing until the database answers"
+                    );
+                }
+            } else if res.committed && st.outage.is_none() {
+                st.failures = 0;
+                st.pause_until = None;
+            }
+            breaker_record(st.breaker.as_mut(), &res);
+            if let Some(k) = &key {
+                st.busy.remove(k);
+            }
+            match kept {
+                Some(d) => keep.push((id, key, d)),
+                None => {
+                    st.held.remove(&id);
+                }
+            }
+        }
+        // Kept, still held and renewed: first of their keys again, in delivery order, tried
+        // once the database answers.
+        for (id, key, d) in keep.into_iter().rev() {
+            match key {
+                Some(k) => st.waiting.entry(k).or_default().push_front((id, d)),
+                None => st.ready.push_front((id, d)),
+            }
+        }
+        self.pump(st);
     }
 
     /// Runs the runner until `shutdown` is cancelled, as [`Relay::run`](crate::Relay::run) and
@@ -234,7 +371,11 @@ impl<B: InboxBackend> Runner<B> {
                                 self.start_next(k, &mut st);
                             }
                             for (id, d) in std::mem::take(&mut st.loose) {
+                                st.running += 1;
                                 st.inflight.push(self.start_one(id, None, d));
+                            }
+                            if self.batched() {
+                                self.pump(&mut st);
                             }
                         } else {
                             st.failures = st.failures.saturating_add(1);
@@ -262,10 +403,19 @@ impl<B: InboxBackend> Runner<B> {
                 }
                 continue;
             }
-            let taken = st.inflight.len()
+            let taken = st.running
                 + st.loose.len()
+                + st.ready.len()
                 + st.waiting.values().map(VecDeque::len).sum::<usize>();
-            let free = self.config.concurrency.saturating_sub(taken);
+            let mut free = self.config.concurrency.saturating_sub(taken);
+            if self.batched() {
+                // R184: read when a transaction is free, at most one batch.
+                free = if st.inflight.len() < self.max_transactions() {
+                    free.min(self.config.messages_per_transaction)
+                } else {
+                    0
+                };
+            }
             let pause = st.pause_until;
             let read = async move {
                 if let Some(t) = pause {
@@ -287,6 +437,19 @@ impl<B: InboxBackend> Runner<B> {
                             tracing::warn!(error = %e, "reading the subscription failed");
                             st.pause_until = Some(tokio::time::Instant::now() + loop_wait(st.failures));
                         }
+                        Ok(ds) if self.batched() => {
+                            st.pause_until = None;
+                            for d in ds {
+                                let id = next_id;
+                                next_id += 1;
+                                st.held.insert(id, d.ack.clone());
+                                match self.key_of(&d) {
+                                    Some(k) => st.waiting.entry(k).or_default().push_back((id, d)),
+                                    None => st.ready.push_back((id, d)),
+                                }
+                            }
+                            self.pump(&mut st);
+                        }
                         Ok(ds) => {
                             st.pause_until = None;
                             for d in ds {
@@ -300,9 +463,13 @@ impl<B: InboxBackend> Runner<B> {
                                     }
                                     Some(k) => {
                                         st.busy.insert(k.clone());
+                                        st.running += 1;
                                         st.inflight.push(self.start_one(id, Some(k), d));
                                     }
-                                    None => st.inflight.push(self.start_one(id, None, d)),
+                                    None => {
+                                        st.running += 1;
+                                        st.inflight.push(self.start_one(id, None, d));
+                                    }
                                 }
                             }
                         }
@@ -311,6 +478,8 @@ impl<B: InboxBackend> Runner<B> {
             }
         }
         // Deliveries kept without a key go back as those waiting for their key (R167).
+        let ready: Vec<(u64, InboxDelivery)> = st.ready.drain(..).collect();
+        st.loose.extend(ready);
         for (_, d) in std::mem::take(&mut st.loose) {
             if d.is_last() {
                 let r = self.land_only(&d).await;
@@ -322,9 +491,21 @@ impl<B: InboxBackend> Runner<B> {
         self.shutdown(st.waiting, st.inflight).await;
     }
 
+    /// A transaction ended: its deliveries' ends.
+    async fn finished<'a>(&'a self, st: &mut LoopState<'a>, dones: Vec<Done>) {
+        if self.batched() {
+            self.finished_batch(st, dones).await;
+            return;
+        }
+        for done in dones {
+            st.running = st.running.saturating_sub(1);
+            self.finished_one(st, done).await;
+        }
+    }
+
     /// A delivery ended, or came back kept after a persistence error: R120's count, the
     /// breaker, the outage, and the next delivery of its key.
-    async fn finished<'a>(&'a self, st: &mut LoopState<'a>, done: Done) {
+    async fn finished_one<'a>(&'a self, st: &mut LoopState<'a>, done: Done) {
         let (id, key, res, kept) = done;
         if res.outcome == DeliveryOutcome::PersistFailed {
             if st.outage.is_none() {
@@ -415,7 +596,10 @@ impl<B: InboxBackend> Runner<B> {
     /// delivery heads.
     fn start_next<'a>(&'a self, k: InboxKey, st: &mut LoopState<'a>) {
         match st.waiting.get_mut(&k).and_then(VecDeque::pop_front) {
-            Some((id, d)) => st.inflight.push(self.start_one(id, Some(k), d)),
+            Some((id, d)) => {
+                st.running += 1;
+                st.inflight.push(self.start_one(id, Some(k), d));
+            }
             None => {
                 st.waiting.remove(&k);
                 st.busy.remove(&k);
@@ -572,6 +756,7 @@ mod tests {
                 .worker_id("w1")
                 .handler(Arc::new(Done))
                 .process_stored(false)
+                .messages_per_transaction(1)
                 .concurrency(4)
                 .build()
                 .expect("runner");

@@ -311,10 +311,56 @@ impl<D: InboxDriver> InboxTransaction for PgInboxTx<D> {
         Ok(())
     }
 
+    async fn lock_keys(&mut self, keys: &[InboxKey]) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        let col = |f: fn(&InboxKey) -> &str| keys.iter().map(|k| f(k).to_owned()).collect();
+        let binds = [
+            Bind::Texts(col(|k| k.consumer_group.as_str())),
+            Bind::Texts(col(|k| k.source.as_str())),
+            Bind::Texts(col(|k| k.partition_key.as_str())),
+        ];
+        self.c().int8(&s.key_locks, &binds).await?;
+        Ok(())
+    }
+
+    async fn forget_landed(&mut self, id: Uuid) -> Result<(), RepositoryError> {
+        let s = self.stmts.clone();
+        let at = *self.known.get(&id).ok_or_else(|| {
+            RepositoryError::Other(format!("inbox row {id} was not landed by this transaction"))
+        })?;
+        if self.inserted.as_ref().is_some_and(|(r, _)| r.id == id) {
+            self.inserted = None;
+        }
+        self.c()
+            .execute(&s.forget, &[Bind::Uuid(id), Bind::Timestamp(at)])
+            .await?;
+        Ok(())
+    }
+
     async fn land(&mut self, events: Vec<NewInboxEvent>) -> Result<Vec<Landed>, RepositoryError> {
+        let s = self.stmts.clone();
+        let batch = events.len() > 1;
+        if batch && s.layout == Layout::Partitioned {
+            // R185 step 2: the dedup locks of the keys to insert, in hash order, first.
+            let binds = [
+                Bind::Texts(events.iter().map(|e| e.message_id().to_owned()).collect()),
+                Bind::Texts(
+                    events
+                        .iter()
+                        .map(|e| e.consumer_group().to_owned())
+                        .collect(),
+                ),
+            ];
+            self.c().execute(&s.dedup_locks, &binds).await?;
+        }
         let mut out = Vec::with_capacity(events.len());
         for e in &events {
             out.push(self.land_one(e).await?);
+        }
+        if batch {
+            // land_run's earlier probe of the last row inserted was read before the batch's
+            // runs; the batch asks again, as T then sees the table (R185 step 3).
+            self.inserted = None;
         }
         Ok(out)
     }
