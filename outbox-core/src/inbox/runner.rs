@@ -44,6 +44,7 @@ use crate::inbox::subscription::{InboxDelivery, Subscription};
 use crate::repository::DEFAULT_LEASE_TTL;
 
 mod batch;
+pub(crate) use batch::is_deadlock;
 mod builder;
 #[cfg(test)]
 mod consumer_tests;

@@ -31,6 +31,7 @@ use uuid::Uuid;
 
 use super::{Processor, RowReport, outcome_report};
 use crate::inbox::handler::run_handler;
+use crate::inbox::hooks::{self, FallbackReason, TransactionReport, TransactionSide};
 use crate::inbox::model::InboxEvent;
 use crate::inbox::repository::{InboxBackend, InboxFetched, InboxTransaction};
 
@@ -103,8 +104,8 @@ struct Entry {
     duration: Option<Duration>,
 }
 
-/// Why T_b could not finish as a batch (batches.md's principle).
-struct Fallback;
+/// Why T_b could not finish as a batch (batches.md's principle), as R190 counts it.
+struct Fallback(FallbackReason);
 
 impl<B: InboxBackend> Processor<B> {
     pub(super) async fn run_job(
@@ -148,7 +149,18 @@ impl<B: InboxBackend> Processor<B> {
         shutdown: &CancellationToken,
         fetched_at: tokio::time::Instant,
     ) -> (Vec<(Uuid, RowReport)>, Option<Vec<Uuid>>) {
-        match self.try_batch(&keys, shutdown, fetched_at).await {
+        let started = tokio::time::Instant::now();
+        let rows = keys.iter().map(Vec::len).sum::<usize>();
+        let result = self.try_batch(&keys, shutdown, fetched_at).await;
+        // R190: every T_b, committed or fallen back.
+        let t = TransactionReport {
+            side: TransactionSide::Processor,
+            messages: rows,
+            elapsed: started.elapsed(),
+            fallback: result.as_ref().err().map(|f| f.0),
+        };
+        hooks::each(&self.hooks, |h| h.on_transaction(&t));
+        match result {
             Ok((entries, ids)) => {
                 let mut out = Vec::with_capacity(entries.len());
                 for e in entries {
@@ -162,7 +174,7 @@ impl<B: InboxBackend> Processor<B> {
                 }
                 (out, Some(ids))
             }
-            Err(Fallback) => {
+            Err(Fallback(_)) => {
                 // Every row again, at once, each in a T_row of its own under R152's guard;
                 // the keys one after the other, each key's rows in order (run_key).
                 let mut out = Vec::new();
@@ -295,7 +307,7 @@ impl<B: InboxBackend> Processor<B> {
                     tracing::warn!(
                         "a run left its processor transaction unusable; every row of it goes one per transaction"
                     );
-                    return Err(Fallback);
+                    return Err(Fallback(FallbackReason::Connection));
                 }
                 let report = if run.result.is_failure() {
                     let write = self.outcome_write(&run.result, &row);
@@ -333,7 +345,13 @@ impl<B: InboxBackend> Processor<B> {
 
 fn fallback(what: &str, e: &crate::error::RepositoryError) -> Fallback {
     tracing::warn!(error = %e, step = what, "a processor transaction failed; every row of it goes one per transaction (R189)");
-    Fallback
+    let reason = match e {
+        _ if what == "commit" => FallbackReason::Commit,
+        crate::error::RepositoryError::Constraint { .. } => FallbackReason::Refused,
+        e if crate::inbox::runner::is_deadlock(&e.to_string()) => FallbackReason::Deadlock,
+        _ => FallbackReason::Connection,
+    };
+    Fallback(reason)
 }
 
 async fn rolled_back<T: InboxTransaction>(
