@@ -72,6 +72,12 @@ pub struct DieselFactory {
     through_pooler: bool,
 }
 
+impl Default for DieselFactory {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl DieselFactory {
     /// On `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/test`).
     pub fn new() -> Self {
@@ -85,7 +91,6 @@ impl DieselFactory {
     /// Each trial's repository and writer transactions go through the transaction-pooling
     /// proxy at `crate::pooler_url()` with `Pooler::Transaction` (R194, OP-08); the
     /// migrations, fixtures and the sqlx peer stay on the direct URL.
-    #[allow(dead_code)]
     pub fn through_pooler(mut self) -> Self {
         self.through_pooler = true;
         self
@@ -175,7 +180,6 @@ impl DieselHarness {
 
     /// The same trial with its repository and writer transactions through the
     /// transaction-pooling proxy (OP-08).
-    #[allow(dead_code)]
     pub fn through_pooler(mut self) -> Self {
         let proxy = patient_pool(&crate::pooler_url(), HARNESS_CONNECTIONS as usize);
         self.repo = Arc::new(DieselOutboxRepository::new(
