@@ -45,6 +45,8 @@ pub struct Recorder {
     pub times: Mutex<Vec<(String, tokio::time::Instant)>>,
     /// Terminal failures: (message_id, status of the row as before, error).
     pub terminal: Mutex<Vec<(String, txoutbox_core::event::Status, i32, String)>>,
+    /// Parks (R193): (message_id, attempts_made of the row as before, error).
+    pub parked: Mutex<Vec<(String, i32, String)>>,
     changed: tokio::sync::Notify,
 }
 
@@ -94,6 +96,13 @@ impl txoutbox_core::inbox::InboxHooks for Recorder {
     }
     fn on_persist_failure(&self, r: &DeliveryResult) {
         self.on_delivery(r);
+    }
+    fn on_parked(&self, row: &InboxEvent, error: &str) {
+        self.parked.lock().expect("poisoned").push((
+            row.message_id.clone(),
+            row.attempts_made,
+            error.to_owned(),
+        ));
     }
     fn on_terminal_failure(&self, row: &InboxEvent, error: &str) {
         self.terminal.lock().expect("poisoned").push((

@@ -34,6 +34,14 @@ pub trait InboxHooks: Send + Sync {
     /// A row became `failed` (R128, R129, R158): `row` as it was before the failure, and the
     /// failure text. Called after the commit that wrote it.
     fn on_terminal_failure(&self, _row: &InboxEvent, _error: &str) {}
+    /// A row was parked (R191, R193): its attempts are spent under `on_exhausted = park`, it
+    /// stays `pending` holding its key. `row` as it was before the failure, and the failure
+    /// text; called after the commit that wrote it, by the runner or the processor that wrote
+    /// it. A park does not call [`on_terminal_failure`](Self::on_terminal_failure) (nor a
+    /// dead-letter copy). A discard (R192) is an operator's call on the repository or
+    /// `outbox-relay inbox discard`, where no runner or processor (and so no hook) takes part:
+    /// it is not reported to these hooks. Checked by OP-06.
+    fn on_parked(&self, _row: &InboxEvent, _error: &str) {}
 }
 
 /// Calls every hook, catching panics (R68, R83).

@@ -608,6 +608,7 @@ impl<B: InboxBackend> Processor<B> {
                 _ => None,
             };
             if let Some((counted, error, next_try, terminal)) = failed {
+                let parked = parked_by(counted, terminal, before);
                 logs::recorded(&logs::Recorded {
                     by: logs::Recorder::Processor,
                     group: self.config.group.as_str(),
@@ -615,6 +616,7 @@ impl<B: InboxBackend> Processor<B> {
                     counted,
                     next_try,
                     terminal,
+                    parked,
                     error,
                 });
             }
@@ -633,6 +635,18 @@ impl<B: InboxBackend> Processor<B> {
         ) = (&report.0, &report.1)
         {
             hooks::each(&self.hooks, |h| h.on_terminal_failure(before, error));
+        }
+        if let (
+            RowReport::Counted {
+                terminal: false,
+                error,
+                ..
+            },
+            Some(before),
+        ) = (&report.0, &report.1)
+            && parked_by(true, false, before)
+        {
+            hooks::each(&self.hooks, |h| h.on_parked(before, error));
         }
         report.0
     }
@@ -897,4 +911,10 @@ async fn commit<T: InboxTransaction>(tx: T, report: RowReport) -> RowReport {
             error: e.to_string(),
         },
     }
+}
+
+/// Whether a failure written to `before` parked it (R191): a counted failure spending its last
+/// attempt that did not make it `failed` (which `on_exhausted = park` is the only way to).
+fn parked_by(counted: bool, terminal: bool, before: &InboxEvent) -> bool {
+    counted && !terminal && before.attempts_made.saturating_add(1) >= before.max_attempts
 }
