@@ -119,6 +119,11 @@ pub async fn op_01(f: &dyn Factory) {
     assert_eq!(b.last_error.as_deref(), Some("poison"));
     assert_eq!(b.parked_at, r.updated_at, "parked at its updated_at");
     assert_eq!(b.waiting, 2);
+    assert_eq!(
+        c.repo().parked_rows().await.expect("parked rows"),
+        1,
+        "outbox_parked_rows counts r1 (R193)"
+    );
 }
 
 /// OP-02 Redrive keeps order.

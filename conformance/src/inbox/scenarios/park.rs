@@ -80,6 +80,11 @@ pub async fn op_06<F: InboxFactory>(f: &F) {
         blocked[0].parked && blocked[0].head_id == m1.id,
         "{blocked:?}"
     );
+    assert_eq!(
+        store.parked_counts(&g()).await.expect("parked counts"),
+        (1, 1),
+        "inbox_parked_keys and inbox_parked_rows count m1 (R193)"
+    );
     let redriven = store
         .redrive(
             &g(),
