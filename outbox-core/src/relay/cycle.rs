@@ -288,6 +288,9 @@ fn decide_rest(rows: &[Fetched], state: &CycleState) -> (Vec<Outcome>, HashMap<U
     (outcomes, durations)
 }
 
+/// Rows with the error that ended them (terminal failures, parks).
+type RowErrors = Vec<(Uuid, String)>;
+
 /// Fills the report from the outcomes and what the write reported per row (R58): the lists by
 /// kind, completions in publish order, every row's outcome in fetch order. Returns the rows
 /// that became `failed`, with their error, for the terminal-failure observers, and the rows
@@ -300,7 +303,7 @@ fn record_outcomes(
     written: &HashMap<Uuid, OutcomeResult>,
     durations: &HashMap<Uuid, Duration>,
     completion_order: &[Uuid],
-) -> (Vec<(Uuid, String)>, Vec<(Uuid, String)>) {
+) -> (RowErrors, RowErrors) {
     let max_attempts: HashMap<Uuid, i32> = rows
         .iter()
         .filter_map(Fetched::row)
