@@ -886,6 +886,11 @@ impl OutboxRepository for InMemoryRepository {
             .collect())
     }
 
+    async fn parked_rows(&self) -> Result<u64, RepositoryError> {
+        let st = self.lock();
+        Ok(st.rows.values().filter(|r| ordering::is_parked(r)).count() as u64)
+    }
+
     async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
         let now = self.now_sync();
         let st = self.lock();

@@ -15,6 +15,7 @@
 //! | `outbox_pending_events` | gauge | | by [`MetricsStep::record_backlog`]: pending rows |
 //! | `outbox_blocked_keys` | gauge | | by [`MetricsStep::record_backlog`]: keys whose head waits for a retry or is held (R80) |
 //! | `outbox_parked_keys` | gauge | | by [`MetricsStep::record_backlog`]: of the blocked keys, those whose head is parked (R193) |
+//! | `outbox_parked_rows` | gauge | | by [`MetricsStep::record_backlog`]: parked rows, keyless rows included (R193) |
 //! | `outbox_oldest_due_age_seconds` | gauge | | by [`MetricsStep::record_backlog`]: age of the oldest due row (0 when none) |
 //!
 //! The contract's series (R70, the ancestor's names, kept for existing dashboards):
@@ -24,10 +25,15 @@
 //! outcome, failures included; prefer `outbox_publish_outcomes_total`) and
 //! `outbox_handler_duration_seconds{event_type}`.
 //!
+//! [`MetricsStep::update_backlog`] also logs, at warn, each key parked longer than
+//! [`MetricsStep::park_alert_after`] (default [`DEFAULT_PARK_ALERT_AFTER`], 15 min; R193), once
+//! per key per `MetricsStep` (a process runs one), by the step's clock.
+//!
 //! Histograms have no buckets of their own in the facade: set them in the exporter (the
 //! binary's are in `examples/README.md`).
 
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -36,7 +42,10 @@ use crate::clock::{Clock, SystemClock};
 use crate::error::{ConfigError, RepositoryError};
 use crate::event::Status;
 use crate::relay::RowOutcome;
-use crate::repository::OutboxRepository;
+use crate::repository::{BlockedKey, OutboxRepository};
+
+/// How long a key stays parked before it is logged at warn (R193).
+pub const DEFAULT_PARK_ALERT_AFTER: Duration = Duration::from_secs(15 * 60);
 use crate::step::{ObservedOutcome, PipelineStep};
 
 /// The `outcome` label of `outbox_publish_outcomes_total`.
@@ -70,41 +79,58 @@ pub struct Backlog {
     pub blocked_keys: u64,
     /// Of those, keys whose head is parked (R193; `outbox_parked_keys`).
     pub parked_keys: u64,
+    /// Parked rows, keyless rows included (R193; `outbox_parked_rows`).
+    pub parked_rows: u64,
     /// Age of the oldest due row.
     pub oldest_due: Option<Duration>,
 }
 
 impl Backlog {
-    /// Runs the three queries (`lease_ttl`: the relays' lease; blocked keys counted up to
+    /// Runs the four queries (`lease_ttl`: the relays' lease; blocked keys counted up to
     /// `blocked_limit`).
     pub async fn query(
         repo: &dyn OutboxRepository,
         lease_ttl: Duration,
         blocked_limit: usize,
     ) -> Result<Self, RepositoryError> {
+        Ok(Self::query_keys(repo, lease_ttl, blocked_limit).await?.0)
+    }
+
+    /// [`query`](Self::query), with the blocked keys it read.
+    async fn query_keys(
+        repo: &dyn OutboxRepository,
+        lease_ttl: Duration,
+        blocked_limit: usize,
+    ) -> Result<(Self, Vec<BlockedKey>), RepositoryError> {
         let counts = repo.counts().await?;
         let blocked = repo.blocked_keys(lease_ttl, blocked_limit).await?;
         let oldest_due = repo.oldest_due_age().await?;
+        let parked_rows = repo.parked_rows().await?;
         let pending: i64 = counts
             .iter()
             .filter(|c| c.status == Status::Pending)
             .map(|c| c.count)
             .sum();
-        Ok(Self {
+        let b = Self {
             pending: pending.max(0) as u64,
             blocked_keys: blocked.len() as u64,
             parked_keys: blocked.iter().filter(|b| b.parked).count() as u64,
+            parked_rows,
             oldest_due,
-        })
+        };
+        Ok((b, blocked))
     }
 }
 
 /// The metrics observer. Add it to a relay with `RelayBuilder::step(Arc::new(step))`; cloning
-/// shares nothing but the names.
+/// shares the names and the keys already alerted (R193).
 #[derive(Debug, Clone)]
 pub struct MetricsStep {
     names: Arc<Names>,
     clock: Arc<dyn Clock>,
+    park_alert_after: Duration,
+    /// The keys (topic, partition key) already logged as parked too long (R193).
+    alerted: Arc<Mutex<HashSet<(String, String)>>>,
 }
 
 #[derive(Debug)]
@@ -115,6 +141,7 @@ struct Names {
     pending: String,
     blocked: String,
     parked: String,
+    parked_rows: String,
     oldest: String,
     batch: String,
     published: String,
@@ -149,6 +176,50 @@ impl MetricsStep {
         Ok(Self::named(&format!("{prefix}_")))
     }
 
+    /// How long a key may stay parked before [`update_backlog`](Self::update_backlog) logs it
+    /// at warn, once per key (R193; default [`DEFAULT_PARK_ALERT_AFTER`]). At least 1 s, else
+    /// a [`ConfigError`].
+    pub fn park_alert_after(mut self, d: Duration) -> Result<Self, ConfigError> {
+        if d < Duration::from_secs(1) {
+            return Err(ConfigError::new(format!(
+                "park_alert_after {d:?} is too short: it must be at least 1s (R193)"
+            )));
+        }
+        self.park_alert_after = d;
+        Ok(self)
+    }
+
+    /// Logs at warn each of `blocked` parked for longer than
+    /// [`park_alert_after`](Self::park_alert_after) by this step's clock, unless this step
+    /// logged its key before; returns the keys (topic, partition key) logged now (R193).
+    pub fn alert_parked(&self, blocked: &[BlockedKey]) -> Vec<(String, String)> {
+        let now = self.clock.now();
+        let mut alerted = self.alerted.lock().unwrap_or_else(|e| e.into_inner());
+        let mut logged = Vec::new();
+        for b in blocked.iter().filter(|b| b.parked) {
+            let Some(at) = b.parked_at else { continue };
+            let parked_for = (now - at).to_std().unwrap_or_default();
+            if parked_for <= self.park_alert_after
+                || !alerted.insert((b.topic.clone(), b.partition_key.clone()))
+            {
+                continue;
+            }
+            tracing::warn!(
+                topic = %b.topic,
+                partition_key = %b.partition_key,
+                head_id = %b.head_id,
+                parked_at = %at.to_rfc3339(),
+                parked_for = ?parked_for,
+                waiting = b.waiting,
+                last_error = %b.last_error.as_deref().unwrap_or(""),
+                "key parked for longer than park_alert_after: its rows wait behind a parked row; \
+                 fix the cause, then `outbox-relay redrive` or `outbox-relay discard` it"
+            );
+            logged.push((b.topic.clone(), b.partition_key.clone()));
+        }
+        logged
+    }
+
     /// The wall clock the write-to-ack lag is measured with (default: the system clock).
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
@@ -164,12 +235,15 @@ impl MetricsStep {
                 pending: format!("{p}outbox_pending_events"),
                 blocked: format!("{p}outbox_blocked_keys"),
                 parked: format!("{p}outbox_parked_keys"),
+                parked_rows: format!("{p}outbox_parked_rows"),
                 oldest: format!("{p}outbox_oldest_due_age_seconds"),
                 batch: format!("{p}outbox_locked_batch_size"),
                 published: format!("{p}outbox_events_published_total"),
                 handler: format!("{p}outbox_handler_duration_seconds"),
             }),
             clock: Arc::new(SystemClock),
+            park_alert_after: DEFAULT_PARK_ALERT_AFTER,
+            alerted: Arc::default(),
         }
     }
 
@@ -183,18 +257,21 @@ impl MetricsStep {
         metrics::gauge!(self.names.pending.clone()).set(b.pending as f64);
         metrics::gauge!(self.names.blocked.clone()).set(b.blocked_keys as f64);
         metrics::gauge!(self.names.parked.clone()).set(b.parked_keys as f64);
+        metrics::gauge!(self.names.parked_rows.clone()).set(b.parked_rows as f64);
         metrics::gauge!(self.names.oldest.clone())
             .set(b.oldest_due.map_or(0.0, |d| d.as_secs_f64()));
     }
 
-    /// Queries the backlog and sets the gauges; returns the figures (for a summary line).
+    /// Queries the backlog, sets the gauges and logs the keys parked too long
+    /// ([`alert_parked`](Self::alert_parked)); returns the figures (for a summary line).
     pub async fn update_backlog(
         &self,
         repo: &dyn OutboxRepository,
         lease_ttl: Duration,
     ) -> Result<Backlog, RepositoryError> {
-        let b = Backlog::query(repo, lease_ttl, 10_000).await?;
+        let (b, blocked) = Backlog::query_keys(repo, lease_ttl, 10_000).await?;
         self.record_backlog(&b);
+        self.alert_parked(&blocked);
         Ok(b)
     }
 }
@@ -395,7 +472,99 @@ pub(crate) mod tests {
         assert_eq!(gauge("svc_outbox_blocked_keys{}"), 1.0);
         // c waits for a retry: blocked, not parked.
         assert_eq!(gauge("svc_outbox_parked_keys{}"), 0.0);
+        assert_eq!(gauge("svc_outbox_parked_rows{}"), 0.0);
         assert_eq!(gauge("svc_outbox_oldest_due_age_seconds{}"), 0.0);
         assert!(MetricsStep::with_prefix("1x").is_err());
+    }
+
+    /// R193: under `on_exhausted = park`, two rows of two keys refused on their only attempt
+    /// are counted by `outbox_parked_keys` and `outbox_parked_rows` (and stay pending).
+    #[test]
+    fn a_park_sets_the_parked_gauges() {
+        let rec = Rec::default();
+        metrics::with_local_recorder(&rec, || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async {
+                    let repo = InMemoryRepository::default();
+                    let ids: Vec<Uuid> = repo
+                        .write_committed(vec![event("a"), event("b")])
+                        .await
+                        .unwrap()
+                        .iter()
+                        .map(|w| w.event.id)
+                        .collect();
+                    let broker = ScriptedBroker::new();
+                    broker.script(ids[0], [Action::Reject("no".into())]);
+                    broker.script(ids[1], [Action::Reject("no".into())]);
+                    let step = MetricsStep::new();
+                    let relay = Relay::builder(Arc::new(repo.clone()), Arc::new(broker))
+                        .on_exhausted(crate::repository::OnExhausted::Park)
+                        .step(Arc::new(step.clone()))
+                        .build()
+                        .unwrap();
+                    relay.cycle(&CancellationToken::new()).await.unwrap();
+                    let b = step
+                        .update_backlog(&repo, Duration::from_secs(300))
+                        .await
+                        .unwrap();
+                    assert_eq!((b.parked_keys, b.parked_rows), (2, 2), "{b:?}");
+                });
+        });
+        let gauge = |id: &str| *rec.get(id).gauge.lock().unwrap();
+        assert_eq!(gauge("outbox_parked_keys{}"), 2.0);
+        assert_eq!(gauge("outbox_parked_rows{}"), 2.0);
+        assert_eq!(gauge("outbox_pending_events{}"), 2.0);
+    }
+
+    /// R193: a key parked longer than park_alert_after is logged once per key, by the step's
+    /// clock; park_alert_after below 1 s is refused.
+    #[tokio::test]
+    async fn a_key_parked_too_long_is_alerted_once() {
+        let clock = Arc::new(crate::clock::ManualClock::starting_now());
+        let repo = InMemoryRepository::new(clock.clone());
+        let id = repo.write_committed(vec![event("a")]).await.unwrap()[0]
+            .event
+            .id;
+        let broker = ScriptedBroker::new();
+        broker.script(id, [Action::Reject("no".into())]);
+        let relay = Relay::builder(Arc::new(repo.clone()), Arc::new(broker))
+            .on_exhausted(crate::repository::OnExhausted::Park)
+            .build()
+            .unwrap();
+        relay.cycle(&CancellationToken::new()).await.unwrap();
+        assert!(
+            MetricsStep::new()
+                .park_alert_after(Duration::from_millis(999))
+                .is_err()
+        );
+        let step = MetricsStep::new()
+            .clock(clock.clone())
+            .park_alert_after(Duration::from_secs(60))
+            .unwrap();
+        let blocked = || async {
+            repo.blocked_keys(Duration::from_secs(300), 10)
+                .await
+                .unwrap()
+        };
+        clock.advance(Duration::from_secs(59));
+        assert!(step.alert_parked(&blocked().await).is_empty(), "not yet");
+        clock.advance(Duration::from_secs(2));
+        assert_eq!(
+            step.alert_parked(&blocked().await),
+            vec![("things".to_owned(), "a".to_owned())]
+        );
+        clock.advance(Duration::from_secs(3600));
+        assert!(
+            step.alert_parked(&blocked().await).is_empty(),
+            "once per key"
+        );
+        let b = step
+            .update_backlog(&repo, Duration::from_secs(300))
+            .await
+            .unwrap();
+        assert_eq!(b.parked_keys, 1);
     }
 }

@@ -784,4 +784,8 @@ pub trait OutboxRepository: Send + Sync {
 
     /// now − scheduled_at of the oldest due pending row, or none (R80; M-02).
     async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError>;
+
+    /// The parked rows (R191, R193: `pending` with attempts_made >= max_attempts), keyless rows
+    /// included, for the `outbox_parked_rows` gauge (OP-01).
+    async fn parked_rows(&self) -> Result<u64, RepositoryError>;
 }

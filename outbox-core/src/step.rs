@@ -64,6 +64,15 @@ pub trait PipelineStep: Send + Sync {
     /// and the error (a dead-letter sink belongs here; P-03).
     async fn on_terminal_failure(&self, _event: &OutboxEvent, _error: &str) {}
 
+    /// After the commit, for a row that was parked (R191, R193): its attempts are spent under
+    /// `on_exhausted = park`, it stays `pending` holding its key. `event` is the row as it was
+    /// before the failure, `error` the failure. A park does not call
+    /// [`on_terminal_failure`](Self::on_terminal_failure): the row is not lost, an operator
+    /// redrives or discards it (R192). A discard runs in the repository or `outbox-relay`
+    /// (no relay, so no pipeline step, sees it): it is logged by the operator command, and
+    /// reaches this trait only if the caller wires it. Checked by OP-01.
+    async fn on_parked(&self, _event: &OutboxEvent, _error: &str) {}
+
     /// At the end of every cycle, on every path (R68): after a full cycle, and with an empty
     /// report when the shutdown signal or an open breaker (`breaker_open` set) kept the cycle
     /// from fetching or the fetch failed.

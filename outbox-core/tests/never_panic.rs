@@ -277,6 +277,9 @@ impl OutboxRepository for Faulty {
     async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
         self.inner.oldest_due_age().await
     }
+    async fn parked_rows(&self) -> Result<u64, RepositoryError> {
+        self.inner.parked_rows().await
+    }
 }
 
 #[tokio::test]

@@ -316,3 +316,61 @@ async fn z_06() {
     }
     Arc::into_inner(peer).expect("peer").stop().await;
 }
+
+/// OP-11 [peer] (operations.md R174 added to): a row parked by this library (pending, attempts
+/// all spent) on a table omni-box 0.3.1 also uses. What omni-box does with it (recorded
+/// 2026-12-05): its runner, given the message again, fails the delivery with
+/// `InboxPersistError` (its persist step loads the existing row on the idempotency-key conflict,
+/// and the row does not validate); its repository's `create` of the message raises pydantic's
+/// `ValidationError` "status is PENDING, but attempts_made (1) has reached max_attempts (1)";
+/// its processor does not fetch the row (its fetch wants attempts_made < max_attempts). The
+/// row stays parked, as it was. Hence the README: no `park` on a table omni-box also uses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn op_11() {
+    let ctx = Ictx::new(&PgInboxFactory::plain()).await;
+    let peer = peer_on(&ctx, Layout::Plain).await;
+    let runner = ctx
+        .runner()
+        .max_attempts(1)
+        .on_exhausted(txoutbox_core::repository::OnExhausted::Park)
+        .build()
+        .expect("runner");
+    ctx.deliver("m1", None);
+    ctx.script("m1", vec![Act::Fail("poison".into())]);
+    let r = ctx.handle(&runner).await;
+    assert_eq!(r.outcome, DeliveryOutcome::Recorded, "{r:?}");
+    let parked = ctx.row_of("m1").await;
+    assert_eq!((parked.status, parked.attempts_made), (Status::Pending, 1));
+
+    let redelivered = peer.runner(m("m1"), true).await;
+    assert!(
+        redelivered
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("InboxPersistError")),
+        "OP-11: omni-box's runner fails a redelivery of a parked message: {redelivered:?}"
+    );
+    let created = peer.create(m("m1"), None).await;
+    assert!(
+        created.as_ref().is_err_and(|e| e
+            .to_string()
+            .contains("status is PENDING, but attempts_made (1) has reached max_attempts (1)")),
+        "OP-11: omni-box's create rejects the parked row it loads: {created:?}"
+    );
+    let fetched = peer.process(10).await.expect("peer processor");
+    assert!(
+        processed(&fetched).is_empty() && fetched["failed"] == json!(0),
+        "OP-11: omni-box's processor leaves the parked row alone: {fetched}"
+    );
+    assert_eq!(effects_of(&ctx, "m1").await, 0, "OP-11: no effect");
+    let after = ctx.row_of("m1").await;
+    assert_eq!(
+        (
+            after.status,
+            after.attempts_made,
+            after.last_error.as_deref()
+        ),
+        (Status::Pending, 1, Some("poison")),
+        "OP-11: still parked"
+    );
+    peer.stop().await;
+}

@@ -47,6 +47,8 @@ pub struct Recorder {
     pub terminal: Mutex<Vec<(String, txoutbox_core::event::Status, i32, String)>>,
     /// The transactions the runners and processors reported (R190), in order.
     pub transactions: Mutex<Vec<txoutbox_core::inbox::TransactionReport>>,
+    /// Parks (R193): (message_id, attempts_made of the row as before, error).
+    pub parked: Mutex<Vec<(String, i32, String)>>,
     changed: tokio::sync::Notify,
 }
 
@@ -99,6 +101,13 @@ impl txoutbox_core::inbox::InboxHooks for Recorder {
     }
     fn on_transaction(&self, t: &txoutbox_core::inbox::TransactionReport) {
         self.transactions.lock().expect("poisoned").push(t.clone());
+    }
+    fn on_parked(&self, row: &InboxEvent, error: &str) {
+        self.parked.lock().expect("poisoned").push((
+            row.message_id.clone(),
+            row.attempts_made,
+            error.to_owned(),
+        ));
     }
     fn on_terminal_failure(&self, row: &InboxEvent, error: &str) {
         self.terminal.lock().expect("poisoned").push((

@@ -1,6 +1,11 @@
 //! OP: parked keys (operations.md R191 to R193): `on_exhausted = park`, redrive and discard.
 
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use async_trait::async_trait;
+use txoutbox_core::event::OutboxEvent;
+use txoutbox_core::step::PipelineStep;
 
 use txoutbox_core::error::RepositoryError;
 use txoutbox_core::event::Status;
@@ -52,11 +57,42 @@ async fn poison_key(c: &Ctx, cfg: &Cfg) -> [Uuid; 3] {
     [r1, r2, r3]
 }
 
-/// OP-01 Park holds the key.
+/// Records the parks and terminal failures the relay reports to its steps (R193).
+#[derive(Default)]
+struct Ends {
+    parked: Mutex<Vec<(Uuid, i32, String)>>,
+    terminal: Mutex<Vec<Uuid>>,
+}
+
+#[async_trait]
+impl PipelineStep for Ends {
+    async fn on_parked(&self, e: &OutboxEvent, error: &str) {
+        self.parked
+            .lock()
+            .unwrap()
+            .push((e.id, e.attempts_made, error.to_owned()));
+    }
+    async fn on_terminal_failure(&self, e: &OutboxEvent, _error: &str) {
+        self.terminal.lock().unwrap().push(e.id);
+    }
+}
+
+/// OP-01 Park holds the key; the park calls `on_parked` once, not `on_terminal_failure` (R193).
 pub async fn op_01(f: &dyn Factory) {
     let c = Ctx::new(f).await;
-    let [r1, r2, r3] = poison_key(&c, &park()).await;
-    let sent = drain(&c, &park()).await;
+    let ends = Arc::new(Ends::default());
+    let cfg = park().step(ends.clone());
+    let [r1, r2, r3] = poison_key(&c, &cfg).await;
+    let sent = drain(&c, &cfg).await;
+    assert_eq!(
+        *ends.parked.lock().unwrap(),
+        vec![(r1, 1, "poison".to_owned())],
+        "one park of r1, reported with the row as before its last failure"
+    );
+    assert!(
+        ends.terminal.lock().unwrap().is_empty(),
+        "a park is not a terminal failure"
+    );
     assert!(
         sent.is_empty(),
         "nothing of k goes out behind a parked head: {sent:?}"
@@ -83,6 +119,11 @@ pub async fn op_01(f: &dyn Factory) {
     assert_eq!(b.last_error.as_deref(), Some("poison"));
     assert_eq!(b.parked_at, r.updated_at, "parked at its updated_at");
     assert_eq!(b.waiting, 2);
+    assert_eq!(
+        c.repo().parked_rows().await.expect("parked rows"),
+        1,
+        "outbox_parked_rows counts r1 (R193)"
+    );
 }
 
 /// OP-02 Redrive keeps order.

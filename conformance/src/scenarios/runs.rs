@@ -486,6 +486,9 @@ impl OutboxRepository for Interleaving {
     async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
         self.0.oldest_due_age().await
     }
+    async fn parked_rows(&self) -> Result<u64, RepositoryError> {
+        self.0.parked_rows().await
+    }
 }
 
 /// X-05 A backend that returns a key's rows interleaved with other keys' and out of write order

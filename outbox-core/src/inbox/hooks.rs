@@ -101,6 +101,14 @@ pub trait InboxHooks: Send + Sync {
     /// why). The runner reports every T when `messages_per_transaction` is above 1 (BT-01,
     /// BT-04, BT-08).
     fn on_transaction(&self, _t: &TransactionReport) {}
+    /// A row was parked (R191, R193): its attempts are spent under `on_exhausted = park`, it
+    /// stays `pending` holding its key. `row` as it was before the failure, and the failure
+    /// text; called after the commit that wrote it, by the runner or the processor that wrote
+    /// it. A park does not call [`on_terminal_failure`](Self::on_terminal_failure) (nor a
+    /// dead-letter copy). A discard (R192) is an operator's call on the repository or
+    /// `outbox-relay inbox discard`, where no runner or processor (and so no hook) takes part:
+    /// it is not reported to these hooks. Checked by OP-06.
+    fn on_parked(&self, _row: &InboxEvent, _error: &str) {}
 }
 
 /// Calls every hook, catching panics (R68, R83).

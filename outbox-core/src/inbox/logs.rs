@@ -35,7 +35,7 @@ impl Recorder {
 
 /// How a row ended for good: the lines at error.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[allow(dead_code)] // Parked and Discarded: for R191 and R192's park and discard.
+#[allow(dead_code)] // Discarded: a discard runs in the repository, outside runner and processor.
 pub(crate) enum RowEnd {
     /// Its attempts are spent (or its failure was terminal): `failed`.
     Failed,
@@ -60,16 +60,22 @@ pub(crate) struct Recorded<'a> {
     pub next_try: DateTime<Utc>,
     /// Whether the row became `failed`.
     pub terminal: bool,
+    /// Whether the row was parked (R191): still `pending` with its attempts spent.
+    pub parked: bool,
     /// The failure's text.
     pub error: &'a str,
 }
 
-/// Logs a failure written to a row: at warn, or, when the row became `failed`, at error (then
-/// through [`row_ended`]). `attempt` is the number of the attempt that failed (the row's
+/// Logs a failure written to a row: at warn, or, when the row became `failed` or was parked,
+/// at error (then through [`row_ended`]). `attempt` is the number of the attempt that failed (the row's
 /// attempts before the run, plus one).
 pub(crate) fn recorded(f: &Recorded<'_>) {
     if f.terminal {
         row_ended(RowEnd::Failed, f.by, f.group, f.row, f.error);
+        return;
+    }
+    if f.parked {
+        row_ended(RowEnd::Parked, f.by, f.group, f.row, f.error);
         return;
     }
     let r = f.row;

@@ -890,6 +890,20 @@ impl InboxRepository for InMemoryInbox {
         Ok(victims.len() as u64)
     }
 
+    async fn parked_counts(&self, group: &ConsumerGroup) -> Result<(u64, u64), RepositoryError> {
+        let st = self.lock();
+        let parked: Vec<&InboxEvent> = st
+            .rows
+            .values()
+            .filter(|r| r.consumer_group == group.as_str() && inbox_parked(r))
+            .collect();
+        let keys: std::collections::HashSet<(&str, &str)> = parked
+            .iter()
+            .filter_map(|r| Some((r.source.as_str(), r.partition_key.as_deref()?)))
+            .collect();
+        Ok((keys.len() as u64, parked.len() as u64))
+    }
+
     async fn blocked_keys(
         &self,
         group: &ConsumerGroup,

@@ -19,6 +19,11 @@
 //! | `inbox_transaction_messages{side}` | histogram | messages (rows) per transaction, `runner` or `processor` (R190) |
 //! | `inbox_transaction_seconds{side}` | histogram | a transaction's time from begin to its end (R190) |
 //! | `inbox_batch_fallbacks_total{reason}` | counter | batches that fell back: `handler`, `refused`, `deadlock`, `connection`, `commit` (R190) |
+//! | `inbox_parked_keys{consumer_group}` | gauge | by [`InboxMetrics::update_parked`]: the group's keys with a parked row (R193) |
+//! | `inbox_parked_rows{consumer_group}` | gauge | by [`InboxMetrics::update_parked`]: the group's parked rows, keyless rows included (R193) |
+//!
+//! The parked gauges are not hooks: the application (or an operator task) calls
+//! [`InboxMetrics::update_parked`] on its schedule, as the outbox's backlog gauges are.
 //!
 //! A handler's status text never becomes a label (R169); rows a shutdown released count nowhere.
 
@@ -27,9 +32,11 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::error::ConfigError;
+use crate::error::{ConfigError, RepositoryError};
 use crate::inbox::hooks::{InboxHooks, TransactionReport};
+use crate::inbox::model::ConsumerGroup;
 use crate::inbox::processor::RowReport;
+use crate::inbox::repository::InboxRepository;
 use crate::inbox::runner::{DeliveryOutcome, DeliveryResult};
 
 #[derive(Debug)]
@@ -49,6 +56,8 @@ struct Names {
     tx_messages: String,
     tx_seconds: String,
     fallbacks: String,
+    parked_keys: String,
+    parked_rows: String,
 }
 
 /// The inbox's metrics (R168), recorded from the hooks.
@@ -95,8 +104,25 @@ impl InboxMetrics {
                 tx_messages: n("inbox_transaction_messages"),
                 tx_seconds: n("inbox_transaction_seconds"),
                 fallbacks: n("inbox_batch_fallbacks_total"),
+                parked_keys: n("inbox_parked_keys"),
+                parked_rows: n("inbox_parked_rows"),
             }),
         }
+    }
+
+    /// Queries the group's parked keys and rows and sets `inbox_parked_keys` and
+    /// `inbox_parked_rows` with the label `consumer_group` (R193); returns (keys, rows).
+    pub async fn update_parked(
+        &self,
+        repo: &dyn InboxRepository,
+        group: &ConsumerGroup,
+    ) -> Result<(u64, u64), RepositoryError> {
+        let (keys, rows) = repo.parked_counts(group).await?;
+        let g = group.as_str().to_owned();
+        metrics::gauge!(self.names.parked_keys.clone(), "consumer_group" => g.clone())
+            .set(keys as f64);
+        metrics::gauge!(self.names.parked_rows.clone(), "consumer_group" => g).set(rows as f64);
+        Ok((keys, rows))
     }
 
     fn inc(&self, name: &str) {
@@ -352,5 +378,64 @@ mod tests {
                 });
         });
         assert!(InboxMetrics::with_prefix("1x").is_err());
+    }
+
+    struct Fails;
+
+    #[async_trait]
+    impl Handler<MemInboxTx> for Fails {
+        async fn handle(
+            &self,
+            _: &InboxEvent,
+            _: &mut MemInboxTx,
+        ) -> Result<HandlerOutcome, HandlerError> {
+            Err(HandlerError::new("poison"))
+        }
+    }
+
+    /// R193: after a processor parks a keyed row and a keyless one (on_exhausted park, one
+    /// attempt each), `inbox_parked_keys{consumer_group}` is 1 and `inbox_parked_rows` 2.
+    #[tokio::test]
+    async fn a_park_sets_the_parked_gauges() {
+        let rec = Rec::default();
+        let clock = ManualClock::starting_now();
+        let inbox = InMemoryInbox::new(Arc::new(clock.clone()));
+        let mut tx = crate::inbox::repository::InboxBackend::begin(&inbox)
+            .await
+            .unwrap();
+        for (id, key) in [("p1", Some("k")), ("p2", None)] {
+            let mut e = NewInboxEvent::builder()
+                .message_id(id)
+                .consumer_group("g")
+                .source("src")
+                .event_type("e")
+                .payload_json(json!({"n": 1}))
+                .max_attempts(1);
+            if let Some(k) = key {
+                e = e.partition_key(k);
+            }
+            crate::inbox::repository::InboxTransaction::land(&mut tx, vec![e.build().unwrap()])
+                .await
+                .unwrap();
+        }
+        crate::inbox::repository::InboxTransaction::commit(tx)
+            .await
+            .unwrap();
+        let p = Processor::builder(inbox.clone(), "g", Arc::new(Fails))
+            .worker_id("p1")
+            .on_exhausted(crate::repository::OnExhausted::Park)
+            .build()
+            .unwrap();
+        p.cycle(&CancellationToken::new()).await.unwrap();
+        let m = InboxMetrics::new();
+        let g = ConsumerGroup::new("g").unwrap();
+        let counts = metrics::with_local_recorder(&rec, || {
+            futures::executor::block_on(m.update_parked(&inbox, &g))
+        })
+        .unwrap();
+        assert_eq!(counts, (1, 2));
+        let gauge = |id: &str| *rec.get(id).gauge.lock().unwrap();
+        assert_eq!(gauge("inbox_parked_keys{consumer_group=g}"), 1.0);
+        assert_eq!(gauge("inbox_parked_rows{consumer_group=g}"), 2.0);
     }
 }

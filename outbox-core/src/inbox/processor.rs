@@ -862,6 +862,7 @@ impl<B: InboxBackend> Processor<B> {
                 _ => None,
             };
             if let Some((counted, error, next_try, terminal)) = failed {
+                let parked = parked_by(counted, terminal, before);
                 logs::recorded(&logs::Recorded {
                     by: logs::Recorder::Processor,
                     group: self.config.group.as_str(),
@@ -869,8 +870,12 @@ impl<B: InboxBackend> Processor<B> {
                     counted,
                     next_try,
                     terminal,
+                    parked,
                     error,
                 });
+                if parked {
+                    hooks::each(&self.hooks, |h| h.on_parked(before, error));
+                }
             }
         }
         let event_type = row.map(|r| r.event_type.as_str());
@@ -972,4 +977,10 @@ async fn commit<T: InboxTransaction>(tx: T, report: RowReport) -> RowReport {
             error: e.to_string(),
         },
     }
+}
+
+/// Whether a failure written to `before` parked it (R191): a counted failure spending its last
+/// attempt that did not make it `failed` (which `on_exhausted = park` is the only way to).
+fn parked_by(counted: bool, terminal: bool, before: &InboxEvent) -> bool {
+    counted && !terminal && before.attempts_made.saturating_add(1) >= before.max_attempts
 }

@@ -423,6 +423,11 @@ pub trait InboxRepository: Send + Sync {
         Ok(total)
     }
 
+    /// The group's parked keys and parked rows (R191, R193: `pending` with attempts_made >=
+    /// max_attempts; a key counts when any of its rows is parked; keyless rows count as rows
+    /// only), for the `inbox_parked_keys` and `inbox_parked_rows` gauges (OP-06).
+    async fn parked_counts(&self, group: &ConsumerGroup) -> Result<(u64, u64), RepositoryError>;
+
     /// Keys of the group whose head waits for a retry or is held under a live lease, oldest
     /// head first, at most `limit`; rows without partition_key are not keys here (R161; A-01,
     /// Y-18).

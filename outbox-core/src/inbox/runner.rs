@@ -637,6 +637,8 @@ impl<B: InboxBackend> Runner<B> {
             Some(w) => {
                 r.next_try = Some(w.scheduled_at);
                 r.terminal = w.status == Status::Failed;
+                let parked =
+                    crate::repository::is_parked(w.status, w.attempts_made, w.max_attempts);
                 logs::recorded(&logs::Recorded {
                     by: logs::Recorder::Runner,
                     group: self.config.group.as_str(),
@@ -644,10 +646,14 @@ impl<B: InboxBackend> Runner<B> {
                     counted: w.attempts_made > row.attempts_made,
                     next_try: w.scheduled_at,
                     terminal: r.terminal,
+                    parked,
                     error: &failure.error,
                 });
                 if r.terminal {
                     hooks::each(&self.hooks, |h| h.on_terminal_failure(&row, &failure.error));
+                }
+                if parked {
+                    hooks::each(&self.hooks, |h| h.on_parked(&row, &failure.error));
                 }
             }
             None => {

@@ -155,7 +155,7 @@ impl Relay {
             }
         };
 
-        let terminal = record_outcomes(
+        let (terminal, parked) = record_outcomes(
             &mut report,
             &rows,
             &outcomes,
@@ -166,14 +166,21 @@ impl Relay {
         report.breaker_open = self.breaker_is_open();
 
         if !report.commit_failed {
-            self.observe(&report, &rows, &terminal).await;
+            self.observe(&report, &rows, &terminal, &parked).await;
         }
         Ok(report)
     }
 
     /// The observers of the pipeline steps, after the outcome commit (R68, R83): each row's
-    /// outcome, then each terminal failure.
-    async fn observe(&self, report: &CycleReport, rows: &[Fetched], terminal: &[(Uuid, String)]) {
+    /// outcome, then each terminal failure, then each park (R193: a park is logged at error and
+    /// calls `on_parked`, never `on_terminal_failure`).
+    async fn observe(
+        &self,
+        report: &CycleReport,
+        rows: &[Fetched],
+        terminal: &[(Uuid, String)],
+        parked: &[(Uuid, String)],
+    ) {
         let by_id: HashMap<Uuid, &Fetched> = rows.iter().map(|r| (r.id(), r)).collect();
         for (id, ro) in &report.outcomes {
             let Some(event) = by_id.get(id).and_then(|f| f.row()) else {
@@ -196,6 +203,13 @@ impl Relay {
             if let Some(event) = by_id.get(id).and_then(|f| f.row()) {
                 for s in &self.steps {
                     guard_hook("on_terminal_failure", s.on_terminal_failure(event, error)).await;
+                }
+            }
+        }
+        for (id, error) in parked {
+            if let Some(event) = by_id.get(id).and_then(|f| f.row()) {
+                for s in &self.steps {
+                    guard_hook("on_parked", s.on_parked(event, error)).await;
                 }
             }
         }
@@ -274,9 +288,14 @@ fn decide_rest(rows: &[Fetched], state: &CycleState) -> (Vec<Outcome>, HashMap<U
     (outcomes, durations)
 }
 
+/// Rows with the error that ended them (terminal failures, parks).
+type RowErrors = Vec<(Uuid, String)>;
+
 /// Fills the report from the outcomes and what the write reported per row (R58): the lists by
 /// kind, completions in publish order, every row's outcome in fetch order. Returns the rows
-/// that became `failed`, with their error, for the terminal-failure observers.
+/// that became `failed`, with their error, for the terminal-failure observers, and the rows
+/// that were parked (R191: still `pending`, attempts_made at max_attempts), logged at error
+/// here, for the `on_parked` observers.
 fn record_outcomes(
     report: &mut CycleReport,
     rows: &[Fetched],
@@ -284,7 +303,13 @@ fn record_outcomes(
     written: &HashMap<Uuid, OutcomeResult>,
     durations: &HashMap<Uuid, Duration>,
     completion_order: &[Uuid],
-) -> Vec<(Uuid, String)> {
+) -> (RowErrors, RowErrors) {
+    let max_attempts: HashMap<Uuid, i32> = rows
+        .iter()
+        .filter_map(Fetched::row)
+        .map(|e| (e.id, e.max_attempts))
+        .collect();
+    let mut parked: Vec<(Uuid, String)> = Vec::new();
     let mut order: Vec<Uuid> = completion_order.to_vec();
     let completed_set: HashSet<Uuid> = order.iter().copied().collect();
     order.extend(
@@ -318,6 +343,24 @@ fn record_outcomes(
                     );
                     if is_terminal {
                         terminal.push((o.id, error.clone()));
+                    }
+                    if let Some(OutcomeResult::Applied {
+                        status,
+                        attempts_made,
+                        ..
+                    }) = res
+                        && max_attempts.get(&o.id).is_some_and(|&max| {
+                            crate::repository::is_parked(*status, *attempts_made, max)
+                        })
+                    {
+                        tracing::error!(
+                            id = %o.id,
+                            attempts_made,
+                            error = %error,
+                            "outbox row parked: its key waits behind it; fix the cause, then \
+                             redrive or discard it with `outbox-relay redrive|discard`"
+                        );
+                        parked.push((o.id, error.clone()));
                     }
                     report.counted.push(FailureReport {
                         id: o.id,
@@ -373,7 +416,7 @@ fn record_outcomes(
             )
         })
         .collect();
-    terminal
+    (terminal, parked)
 }
 
 /// The rows of a fetch as runs by key: keys in order of their first row, each key's rows in

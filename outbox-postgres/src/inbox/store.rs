@@ -501,6 +501,11 @@ where
         .await
     }
 
+    async fn parked_counts(&self, group: &ConsumerGroup) -> Result<(u64, u64), RepositoryError> {
+        let (keys, rows) = PgInbox::parked_stats(self, group).await?;
+        Ok((keys.max(0) as u64, rows.max(0) as u64))
+    }
+
     async fn blocked_keys(
         &self,
         group: &ConsumerGroup,

@@ -569,6 +569,10 @@ impl<D: OutboxDriver> OutboxRepository for Repository<D> {
         Ok(out)
     }
 
+    async fn parked_rows(&self) -> Result<u64, RepositoryError> {
+        Ok(self.parked_stats().await?.1.max(0) as u64)
+    }
+
     async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
         let mut c = self.conn().await?;
         let us = c

@@ -61,6 +61,15 @@ pub async fn op_06<F: InboxFactory>(f: &F) {
         );
     }
     assert!(c.effects().await.is_empty());
+    assert_eq!(
+        *c.rec.parked.lock().expect("poisoned"),
+        vec![("m1".to_owned(), 1, "poison".to_owned())],
+        "the park calls the parked hook once (R193)"
+    );
+    assert!(
+        c.rec.terminal_ids().is_empty(),
+        "a park is not a terminal failure"
+    );
     let store = c.backend();
     let blocked = store
         .blocked_keys(&g(), Duration::from_secs(300), 10)
@@ -70,6 +79,11 @@ pub async fn op_06<F: InboxFactory>(f: &F) {
     assert!(
         blocked[0].parked && blocked[0].head_id == m1.id,
         "{blocked:?}"
+    );
+    assert_eq!(
+        store.parked_counts(&g()).await.expect("parked counts"),
+        (1, 1),
+        "inbox_parked_keys and inbox_parked_rows count m1 (R193)"
     );
     let redriven = store
         .redrive(

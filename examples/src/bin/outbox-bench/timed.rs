@@ -159,6 +159,9 @@ impl OutboxRepository for Timed {
     async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
         self.inner.oldest_due_age().await
     }
+    async fn parked_rows(&self) -> Result<u64, RepositoryError> {
+        self.inner.parked_rows().await
+    }
 }
 
 /// A broker that sums the time of its inner broker's publishes.

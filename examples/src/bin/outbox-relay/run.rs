@@ -62,6 +62,10 @@ pub struct RunArgs {
     /// How long an idle relay waits between fetches when no NOTIFY wakes it.
     #[arg(long, env = "OUTBOX_POLL_INTERVAL", default_value = "5s", value_parser = parse_dur)]
     pub poll_interval: Duration,
+    /// A key parked longer than this is logged at warn, once per key, by the summary task
+    /// (R193; at least 1s).
+    #[arg(long, env = "OUTBOX_PARK_ALERT_AFTER", default_value = "15m", value_parser = parse_dur)]
+    pub park_alert_after: Duration,
     /// Backoff base after a counted failure (0 = retry at once).
     #[arg(long, env = "OUTBOX_RETRY_BACKOFF_BASE", default_value = "10s", value_parser = parse_dur)]
     pub retry_backoff_base: Duration,
@@ -386,6 +390,9 @@ pub async fn run(a: RunArgs) -> Result<()> {
         Some(p) => MetricsStep::with_prefix(p).map_err(usage("--metrics-prefix"))?,
         None => MetricsStep::new(),
     };
+    let metrics = metrics
+        .park_alert_after(a.park_alert_after)
+        .map_err(usage("--park-alert-after"))?;
     // Settings are checked before anything connects: build a throwaway relay on a no-op repo.
     check_settings(&a, &ids[0], backoff)?;
     install_prometheus(a.metrics_addr)?;

@@ -83,7 +83,11 @@ struct Item<'d> {
     terminal: Option<(crate::inbox::model::InboxEvent, String)>,
     /// A failed run's text and, when it was written to the row, the row before the write and
     /// whether it spent an attempt: logged once T committed (R197).
-    failure: Option<(String, Option<(crate::inbox::model::InboxEvent, bool)>)>,
+    /// And whether the write parked it (R191).
+    failure: Option<(
+        String,
+        Option<(crate::inbox::model::InboxEvent, bool, bool)>,
+    )>,
 }
 
 impl<B: InboxBackend> Runner<B> {
@@ -485,7 +489,11 @@ impl<B: InboxBackend> Runner<B> {
             let w = tx.write(row.id, write).await.map_err(classify)?;
             items[n].failure = Some((
                 failure.error.clone(),
-                Some((row.clone(), w.attempts_made > row.attempts_made)),
+                Some((
+                    row.clone(),
+                    w.attempts_made > row.attempts_made,
+                    crate::repository::is_parked(w.status, w.attempts_made, w.max_attempts),
+                )),
             ));
             let r = &mut items[n].result;
             r.outcome = DeliveryOutcome::Recorded;
@@ -506,7 +514,7 @@ impl<B: InboxBackend> Runner<B> {
         for it in &items {
             self.duplicates
                 .record(matches!(it.result.outcome, DeliveryOutcome::Duplicate));
-            if let (Some((error, Some((before, counted)))), Some(next_try)) =
+            if let (Some((error, Some((before, counted, parked)))), Some(next_try)) =
                 (&it.failure, it.result.next_try)
             {
                 logs::recorded(&logs::Recorded {
@@ -516,8 +524,12 @@ impl<B: InboxBackend> Runner<B> {
                     counted: *counted,
                     next_try,
                     terminal: it.result.terminal,
+                    parked: *parked,
                     error,
                 });
+                if *parked {
+                    hooks::each(&self.hooks, |h| h.on_parked(before, error));
+                }
             }
             if let Some((row, err)) = &it.terminal {
                 hooks::each(&self.hooks, |h| h.on_terminal_failure(row, err));

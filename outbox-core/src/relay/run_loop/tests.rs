@@ -133,6 +133,9 @@ impl OutboxRepository for Flaky {
     async fn oldest_due_age(&self) -> Result<Option<Duration>, RepositoryError> {
         self.inner.oldest_due_age().await
     }
+    async fn parked_rows(&self) -> Result<u64, RepositoryError> {
+        self.inner.parked_rows().await
+    }
 }
 
 fn flaky(inner: InMemoryRepository, failures: u32, fail: fn() -> RepositoryError) -> Arc<Flaky> {
