@@ -81,13 +81,17 @@ struct Item<'d> {
     carried: bool,
     /// The row before a failure that made it `failed`, and the failure (R158's hook).
     terminal: Option<(crate::inbox::model::InboxEvent, String)>,
-    /// A failed run's text and, when it was written to the row, the row before the write and
-    /// whether it spent an attempt: logged once T committed (R197).
-    /// And whether the write parked it (R191).
-    failure: Option<(
-        String,
-        Option<(crate::inbox::model::InboxEvent, bool, bool)>,
-    )>,
+    /// A failed run's text and, when it was written to the row, what R197's line needs:
+    /// logged once T committed.
+    failure: Option<(String, Option<Written>)>,
+}
+
+/// A failure written to a row in T: the row before the write, whether the write spent an
+/// attempt, and whether it parked the row (R191).
+struct Written {
+    before: crate::inbox::model::InboxEvent,
+    counted: bool,
+    parked: bool,
 }
 
 impl<B: InboxBackend> Runner<B> {
@@ -489,11 +493,11 @@ impl<B: InboxBackend> Runner<B> {
             let w = tx.write(row.id, write).await.map_err(classify)?;
             items[n].failure = Some((
                 failure.error.clone(),
-                Some((
-                    row.clone(),
-                    w.attempts_made > row.attempts_made,
-                    crate::repository::is_parked(w.status, w.attempts_made, w.max_attempts),
-                )),
+                Some(Written {
+                    before: row.clone(),
+                    counted: w.attempts_made > row.attempts_made,
+                    parked: crate::repository::is_parked(w.status, w.attempts_made, w.max_attempts),
+                }),
             ));
             let r = &mut items[n].result;
             r.outcome = DeliveryOutcome::Recorded;
@@ -514,21 +518,19 @@ impl<B: InboxBackend> Runner<B> {
         for it in &items {
             self.duplicates
                 .record(matches!(it.result.outcome, DeliveryOutcome::Duplicate));
-            if let (Some((error, Some((before, counted, parked)))), Some(next_try)) =
-                (&it.failure, it.result.next_try)
-            {
+            if let (Some((error, Some(w))), Some(next_try)) = (&it.failure, it.result.next_try) {
                 logs::recorded(&logs::Recorded {
                     by: logs::Recorder::Runner,
                     group: self.config.group.as_str(),
-                    row: before,
-                    counted: *counted,
+                    row: &w.before,
+                    counted: w.counted,
                     next_try,
                     terminal: it.result.terminal,
-                    parked: *parked,
+                    parked: w.parked,
                     error,
                 });
-                if *parked {
-                    hooks::each(&self.hooks, |h| h.on_parked(before, error));
+                if w.parked {
+                    hooks::each(&self.hooks, |h| h.on_parked(&w.before, error));
                 }
             }
             if let Some((row, err)) = &it.terminal {
