@@ -317,7 +317,7 @@ async fn z_06() {
     Arc::into_inner(peer).expect("peer").stop().await;
 }
 
-/// OP-11 [peer] (operations.md R174 added to): a row parked by this library (pending, attempts
+/// OP-11 `[peer]` (operations.md R174 added to): a row parked by this library (pending, attempts
 /// all spent) on a table omni-box 0.3.1 also uses. What omni-box does with it (recorded
 /// 2026-12-05): its runner, given the message again, fails the delivery with
 /// `InboxPersistError` (its persist step loads the existing row on the idempotency-key conflict,

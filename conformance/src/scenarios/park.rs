@@ -316,7 +316,7 @@ pub async fn op_07(f: &dyn Factory) {
     assert_eq!(sent, vec![p2, s2], "no key reordered");
 }
 
-/// OP-12 A parked head and a deep backlog [pg]: 100,000 rows behind one parked head, 1,000
+/// OP-12 A parked head and a deep backlog `[pg]`: 100,000 rows behind one parked head, 1,000
 /// other keys due. Every other key drains, each fetch returns a full batch of them and none of
 /// the parked key's, and each fetch stays within R85's bound (measured: the slowest fetch is
 /// reported and must stay under 250 ms on an unloaded test server, the same order as a fetch on

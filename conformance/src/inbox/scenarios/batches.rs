@@ -144,7 +144,7 @@ pub async fn bt_02<F: InboxFactory>(f: &F) {
     one_failed_run(&c, &all).await;
 }
 
-/// BT-03 [pg]: an SQL error in a batch: the 5th handler's statement fails (aborting T until the
+/// BT-03 `[pg]`: an SQL error in a batch: the 5th handler's statement fails (aborting T until the
 /// rollback to its savepoint); the end state of BT-02, no other delivery rewound or failed
 /// (R186, G-18).
 pub async fn bt_03<F: InboxFactory>(f: &F) {
@@ -397,7 +397,7 @@ pub async fn bt_10<F: InboxFactory>(f: &F) {
     }
 }
 
-/// BT-12 [pg]: one message of 16 carries a value the table refuses at landing (a class-22
+/// BT-12 `[pg]`: one message of 16 carries a value the table refuses at landing (a class-22
 /// error, E-18's trigger): the batch falls back (`refused`); the refused message is
 /// dead-lettered alone (R132), the 15 others completed once.
 pub async fn bt_12<F: InboxFactory>(f: &F) {
