@@ -89,8 +89,10 @@ async fn migrations_run_once_per_table_and_restore_search_path() {
         vec![
             OutboxMigrations::new(&other).version(),
             OutboxMigrations::new(&other).additions_version(),
+            OutboxMigrations::new(&other).parked_version(),
             OutboxMigrations::new(&table).version(),
-            OutboxMigrations::new(&table).additions_version()
+            OutboxMigrations::new(&table).additions_version(),
+            OutboxMigrations::new(&table).parked_version(),
         ]
     );
     // The indexes the shared DDL defines are all there, for both tables (R33, R78).

@@ -44,6 +44,7 @@ async fn partitioned_migration_and_partition_maintenance() {
         vec![
             OutboxMigrations::with_layout(&table, Layout::Partitioned).version(),
             OutboxMigrations::with_layout(&table, Layout::Partitioned).additions_version(),
+            OutboxMigrations::with_layout(&table, Layout::Partitioned).parked_version(),
         ]
     );
     let parts = format!(
