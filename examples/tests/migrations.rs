@@ -79,8 +79,8 @@ async fn print_sql_is_the_ddl_of_migrate_and_runs_as_a_sqlx_migration() {
         ))
         .await;
     assert_eq!(
-        indexes, 9,
-        "the primary key, the seven indexes and the addition"
+        indexes, 10,
+        "the primary key, the seven indexes, the addition and the parked-row index (R193)"
     );
 
     // The table works with the relay, and `migrate` finds nothing to add.
