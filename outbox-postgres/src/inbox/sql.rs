@@ -756,7 +756,6 @@ mod tests {
             &s.lock_row_at,
             &s.lock_rows,
             &s.complete_rows,
-            &s.dedup_locks,
             &s.exists_at,
             &s.write_at,
             &s.by_message_id,
