@@ -473,7 +473,7 @@ mod plan_stability {
                 let n = taken.len();
                 for (name, text, params) in [
                     (complete.0, complete.1, 2),
-                    (fail.0, fail.1, 6),
+                    (fail.0, fail.1, 7),
                     ("release", &s.release, 2),
                 ] {
                     exec(&mut tx, "SAVEPOINT outcome").await;
@@ -487,6 +487,8 @@ mod plan_stability {
                             format!("array_fill(1000000::int8, ARRAY[{n}])"),
                             format!("array_fill(NULL::timestamptz, ARRAY[{n}])"),
                             "'w1'".into(),
+                            // R191: release, the default (a park writes the same rows).
+                            format!("array_fill(false, ARRAY[{n}])"),
                         ]
                     };
                     bad.extend(
